@@ -1,0 +1,203 @@
+"""Shared vocabulary, input checks, randomness and sampling for every verifier.
+
+Vocabulary (one iteration of speculative decoding, spec §0):
+
+- *draft path*: γ tokens sampled from the processed draft distribution q; K i.i.d. paths per
+  request form the draft tree (identical prefixes merge).
+- *accepted*: τ ∈ [0, γ] draft tokens, a prefix of one path (``VerifyOutput.path``).
+- *recovered* (correction): when τ < γ, one token sampled from the method's residual law.
+- *bonus*: when τ = γ, one token sampled from the target row after the full path.
+- *emitted*: accepted + one recovered/bonus token, ``τ + 1`` tokens in all.
+
+Every verifier consumes a fixed number of uniforms per request, drawn up front from that
+request's own generator, so a request's result never depends on the other requests in its
+batch (see :func:`draw_uniforms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Rows handed to a verifier must sum to 1 within this tolerance. float32 softmax rows sum to 1
+# within ~1e-6 and half-precision rows within ~1e-3; anything further off is not a distribution.
+ROW_SUM_TOL = 1e-3
+
+# Smallest log value used to keep exp(a - max(a, b)) finite when both a and b are -inf.
+LOG_FLOOR = -1e30
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """Result of one verification call for a batch of B requests."""
+
+    tokens: (
+        torch.Tensor
+    )  # [B, γ+1] int64: emitted tokens (accepted prefix, then recovered/bonus), -1 padded
+    num_tokens: torch.Tensor  # [B] int64: τ + 1
+    num_accepted: torch.Tensor  # [B] int64: τ, accepted draft tokens (position i < τ was accepted)
+    path: torch.Tensor  # [B] int64: index of a draft path whose prefix was accepted
+    carry: object | None = None  # TargetModification for methods that modify the target, else None
+
+    def accepted_per_position(self, gamma: int) -> torch.Tensor:
+        """[γ] int64: how many requests had draft position i accepted (for acceptance metrics)."""
+        pos = torch.arange(gamma, device=self.num_accepted.device)
+        return (pos[None, :] < self.num_accepted[:, None]).sum(0)
+
+
+def check_inputs(
+    method: str,
+    single_path: bool,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    validate_values: bool,
+) -> None:
+    """Raise ValueError naming the problem; never repair the input silently."""
+    if draft_tokens.dim() != 3:
+        raise ValueError(f"draft_tokens must be [B, K, γ], got shape {tuple(draft_tokens.shape)}")
+    if draft_tokens.dtype != torch.int64:
+        raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}")
+    B, K, gamma = draft_tokens.shape
+    if B < 1 or K < 1 or gamma < 1:
+        raise ValueError(f"draft_tokens needs B, K, γ >= 1, got {tuple(draft_tokens.shape)}")
+    if draft_probs.dim() != 4 or tuple(draft_probs.shape[:3]) != (B, K, gamma):
+        raise ValueError(
+            f"draft_probs must be [B, K, γ, V] = [{B}, {K}, {gamma}, V], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    V = draft_probs.shape[-1]
+    if tuple(target_probs.shape) != (B, K, gamma + 1, V):
+        raise ValueError(
+            f"target_probs must be [B, K, γ+1, V] = [{B}, {K}, {gamma + 1}, {V}], "
+            f"got {tuple(target_probs.shape)}"
+        )
+    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating dtype, got {t.dtype}")
+    if not (draft_tokens.device == draft_probs.device == target_probs.device):
+        raise ValueError("draft_tokens, draft_probs and target_probs must be on one device")
+    if single_path and K != 1:
+        raise ValueError(f"method {method!r} verifies a single path: K must be 1, got K={K}")
+    if int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V:
+        raise ValueError(f"draft_tokens must lie in [0, V={V})")
+    if not validate_values:
+        return
+    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        sums = t.sum(-1, dtype=torch.float64)
+        if not bool(torch.isfinite(sums).all()):
+            raise ValueError(f"{name} contains NaN or infinite probabilities")
+        if float(t.amin()) < 0:
+            raise ValueError(f"{name} contains negative probabilities")
+        worst = float((sums - 1).abs().max())
+        if worst > ROW_SUM_TOL:
+            raise ValueError(
+                f"{name} rows must sum to 1 within {ROW_SUM_TOL:g}; worst row is off by {worst:.3g}"
+            )
+    q_drafted = draft_probs.gather(-1, draft_tokens.unsqueeze(-1))
+    if bool((q_drafted <= 0).any()):
+        raise ValueError(
+            "a drafted token has draft probability q = 0: the draft did not sample from the "
+            "draft_probs it reported (the pipeline is inconsistent)"
+        )
+
+
+def draw_uniforms(generator: Generators, batch: int, n: int, device: torch.device) -> torch.Tensor:
+    """[B, n] float64 uniforms in [0, 1).
+
+    ``generator`` is None (torch's default generator), one ``torch.Generator`` shared by the
+    batch, or a sequence of B generators, one per request. With one generator per request each
+    request draws exactly ``n`` numbers from its own stream, and ``n`` depends only on the
+    method, K and γ: a request's result is then independent of its batch-mates.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        u = torch.rand(batch, n, generator=generator, dtype=torch.float64, device=gen_device)
+        return u.to(device)
+    if len(generator) != batch:
+        raise ValueError(
+            f"generator: expected {batch} per-request generators, got {len(generator)}"
+        )
+    rows = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generator]
+    return torch.stack([r.to(device) for r in rows])
+
+
+def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of one index per row of non-negative ``weights`` [N, V] with u [N].
+
+    Rows need not be normalised but must have positive mass. No host synchronisation.
+    """
+    cdf = weights.to(torch.float64).cumsum(-1)  # float64: no drift over large V
+    target = u.to(torch.float64).unsqueeze(-1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # u * total can round up to total; the last positive-weight index is then the right answer.
+    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Clamp ``weights`` at 0; rows with no mass left take ``fallback`` (same shape).
+
+    A zero residual happens only on probability-0 branches (spec §11), so the fallback never
+    changes the output law; it only keeps every row a valid distribution.
+    """
+    w = weights.clamp_min(0)
+    return torch.where(w.sum(-1, keepdim=True) > 0, w, fallback)
+
+
+def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [B, L, ...], index [B] -> rows[b, index[b]]: [B, ...]."""
+    return rows[torch.arange(rows.shape[0], device=rows.device), index]
+
+
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L+1] with out[..., 0] = 0 (joint log-probabilities of prefixes)."""
+    return torch.cat([torch.zeros_like(x[..., :1]), x.cumsum(-1)], dim=-1)
+
+
+def clipped_products(
+    log_factors: torch.Tensor, log_start: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log of a_i = min(1, a_{i-1} f_i) for every i, a_0 = exp(log_start) <= 1 (default 1).
+
+    log_factors [..., L] -> [..., L]. Unrolled, a_i = min(1, min over suffixes of Π f), so with
+    S = log_start + cumsum(log f): log a = S - max(0, cummax(S)). Vectorised over the chain
+    (block verification's p_i, spec §2; traversal's α, spec §9).
+    """
+    s = log_factors.cumsum(-1)
+    if log_start is not None:
+        s = s + log_start.unsqueeze(-1)
+    return s - s.cummax(-1).values.clamp_min(0)
+
+
+def last_passing_level(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """τ = max{i in 1..L : u_i < h_i}, 0 if none. u, h [B, L] -> [B] int64 (spec §2, §3)."""
+    levels = torch.arange(1, h.shape[-1] + 1, device=h.device)
+    return torch.where(u < h, levels, 0).amax(-1)
+
+
+def emit(path_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """path_tokens [B, γ], τ [B], last [B] -> tokens [B, γ+1]: path[:τ], last, then -1."""
+    B, gamma = path_tokens.shape
+    pos = torch.arange(gamma + 1, device=path_tokens.device)[None, :]
+    padded = torch.cat([path_tokens, path_tokens.new_full((B, 1), -1)], dim=1)
+    out = torch.where(pos < tau[:, None], padded, -1)
+    return torch.where(pos == tau[:, None], last[:, None], out)
+
+
+def scaled_difference(
+    log_a: torch.Tensor, rows_a: torch.Tensor, log_b: torch.Tensor, rows_b: torch.Tensor
+) -> torch.Tensor:
+    """(e^{log_a} rows_a - e^{log_b} rows_b) / e^{max(log_a, log_b)}.
+
+    log_a, log_b [...]; rows [..., V]. Joint probabilities of long prefixes underflow; their
+    ratio does not, and every use (positive parts normalised, or premain/prej) is scale-free.
+    """
+    m = torch.maximum(log_a, log_b).clamp_min(LOG_FLOOR)
+    wa = (log_a - m).exp().to(rows_a.dtype).unsqueeze(-1)
+    wb = (log_b - m).exp().to(rows_b.dtype).unsqueeze(-1)
+    return wa * rows_a - wb * rows_b

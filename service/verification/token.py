@@ -1,0 +1,31 @@
+"""Token verification (Leviathan et al.; Sun et al. Alg. 1, spec §1)."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import emit, positive_part_or, sample_from_weights, take_rows
+
+
+def num_uniforms(k: int, gamma: int) -> int:
+    return gamma + 1  # one accept test per position, one for the recovered/bonus sample
+
+
+def token_verify(
+    draft_tokens: torch.Tensor,  # [B, 1, γ] int64
+    draft_probs: torch.Tensor,  # [B, 1, γ, V]
+    target_probs: torch.Tensor,  # [B, 1, γ+1, V]
+    uniforms: torch.Tensor,  # [B, γ+1] float64
+):
+    """Accept X_i w.p. min(1, p/q) until the first rejection; recover from (p - q)_+."""
+    x, q, p = draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0]
+    gamma = x.shape[1]
+    px = p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    accepted = uniforms[:, :gamma] * qx < px  # u < p/q without dividing
+    tau = accepted.long().cumprod(-1).sum(-1)  # [B]
+
+    p_row = take_rows(p, tau)  # [B, V]
+    q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)  # q := 0 at γ
+    y = sample_from_weights(positive_part_or(p_row - q_row, p_row), uniforms[:, gamma])
+    return emit(x, tau, y), tau, torch.zeros_like(tau)

@@ -1,0 +1,148 @@
+"""Traversal verification (Weng et al. 2025, arXiv 2505.12398; spec §9).
+
+Bottom-up on the merged draft tree. Every node u has a budget α_u (root 1), a current target
+row p_u and draft row q_u. Leaves are tested in post-order DFS (children in first-occurrence
+order): accept w.p. α_leaf and emit path(leaf) plus y ~ p_leaf; otherwise delete the leaf and
+update its parent u (tok = the deleted child's token):
+
+    R = Σ(α_u p_u - q_u)_+;  p_u <- norm((α_u p_u - q_u)_+);  α_u <- R / (R + 1 - α_u)  (0/0 -> 1);
+    q_u <- q_u without tok, renormalised (the next distinct child is a draw without replacement);
+
+then α of u's next subtree is recomputed from the updated u. The root, once a leaf, has α = 1.
+
+All draft leaves sit at depth γ, so the post-order visits distinct paths in lexicographic order
+of their (first-occurrence) node ids, and a leaf's ancestors become leaves down to the depth
+where it branches off the next leaf. Only nodes on the current root-to-leaf path are ever
+modified, so the state is one row per depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import clipped_products, emit, sample_from_weights, take_rows
+
+
+def num_uniforms(k: int, gamma: int) -> int:
+    return k * gamma + 2  # at most one test per tree node plus the root, and one sample
+
+
+def _leaf_order(draft_tokens: torch.Tensor):
+    """Distinct paths in post-order, and the depth at which each branches off the next leaf.
+
+    Returns (leaves [B, K] path ids, distinct ones first; branch [B, K]: depth of the deepest
+    node shared with the next leaf, -1 for the last distinct leaf).
+    """
+    B, K, gamma = draft_tokens.shape
+    dev = draft_tokens.device
+    same = draft_tokens[:, :, None, :] == draft_tokens[:, None, :, :]  # [B, K, K, γ]
+    common = same.long().cumprod(-1).sum(-1)  # [B, K, K] common prefix length
+    depth = torch.arange(1, gamma + 1, device=dev)
+    # node id of (path k, depth d) = first path sharing its prefix of length d
+    node = (common[..., None] >= depth).to(torch.int8).argmax(2)  # [B, K, γ]
+    order = torch.arange(K, device=dev).expand(B, K)
+    for d in reversed(range(gamma)):  # radix sort: lexicographic in (node at depth 1..γ)
+        keys = node[:, :, d].gather(1, order)
+        order = order.gather(1, torch.sort(keys, dim=1, stable=True).indices)
+    distinct = node[:, :, -1].gather(1, order) == order
+    order = order.gather(1, torch.sort((~distinct).long(), dim=1, stable=True).indices)
+    n_leaves = distinct.sum(1)
+    nxt = torch.cat([order[:, 1:], order[:, -1:]], dim=1)
+    branch = (
+        common.gather(1, order.unsqueeze(-1).expand(B, K, K))
+        .gather(2, nxt.unsqueeze(-1))
+        .squeeze(-1)
+    )
+    is_last = torch.arange(K, device=dev)[None, :] >= (n_leaves - 1)[:, None]
+    return order, torch.where(is_last, -1, branch)
+
+
+def traversal_verify(
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+    uniforms: torch.Tensor,  # [B, K*γ + 2]
+):
+    B, K, gamma = draft_tokens.shape
+    V = draft_probs.shape[-1]
+    dev = draft_tokens.device
+    ar = torch.arange(B, device=dev)
+    leaves, branch = _leaf_order(draft_tokens)
+    p_tok = target_probs[:, :, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    q_tok = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    log_ratio = (p_tok.log() - q_tok.log()).double()  # [B, K, γ] original per-edge ratios
+
+    leaf = torch.zeros(B, dtype=torch.int64, device=dev)  # index into `leaves`
+    path = leaves[:, 0]
+    depth = torch.full((B,), gamma, dtype=torch.int64, device=dev)  # node under test
+    zero = torch.zeros(B, 1, dtype=torch.float64, device=dev)
+    log_alpha = torch.cat([zero, clipped_products(take_rows(log_ratio, path))], dim=1)  # [B, γ+1]
+    # Rows of nodes on the current path modified by deletions (only ancestors ever are).
+    mod_p = target_probs.new_zeros(B, gamma + 1, V)
+    mod_q = draft_probs.new_zeros(B, gamma + 1, V)
+    modified = torch.zeros(B, gamma + 1, dtype=torch.bool, device=dev)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    tau = torch.zeros(B, dtype=torch.int64, device=dev)
+    chosen = torch.zeros(B, dtype=torch.int64, device=dev)
+    final_row = target_probs.new_zeros(B, V)
+
+    def rows_at(d: torch.Tensor):
+        p = torch.where(modified[ar, d, None], mod_p[ar, d], target_probs[ar, path, d])
+        q = torch.where(
+            modified[ar, d, None], mod_q[ar, d], draft_probs[ar, path, d.clamp_max(gamma - 1)]
+        )
+        return p, q
+
+    for step in range(K * gamma + 1):
+        accept = active & (uniforms[:, step].log() < take_rows(log_alpha, depth))
+        p_row, _ = rows_at(depth)
+        final_row = torch.where(accept[:, None], p_row, final_row)
+        tau = torch.where(accept, depth, tau)
+        chosen = torch.where(accept, path, chosen)
+        active = active & ~accept
+        if not bool(active.any()):
+            break
+        # Delete the tested node and update its parent u at depth d - 1 (never the root's test:
+        # the root has α = 1 and always accepts).
+        parent = (depth - 1).clamp_min(0)
+        p_u, q_u = rows_at(parent)
+        alpha_u = take_rows(log_alpha, parent).exp().to(p_u.dtype)
+        excess = (alpha_u[:, None] * p_u - q_u).clamp_min(0)
+        mass = excess.sum(-1)
+        new_p = torch.where(mass[:, None] > 0, excess / mass.clamp_min(1e-300)[:, None], p_u)
+        denom = mass + 1 - alpha_u
+        new_alpha = torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0).clamp_max(1)
+        tok = take_rows(draft_tokens, path).gather(1, parent[:, None])  # deleted child's token
+        new_q = q_u.scatter(1, tok, 0.0)
+        q_mass = new_q.sum(-1, keepdim=True)
+        new_q = torch.where(q_mass > 0, new_q / q_mass.clamp_min(1e-300), new_q)
+
+        upd = active[:, None]
+        mod_p[ar, parent] = torch.where(upd, new_p, mod_p[ar, parent])
+        mod_q[ar, parent] = torch.where(upd, new_q, mod_q[ar, parent])
+        modified[ar, parent] = modified[ar, parent] | active
+        new_log_alpha = new_alpha.double().log()
+        log_alpha[ar, parent] = torch.where(active, new_log_alpha, log_alpha[ar, parent])
+
+        # Does u keep another child? Then move to the next leaf; else u is the next leaf.
+        switch = active & (take_rows(branch, leaf) == parent)
+        leaf = torch.where(switch, leaf + 1, leaf)
+        path = torch.where(switch, take_rows(leaves, leaf.clamp_max(K - 1)), path)
+        levels = torch.arange(gamma + 1, device=dev)[None, :]
+        modified = modified & ~(switch[:, None] & (levels > parent[:, None]))
+        # α along the new path below u: first edge from u's updated rows, then original ratios.
+        new_tok = take_rows(draft_tokens, path).gather(1, parent[:, None])
+        first = (
+            (new_p.gather(1, new_tok).log() - new_q.gather(1, new_tok).log()).squeeze(1).double()
+        )
+        edges = take_rows(log_ratio, path)  # [B, γ]
+        pos = levels[:, :gamma]
+        edges = torch.where(pos == parent[:, None], first[:, None], edges)
+        edges = torch.where(pos >= parent[:, None], edges, 0.0)
+        below = clipped_products(edges, new_log_alpha)  # [B, γ]: α at depths 1..γ
+        refreshed = torch.cat([zero, below], dim=1)
+        log_alpha = torch.where(switch[:, None] & (levels > parent[:, None]), refreshed, log_alpha)
+        depth = torch.where(switch, gamma, torch.where(active, parent, depth))
+
+    y = sample_from_weights(final_row, uniforms[:, K * gamma + 1])
+    return emit(take_rows(draft_tokens, chosen), tau, y), tau, chosen
