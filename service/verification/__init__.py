@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import block, gbv, greedy, token, top_down, traversal
-from .common import ROW_SUM_TOL, Generators, VerifyOutput, check_inputs, draw_uniforms, take_rows
+from .common import ROW_SUM_TOL, Generators, VerifyOutput, check_inputs, draw_uniforms
 from .modification import TargetModification, advance_records, apply_records
 
 __all__ = [
@@ -156,7 +156,7 @@ def verify(
         return VerifyOutput(tokens, tau + 1, tau, path)
 
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
-    modified, _ = apply_records(carry, draft_tokens, draft_probs, target_probs)
+    modified = apply_records(carry, draft_tokens, draft_probs, target_probs)[0]
     tokens, tau, path, (log_p, log_q, rows_left) = spec.fn(
         draft_tokens, draft_probs, modified, uniforms
     )
@@ -164,8 +164,9 @@ def verify(
         carry,
         emitted=tokens[:, :gamma],
         num_emitted=tau + 1,
-        path_draft_probs=take_rows(draft_probs, path),
-        path_target_probs=take_rows(target_probs, path),
+        path=path,
+        draft_probs=draft_probs,
+        target_probs=target_probs,
         new_log_p=log_p,
         new_log_q=log_q,
         new_rows_left=rows_left,

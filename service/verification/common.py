@@ -132,11 +132,13 @@ def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Rows need not be normalised but must have positive mass. No host synchronisation.
     """
     cdf = weights.to(torch.float64).cumsum(-1)  # float64: no drift over large V
-    target = u.to(torch.float64).unsqueeze(-1) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # u * total can round up to total; the last positive-weight index is then the right answer.
-    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(-1)
-    return torch.minimum(idx, last_positive)
+    total = cdf[:, -1:]
+    # Keep the target strictly below the total: searchsorted(right=True) then returns the first
+    # index whose cdf exceeds it, which always has positive weight.
+    target = torch.minimum(
+        u.to(torch.float64).unsqueeze(-1) * total, total.nextafter(total.new_zeros(()))
+    )
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -77,24 +77,29 @@ def gbv_verify(
 ):
     B, K, gamma = draft_tokens.shape
     V = draft_probs.shape[-1]
-    key = ranking_key(target_probs[:, :, :gamma], draft_probs)  # [B, K, γ, V]
+    # Selection: the lexicographically largest tuple of ranks. Paths still tied at depth d share
+    # their prefix, so their tokens sit at the same node, where rank order is key order: compare
+    # the drafted tokens' keys (ratio, then id) directly, no rank over V needed.
     tok = draft_tokens.unsqueeze(-1)
-    key_y = key.gather(-1, tok)
-    ids = torch.arange(V, device=key.device)
-    below_y = (key < key_y) | ((key == key_y) & (ids < tok))  # [B, K, γ, V]
-    rank = below_y.sum(-1)  # [B, K, γ]
-
-    # Lexicographic max of the rank tuples; paths with equal tuples are identical.
-    best = torch.ones(B, K, dtype=torch.bool, device=key.device)
+    key_y = ranking_key(
+        target_probs[:, :, :gamma].gather(-1, tok), draft_probs.gather(-1, tok)
+    ).squeeze(-1)
+    best = torch.ones(B, K, dtype=torch.bool, device=draft_tokens.device)  # [B, K] still tied
     for d in range(gamma):
-        r = torch.where(best, rank[:, :, d], -1)
-        best = best & (r == r.amax(-1, keepdim=True))
+        r = torch.where(best, key_y[:, :, d], -1.0)
+        top = r.amax(-1, keepdim=True)
+        t = torch.where(best & (r == top), draft_tokens[:, :, d], -1)
+        best = best & (r == top) & (t == t.amax(-1, keepdim=True))
     path = best.to(torch.int8).argmax(-1)
 
     x = take_rows(draft_tokens, path)  # [B, γ]
     q = take_rows(draft_probs, path)  # [B, γ, V]
     p = take_rows(target_probs, path)  # [B, γ+1, V]
-    below = mass_ranked_below(take_rows(key, path).reshape(B * gamma, V), q.reshape(B * gamma, V))
+    if K == 1:  # a single path: q̃ = q exactly, GBV is block verification (spec §8)
+        tau, y = block_verify_rows(x, q, p, uniforms)
+        return emit(x, tau, y), tau, path
+    key = ranking_key(p[:, :gamma], q)  # [B, γ, V]: the same key as in the selection
+    below = mass_ranked_below(key.reshape(B * gamma, V), q.reshape(B * gamma, V))
     below = below.view(B, gamma, V)
     q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [B, γ]
     below_x = below.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()

@@ -25,7 +25,6 @@ from .common import (
     positive_part_or,
     sample_from_weights,
     scaled_difference,
-    take_rows,
 )
 
 
@@ -55,15 +54,22 @@ def _next_level(
     the bonus row (length γ) is unchanged.
     """
     gamma = q.shape[2]
-    diff = scaled_difference(
-        log_joint[..., :gamma], rows[:, :, :gamma], log_joint_q[..., :gamma], q
-    )
-    m_new = positive_part_or(diff, rows[:, :, :gamma])  # zero mass only on probability-0 prefixes
-    m_new = m_new / m_new.sum(-1, keepdim=True)
-    forced = torch.nn.functional.one_hot(accepted, rows.shape[-1]).to(rows.dtype)  # [B, γ, V]
+    head = _m_new(log_joint[..., :gamma], rows[:, :, :gamma], log_joint_q[..., :gamma], q)
+    forced = torch.zeros_like(head[:, 0]).scatter_(-1, accepted.unsqueeze(-1), 1.0)  # [B, γ, V]
     is_forced = torch.arange(gamma, device=q.device)[None, :] < length[:, None]  # [B, γ]
-    head = torch.where(is_forced[:, None, :, None], forced[:, None], m_new)
+    head = torch.where(is_forced[:, None, :, None], forced[:, None], head)
     return torch.cat([head, rows[:, :, gamma:]], dim=2)
+
+
+def _m_new(
+    log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, q: torch.Tensor
+) -> torch.Tensor:
+    """M_new(·|v) = norm((P(v)p(·|v) - Q(v)q(·|v))_+); falls back to p on zero mass (§3.1, §11).
+
+    log_p, log_q [...]: joints of the prefixes v; p, q [..., V]: their rows.
+    """
+    m_new = positive_part_or(scaled_difference(log_p, p, log_q, q), p)
+    return m_new / m_new.sum(-1, keepdim=True)
 
 
 def _greedy_levels(
@@ -97,59 +103,68 @@ def sequential_greedy_verify(
     """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], rows_left [B, K]))."""
     B, K, gamma = draft_tokens.shape
     dev = draft_tokens.device
+    ar = torch.arange(B, device=dev)
     log_q = exclusive_cumsum(
         draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double().log()
     )
 
-    rows = target_probs  # P_1 along every path
     accepted = torch.zeros(B, gamma, dtype=torch.int64, device=dev)  # A
     length = torch.zeros(B, dtype=torch.int64, device=dev)  # |A|
-    best_path = torch.zeros(B, dtype=torch.int64, device=dev)  # a path with prefix A
-    levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # (A_k, |A_k|) for the replay
+    best_path = torch.zeros(B, dtype=torch.int64, device=dev)  # the draft that set A
+    # Level k's law P_k is only needed on paths k..K-1: path k is tested against it, later
+    # paths build later levels from it. `rows` holds P_k on those paths.
+    rows = target_probs
+    joints = []  # joints[k]: log P_k(prefix) on paths k..K-1, [B, K-k, γ+1]
     for k in range(K):
         done = length == gamma  # a full block was accepted: later drafts are not tested
-        log_p = _path_logp(rows, draft_tokens)
-        acc = _greedy_levels(rows[:, k], log_p[:, k], log_q[:, k], draft_probs[:, k])
+        log_p = _path_logp(rows, draft_tokens[:, k:])
+        joints.append(log_p)
+        acc = _greedy_levels(rows[:, 0], log_p[:, 0], log_q[:, k], draft_probs[:, k])
         tau_k = last_passing_level(uniforms[:, k * gamma : (k + 1) * gamma], acc)
         longer = (tau_k > length) & ~done
         accepted = torch.where(longer[:, None], draft_tokens[:, k], accepted)
         length = torch.where(longer, tau_k, length)
         best_path = torch.where(longer, k, best_path)
-        levels.append((accepted, length))
         if k < K - 1:
-            rows = _next_level(rows, log_p, log_q, draft_probs, accepted, length)
+            rows = _next_level(
+                rows[:, 1:],
+                log_p[:, 1:],
+                log_q[:, k + 1 :],
+                draft_probs[:, k + 1 :],
+                accepted,
+                length,
+            )
 
-    # Replay the K levels along the chosen path only: the final row P_{K+1}(·|A) gives y, and
-    # each level's joint of (A, y) seeds its modification record.
-    path_tok = take_rows(draft_tokens, best_path).unsqueeze(1)  # [B, 1, γ]
-    path_q = take_rows(draft_probs, best_path).unsqueeze(1)
-    path_rows = take_rows(target_probs, best_path).unsqueeze(1)
-    path_log_q = take_rows(log_q, best_path).unsqueeze(1)
-    level_rows_at_a, level_joint_at_a = [], []
-    for acc_k, len_k in levels:
-        log_p = _path_logp(path_rows, path_tok)
-        level_rows_at_a.append(take_rows(path_rows[:, 0], length))  # [B, V]
-        level_joint_at_a.append(take_rows(log_p[:, 0], length))  # [B]
-        path_rows = _next_level(path_rows, log_p, path_log_q, path_q, acc_k, len_k)
-    y = sample_from_weights(take_rows(path_rows[:, 0], length), uniforms[:, K * gamma])
+    # y ~ P_{K+1}(·|A). Along A, P_{k+1}(·|A) = M_new(P_k)(·|A) (|A| >= |A_k|, never forced),
+    # so one row per level suffices. P_k(A) is on record for k <= best_path (path best_path
+    # was among the paths of level k); for later levels A is forced, P_k(A) = 1.
+    row = target_probs[ar, best_path, length]  # [B, V]
+    q_row = draft_probs[ar, best_path, length.clamp_max(gamma - 1)]
+    log_q_a = log_q[ar, best_path, length]
+    modifiable = (length < gamma)[:, None]  # the bonus row (|A| = γ) is never modified
+    level_rows, level_joints = [], []
+    for k in range(K):
+        joint = joints[k][ar, (best_path - k).clamp_min(0), length]
+        joint = torch.where(best_path >= k, joint, 0.0)
+        level_rows.append(row)
+        level_joints.append(joint)
+        row = torch.where(modifiable, _m_new(joint, row, log_q_a, q_row), row)
+    y = sample_from_weights(row, uniforms[:, K * gamma])
 
     # Record k: joint of (A, y) under P_k and under the draft; window = lengths |A|+1..γ-1.
     y_col = y.unsqueeze(-1)
     rec_log_p = torch.stack(
         [
             j + r.gather(-1, y_col).squeeze(-1).double().log()
-            for r, j in zip(level_rows_at_a, level_joint_at_a, strict=True)
+            for r, j in zip(level_rows, level_joints, strict=True)
         ],
         dim=1,
     )
-    q_at_a = take_rows(path_q[:, 0], length.clamp_max(gamma - 1))
-    rec_log_q = (
-        take_rows(path_log_q[:, 0], length) + q_at_a.gather(-1, y_col).squeeze(-1).double().log()
-    )
+    rec_log_q = log_q_a + q_row.gather(-1, y_col).squeeze(-1).double().log()
     rows_left = (gamma - 1 - length).clamp_min(0)
     records = (
         rec_log_p,
         rec_log_q.unsqueeze(1).expand(B, K),
         rows_left.unsqueeze(1).expand(B, K).clone(),
     )
-    return emit(path_tok[:, 0], length, y), length, best_path, records
+    return emit(draft_tokens[ar, best_path], length, y), length, best_path, records

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import exclusive_cumsum, positive_part_or, scaled_difference
+from .common import exclusive_cumsum, positive_part_or, scaled_difference, take_rows
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ def advance_records(
     mod: TargetModification,
     emitted: torch.Tensor,  # [B, γ] int64: emitted tokens in the first min(n, γ) slots
     num_emitted: torch.Tensor,  # [B] int64: n = τ + 1
-    path_draft_probs: torch.Tensor,  # [B, γ, V]: q rows along the emitted prefix's path
-    path_target_probs: torch.Tensor,  # [B, γ+1, V]: unmodified target rows along that path
+    path: torch.Tensor,  # [B] int64: the draft path whose prefix was accepted
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]: unmodified target rows
     new_log_p: torch.Tensor,  # [B, N] float64: records created by this iteration
     new_log_q: torch.Tensor,  # [B, N] float64
     new_rows_left: torch.Tensor,  # [B, N] int64
@@ -143,7 +144,9 @@ def advance_records(
     min(n, rows_left) <= γ - 1 tokens matter; emitted[:, i] must be the i-th emitted token there.
     """
     gamma = emitted.shape[1]
-    if mod.rows_left.shape[1] > 0:
+    if mod.max_rows > 0:
+        path_draft_probs = take_rows(draft_probs, path)  # [B, γ, V]
+        path_target_probs = take_rows(target_probs, path)  # [B, γ+1, V]
         tok = emitted.clamp_min(0).unsqueeze(1)  # [B, 1, γ]
         _, token_logp = apply_records(
             mod, tok, path_draft_probs.unsqueeze(1), path_target_probs.unsqueeze(1)

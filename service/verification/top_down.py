@@ -37,25 +37,26 @@ def walk_tree(
     dev = draft_tokens.device
     u = uniforms.view(B, gamma + 1, K + 1)
     on_path = torch.ones(B, K, dtype=torch.bool, device=dev)  # paths through the current node
-    active = torch.ones(B, dtype=torch.bool, device=dev)
     tau = torch.zeros(B, dtype=torch.int64, device=dev)
     last = torch.zeros(B, dtype=torch.int64, device=dev)
+    live = torch.arange(B, device=dev)  # requests still walking; rows are gathered for them only
     for d in range(gamma + 1):
-        first = on_path.to(torch.int8).argmax(-1)  # a path through v: its rows are v's rows
-        p_row = take_rows(target_probs[:, :, d], first)
+        node_path = on_path[live].to(torch.int8).argmax(-1)  # a path through v: v's rows
+        p_row = target_probs[live, node_path, d]  # [n, V]
         if d == gamma:
-            token = sample_from_weights(p_row, u[:, d, K])  # bonus
-        else:
-            q_row = take_rows(draft_probs[:, :, d], first)
-            token = rule(p_row, q_row, draft_tokens[:, :, d], on_path, u[:, d])
-        last = torch.where(active, token, last)
-        if d == gamma:
+            last[live] = sample_from_weights(p_row, u[live, d, K])  # bonus
             break
-        child = on_path & (draft_tokens[:, :, d] == token[:, None])  # [B, K]
-        descends = active & child.any(-1)
-        on_path = torch.where(descends[:, None], child, on_path)
-        tau = tau + descends.long()
-        active = descends
+        q_row = draft_probs[live, node_path, d]
+        cand = draft_tokens[live, :, d]  # [n, K]
+        token = rule(p_row, q_row, cand, on_path[live], u[live, d])
+        last[live] = token
+        child = on_path[live] & (cand == token[:, None])
+        descends = child.any(-1)
+        on_path[live] = torch.where(descends[:, None], child, on_path[live])
+        tau[live] += descends.long()
+        live = live[descends]
+        if live.numel() == 0:
+            break
     path = on_path.to(torch.int8).argmax(-1)
     return emit(take_rows(draft_tokens, path), tau, last), tau, path
 
@@ -116,33 +117,49 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
     return torch.where(decided, token, recovered)
 
 
-def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: int = 60):
+def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: int = 12):
     """Smallest ρ in [1, n] with 1 - (1 - β(ρ))^n <= ρ β(ρ), β(ρ) = Σ min(q, p/ρ). [B] each.
 
-    f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing; bisection keeps the feasible end, so the
-    ρ returned is always feasible (hence lossless) and within (n-1)/2^iters of ρ*. n <= 1 gives
-    ρ = 1 (token verification). Computed in float64.
+    f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing with f(n) >= 0. Root-finding by the
+    Illinois variant of regula falsi on a bracket [lo, hi] with f(lo) < 0 <= f(hi): superlinear
+    (8-10 evaluations reach the ~3e-8 relative precision of float32 rows at V = 32000, against
+    ~25 for bisection) and ρ = hi is feasible at every step, so the result is lossless whatever
+    the iteration count; only acceptance could be a hair below optimal. n <= 1 gives ρ = 1
+    (token verification). Sums over V accumulate in float64.
     """
-    p = p_row.double()
-    q = q_row.double()
+    ratio = torch.where(q_row > 0, p_row / q_row, torch.inf)  # min(q, p/ρ) = q iff ratio >= ρ
     nf = n.double().clamp_min(1)
 
-    def beta(rho: torch.Tensor) -> torch.Tensor:
-        return torch.minimum(q, p / rho[:, None]).sum(-1)
-
-    def feasible(rho: torch.Tensor) -> torch.Tensor:
-        b = beta(rho)
-        return 1 - (1 - b).clamp_min(0) ** nf <= rho * b + 1e-15
+    def f_beta(rho: torch.Tensor):
+        above = ratio >= rho.to(ratio.dtype)[:, None]
+        beta = torch.where(above, q_row, p_row / rho.to(p_row.dtype)[:, None]).sum(
+            -1, dtype=torch.float64
+        )
+        return rho * beta - 1 + (1 - beta).clamp_min(0) ** nf, beta
 
     lo = torch.ones_like(nf)
+    if bool((nf <= 1).all()):  # a single candidate everywhere: K-SEQ is token verification
+        return lo, torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
     hi = nf.clone()
-    ok_at_one = feasible(lo)
-    hi = torch.where(ok_at_one, lo, hi)
+    f_lo, _ = f_beta(lo)
+    f_hi, _ = f_beta(hi)
+    solved = (f_lo >= 0) | (nf <= 1)
+    hi = torch.where(solved, lo, hi)
+    f_hi = torch.where(solved, 0.0, f_hi.clamp_min(0))
+    side = torch.zeros_like(nf)  # +1 if hi moved last, -1 if lo moved last
     for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        ok = feasible(mid)
-        hi = torch.where(ok, mid, hi)
-        lo = torch.where(ok, lo, mid)
-        if bool(((hi - lo) <= 1e-13 * hi).all()):
+        if bool((solved | (hi - lo <= 1e-9 * hi)).all()):
             break
-    return hi, beta(hi)
+        c = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+        c = torch.where((c > lo) & (c < hi), c, 0.5 * (lo + hi))
+        f_c, _ = f_beta(c)
+        feasible = (f_c >= 0) & ~solved
+        moves_lo = (f_c < 0) & ~solved
+        # Illinois: halve the stale end's value when the same end moves twice in a row.
+        f_lo = torch.where(feasible & (side > 0), f_lo / 2, f_lo)
+        f_hi = torch.where(moves_lo & (side < 0), f_hi / 2, f_hi)
+        hi, f_hi = torch.where(feasible, c, hi), torch.where(feasible, f_c, f_hi)
+        lo, f_lo = torch.where(moves_lo, c, lo), torch.where(moves_lo, f_c, f_lo)
+        side = torch.where(feasible, 1.0, torch.where(moves_lo, -1.0, side))
+        solved = solved | (f_c == 0)
+    return hi, f_beta(hi)[1]

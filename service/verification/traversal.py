@@ -66,14 +66,14 @@ def traversal_verify(
     B, K, gamma = draft_tokens.shape
     V = draft_probs.shape[-1]
     dev = draft_tokens.device
-    ar = torch.arange(B, device=dev)
     leaves, branch = _leaf_order(draft_tokens)
     p_tok = target_probs[:, :, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     q_tok = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     log_ratio = (p_tok.log() - q_tok.log()).double()  # [B, K, γ] original per-edge ratios
 
+    # Per-request state; each step gathers and updates the requests still testing (`live`).
     leaf = torch.zeros(B, dtype=torch.int64, device=dev)  # index into `leaves`
-    path = leaves[:, 0]
+    path = leaves[:, 0].clone()
     depth = torch.full((B,), gamma, dtype=torch.int64, device=dev)  # node under test
     zero = torch.zeros(B, 1, dtype=torch.float64, device=dev)
     log_alpha = torch.cat([zero, clipped_products(take_rows(log_ratio, path))], dim=1)  # [B, γ+1]
@@ -81,68 +81,68 @@ def traversal_verify(
     mod_p = target_probs.new_zeros(B, gamma + 1, V)
     mod_q = draft_probs.new_zeros(B, gamma + 1, V)
     modified = torch.zeros(B, gamma + 1, dtype=torch.bool, device=dev)
-    active = torch.ones(B, dtype=torch.bool, device=dev)
-    tau = torch.zeros(B, dtype=torch.int64, device=dev)
-    chosen = torch.zeros(B, dtype=torch.int64, device=dev)
     final_row = target_probs.new_zeros(B, V)
+    levels = torch.arange(gamma + 1, device=dev)[None, :]
+    live = torch.arange(B, device=dev)
 
-    def rows_at(d: torch.Tensor):
-        p = torch.where(modified[ar, d, None], mod_p[ar, d], target_probs[ar, path, d])
-        q = torch.where(
-            modified[ar, d, None], mod_q[ar, d], draft_probs[ar, path, d.clamp_max(gamma - 1)]
-        )
+    def rows_at(idx: torch.Tensor, d: torch.Tensor):
+        is_mod = modified[idx, d, None]
+        p = torch.where(is_mod, mod_p[idx, d], target_probs[idx, path[idx], d])
+        q = torch.where(is_mod, mod_q[idx, d], draft_probs[idx, path[idx], d.clamp_max(gamma - 1)])
         return p, q
 
     for step in range(K * gamma + 1):
-        accept = active & (uniforms[:, step].log() < take_rows(log_alpha, depth))
-        p_row, _ = rows_at(depth)
-        final_row = torch.where(accept[:, None], p_row, final_row)
-        tau = torch.where(accept, depth, tau)
-        chosen = torch.where(accept, path, chosen)
-        active = active & ~accept
-        if not bool(active.any()):
+        d = depth[live]
+        accept = uniforms[live, step].log() < log_alpha[live, d]
+        done = live[accept]
+        final_row[done] = rows_at(done, depth[done])[0]
+        live, d = live[~accept], d[~accept]
+        if live.numel() == 0:
             break
-        # Delete the tested node and update its parent u at depth d - 1 (never the root's test:
-        # the root has α = 1 and always accepts).
-        parent = (depth - 1).clamp_min(0)
-        p_u, q_u = rows_at(parent)
-        alpha_u = take_rows(log_alpha, parent).exp().to(p_u.dtype)
+        # Delete the tested node and update its parent u (the root, α = 1, always accepts).
+        parent = d - 1
+        p_u, q_u = rows_at(live, parent)
+        alpha_u = log_alpha[live, parent].exp().to(p_u.dtype)
         excess = (alpha_u[:, None] * p_u - q_u).clamp_min(0)
         mass = excess.sum(-1)
         new_p = torch.where(mass[:, None] > 0, excess / mass.clamp_min(1e-300)[:, None], p_u)
         denom = mass + 1 - alpha_u
         new_alpha = torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0).clamp_max(1)
-        tok = take_rows(draft_tokens, path).gather(1, parent[:, None])  # deleted child's token
-        new_q = q_u.scatter(1, tok, 0.0)
+        tok = draft_tokens[live, path[live], parent]  # the deleted child's token
+        new_q = q_u.scatter(1, tok[:, None], 0.0)
         q_mass = new_q.sum(-1, keepdim=True)
         new_q = torch.where(q_mass > 0, new_q / q_mass.clamp_min(1e-300), new_q)
-
-        upd = active[:, None]
-        mod_p[ar, parent] = torch.where(upd, new_p, mod_p[ar, parent])
-        mod_q[ar, parent] = torch.where(upd, new_q, mod_q[ar, parent])
-        modified[ar, parent] = modified[ar, parent] | active
+        mod_p[live, parent] = new_p
+        mod_q[live, parent] = new_q
+        modified[live, parent] = True
         new_log_alpha = new_alpha.double().log()
-        log_alpha[ar, parent] = torch.where(active, new_log_alpha, log_alpha[ar, parent])
+        log_alpha[live, parent] = new_log_alpha
 
-        # Does u keep another child? Then move to the next leaf; else u is the next leaf.
-        switch = active & (take_rows(branch, leaf) == parent)
-        leaf = torch.where(switch, leaf + 1, leaf)
-        path = torch.where(switch, take_rows(leaves, leaf.clamp_max(K - 1)), path)
-        levels = torch.arange(gamma + 1, device=dev)[None, :]
-        modified = modified & ~(switch[:, None] & (levels > parent[:, None]))
+        # Does u keep another child? Then move to the next leaf below u; else u is next.
+        switch = branch[live, leaf[live]] == parent
+        depth[live] = torch.where(switch, gamma, parent)
+        sw, u_sw = live[switch], parent[switch]
+        if sw.numel() == 0:
+            continue
+        leaf[sw] += 1
+        path[sw] = leaves[sw, leaf[sw]]
+        below_u = levels > u_sw[:, None]  # [n, γ+1]
+        modified[sw] &= ~below_u
         # α along the new path below u: first edge from u's updated rows, then original ratios.
-        new_tok = take_rows(draft_tokens, path).gather(1, parent[:, None])
-        first = (
-            (new_p.gather(1, new_tok).log() - new_q.gather(1, new_tok).log()).squeeze(1).double()
+        new_tok = draft_tokens[sw, path[sw], u_sw]
+        first_edge = (
+            new_p[switch].gather(1, new_tok[:, None]).log()
+            - new_q[switch].gather(1, new_tok[:, None]).log()
         )
-        edges = take_rows(log_ratio, path)  # [B, γ]
+        edges = log_ratio[sw, path[sw]]  # [n, γ]
         pos = levels[:, :gamma]
-        edges = torch.where(pos == parent[:, None], first[:, None], edges)
-        edges = torch.where(pos >= parent[:, None], edges, 0.0)
-        below = clipped_products(edges, new_log_alpha)  # [B, γ]: α at depths 1..γ
-        refreshed = torch.cat([zero, below], dim=1)
-        log_alpha = torch.where(switch[:, None] & (levels > parent[:, None]), refreshed, log_alpha)
-        depth = torch.where(switch, gamma, torch.where(active, parent, depth))
+        edges = torch.where(pos == u_sw[:, None], first_edge.double(), edges)
+        edges = torch.where(pos >= u_sw[:, None], edges, 0.0)
+        refreshed = torch.cat(
+            [zero[: sw.numel()], clipped_products(edges, new_log_alpha[switch])], dim=1
+        )
+        log_alpha[sw] = torch.where(below_u, refreshed, log_alpha[sw])
 
+    # Each request stopped at the node it accepted: τ is its depth, on its current path.
     y = sample_from_weights(final_row, uniforms[:, K * gamma + 1])
-    return emit(take_rows(draft_tokens, chosen), tau, y), tau, chosen
+    return emit(take_rows(draft_tokens, path), depth, y), depth, path

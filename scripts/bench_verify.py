@@ -1,0 +1,113 @@
+"""Benchmark one `verify` call per method across batch, K and vocabulary sizes.
+
+    .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
+        [--vocab 8192 32000] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
+
+Prints a markdown table: median milliseconds per call (validate=False, the engine's hot path)
+and the ratio to `token` at the same shape. `token` verifies one path, so for K > 1 its
+baseline is token verification of all B·K paths as independent requests (the same tensors,
+reshaped to [B·K, 1, γ, V]): the same bytes in, one pass. Inputs are realistic rows: target
+logits ~ N(0, 3²), draft logits = target + N(0, 1) (per-position acceptance ≈ 0.6-0.7), draft
+tokens sampled from the draft rows, the root row shared by all K paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from service.verification import METHODS, VERIFIERS, verify
+
+
+def make_inputs(b: int, k: int, gamma: int, vocab: int, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, k, gamma + 1, vocab, generator=gen) * 3
+    logits[:, 1:, 0] = logits[:, :1, 0]  # every path starts at the same root node
+    draft_logits = logits[:, :, :gamma] + torch.randn(b, k, gamma, vocab, generator=gen)
+    q = draft_logits.softmax(-1)
+    p = logits.softmax(-1)
+    tokens = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(b, k, gamma)
+    return tokens.to(device), q.to(device), p.to(device)
+
+
+def median_ms(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
+    """Time every applicable method at one shape; prints one table row per method."""
+    x, q, p = make_inputs(b, k, args.gamma, vocab, args.device)
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    flat = (x.view(b * k, 1, -1), q.view(b * k, 1, args.gamma, vocab), p.view(b * k, 1, -1, vocab))
+
+    def time_call(method: str, inputs, validate: bool = False) -> float:
+        return median_ms(
+            lambda: verify(method, *inputs, generator=gen, validate=validate),
+            args.repeats,
+            args.device,
+        )
+
+    base = time_call("token", flat)
+    rows = []
+    for method in args.methods:
+        if VERIFIERS[method].single_path and k > 1:
+            continue
+        ms = time_call(method, (x, q, p))
+        rows.append(dict(vocab=vocab, batch=b, k=k, method=method, ms=ms, ratio=ms / base))
+        print(f"| {vocab} | {b} | {k} | {method} | {ms:.2f} | {ms / base:.2f} |", flush=True)
+    check = time_call("token", flat, validate=True) - base
+    rows.append(dict(vocab=vocab, batch=b, k=k, method="(input validation)", ms=check, ratio=None))
+    print(f"| {vocab} | {b} | {k} | (input validation) | {check:.2f} | |", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--vocab", type=int, nargs="+", default=[8192, 32000])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print(f"# verify() median ms, γ={args.gamma}, device={args.device}, threads={args.threads}")
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print("| V | B | K | method | ms | × token |")
+    print("|---|---|---|---|---|---|")
+    rows = [
+        row
+        for vocab in args.vocab
+        for b in args.batch
+        for k in args.k
+        for row in bench_shape(b, k, vocab, args)
+    ]
+    if args.json:
+        meta = dict(gamma=args.gamma, device=args.device, threads=args.threads)
+        with open(args.json, "w") as fh:
+            json.dump(dict(meta, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
