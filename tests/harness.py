@@ -156,3 +156,202 @@ def exact_sequence_law(model: TableModel, length: int) -> dict[str, float]:
         if pr > 0:
             law[",".join(map(str, seq))] = pr
     return law
+
+
+# ---------------------------------------------------------------------------------------------
+# Outer decode loop over context-dependent models (loop-level losslessness).
+# ---------------------------------------------------------------------------------------------
+
+
+def random_rows(vocab: int, seed: int, scale: float = 1.0):
+    """fn(prefix) -> softmax(scale * N(0, 1) logits), seeded by (seed, prefix): any table size."""
+
+    def fn(prefix: tuple[int, ...]) -> list[float]:
+        logits = scale * np.random.default_rng([seed, len(prefix), *prefix]).standard_normal(vocab)
+        w = np.exp(logits - logits.max())
+        return list(w / w.sum())
+
+    return fn
+
+
+class WindowModel:
+    """A model whose conditional after any prefix is the table row of its last ``window`` tokens.
+
+    ``table`` is a :class:`TableModel` with ``max_len >= window``; prefixes shorter than the
+    window use their own rows. window = 1 is a Markov chain, window >= the longest prefix ever
+    seen is a full-prefix model. Defined for prefixes of any length, so the decode loop never
+    runs off the tables.
+    """
+
+    def __init__(self, table: TableModel, window: int | None = None):
+        self.table = table
+        self.window = table.max_len if window is None else window
+        self.V = table.V
+        assert self.window <= table.max_len
+
+    @staticmethod
+    def from_fn(vocab: int, window: int, fn) -> WindowModel:
+        return WindowModel(TableModel(vocab, window, fn), window)
+
+    def cond(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """seq [..., T] int64, lengths [...] (prefix length per row) -> rows [..., V]."""
+        w = self.window
+        n = lengths.clamp_max(w)
+        start = lengths - n
+        idx = torch.zeros_like(lengths)
+        T = seq.shape[-1]
+        for j in range(w):
+            pos = (start + j).clamp(0, T - 1)
+            tok = seq.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
+            idx = torch.where(j < n, idx * self.V + tok, idx)
+        offsets = torch.tensor(self.table.offsets, dtype=torch.int64)
+        return self.table.table[idx + offsets[n]]
+
+    def exact_law(self, length: int) -> torch.Tensor:
+        """[V^length] float64: P(first `length` tokens = s), s indexed by its base-V code."""
+        V = self.V
+        codes = torch.arange(V**length)
+        seqs = torch.stack([(codes // V ** (length - 1 - i)) % V for i in range(length)], -1)
+        prob = torch.ones(V**length, dtype=torch.float64)
+        for i in range(length):
+            rows = self.cond(seqs, torch.full((V**length,), i, dtype=torch.int64))
+            prob = prob * rows.double().gather(-1, seqs[:, i : i + 1]).squeeze(-1)
+        return prob
+
+
+def law_dict(law: torch.Tensor) -> dict[int, float]:
+    """Dense law tensor -> {code: probability} (positive cells), the form chi_square takes."""
+    nz = torch.nonzero(law > 0).squeeze(-1).tolist()
+    return {c: float(law[c]) for c in nz}
+
+
+def counts_of(codes: torch.Tensor) -> Counter:
+    values, counts = np.unique(codes.numpy(), return_counts=True)
+    return Counter(dict(zip(values.tolist(), counts.tolist(), strict=True)))
+
+
+def sequence_codes(seq: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, L] tokens -> [N] base-V codes (first token most significant, as in exact_law)."""
+    code = torch.zeros(seq.shape[0], dtype=torch.int64)
+    for i in range(seq.shape[1]):
+        code = code * vocab + seq[:, i]
+    return code
+
+
+def method_step(method: str, thread_carry: bool = True):
+    """A loop step calling ``verify``; thread_carry=False drops the carry (a lossy mutant)."""
+    from service.verification import verify
+
+    def step(x, q, p, gen, carry):
+        return verify(method, x, q, p, generator=gen, carry=carry if thread_carry else None)
+
+    return step
+
+
+def draft_block(
+    target: WindowModel,
+    draft: WindowModel,
+    seq: torch.Tensor,
+    count: torch.Tensor,
+    k: int,
+    gamma: int,
+    gen: torch.Generator | list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft k i.i.d. paths of γ tokens after each row's context and gather the verifier inputs.
+
+    seq [m, W] holds each request's tokens, count [m] how many of them are its context
+    (W >= count + γ). ``gen`` is one generator for the batch or one per request (then a
+    request's draft does not depend on its batch-mates). Returns x [m, k, γ] int64,
+    q [m, k, γ, V] and p [m, k, γ+1, V] (float64, from the tables).
+    """
+    m, width = seq.shape
+    V = draft.V
+    buf = seq[:, None, :].expand(m, k, width).clone()
+    start = count[:, None].expand(m, k)
+    q_rows = []
+    for i in range(gamma):
+        q = draft.cond(buf, start + i)  # [m, k, V]
+        if isinstance(gen, torch.Generator):
+            tok = torch.multinomial(q.reshape(-1, V), 1, generator=gen).view(m, k)
+        else:
+            tok = torch.stack(
+                [torch.multinomial(q[j], 1, generator=g)[:, 0] for j, g in enumerate(gen)]
+            )
+        buf.scatter_(-1, (start + i).unsqueeze(-1), tok.unsqueeze(-1))
+        q_rows.append(q)
+    x = buf.gather(-1, start.unsqueeze(-1) + torch.arange(gamma))
+    p = torch.stack([target.cond(buf, start + i) for i in range(gamma + 1)], dim=2)
+    return x, torch.stack(q_rows, dim=2), p
+
+
+def check_output(out, x: torch.Tensor, vocab: int) -> None:
+    """Structural checks of one VerifyOutput against its draft x [m, k, γ].
+
+    1 <= τ+1 <= γ+1; emitted tokens in [0, V) and -1 after them; the accepted prefix is a
+    prefix of draft path ``out.path``; a carry holds no NaN.
+    """
+    m, _, gamma = x.shape
+    offs = torch.arange(gamma + 1)
+    n = out.num_tokens
+    inside = offs[None, :] < n[:, None]
+    assert out.tokens.shape == (m, gamma + 1)
+    assert bool(((n >= 1) & (n <= gamma + 1)).all()), "num_tokens outside [1, γ+1]"
+    assert bool((out.num_accepted == n - 1).all()), "num_accepted != num_tokens - 1"
+    assert bool(((out.tokens >= 0) & (out.tokens < vocab))[inside].all()), "bad emitted token"
+    assert bool((out.tokens[~inside] == -1).all()), "tokens after the emitted ones must be -1"
+    path_tokens = x[torch.arange(m), out.path]  # [m, γ]
+    accepted = offs[None, :gamma] < out.num_accepted[:, None]
+    assert bool((out.tokens[:, :gamma] == path_tokens)[accepted].all()), "not a draft prefix"
+    if out.carry is not None:
+        for t in (out.carry.log_p, out.carry.log_q):
+            assert not bool(torch.isnan(t).any()), "NaN in the carried modification"
+
+
+def decode_loop(
+    step,
+    target: WindowModel,
+    draft: WindowModel,
+    n: int,
+    k: int,
+    gamma: int,
+    length: int,
+    seed: int,
+    dtype=torch.float64,
+) -> torch.Tensor:
+    """Run n independent speculative-decoding trials, batched, until each has >= `length` tokens.
+
+    Each iteration drafts k i.i.d. paths of γ tokens from the draft model given each active
+    trial's context (:func:`draft_block`), calls ``step(x, q, p, generator, carry)`` (returns a
+    VerifyOutput; see :func:`method_step`), checks the output's structure (:func:`check_output`)
+    and appends the emitted tokens. Trials that have `length` tokens leave the batch, and their
+    carry rows are dropped with ``TargetModification.select`` (exercised on every iteration).
+    Returns [n, length] int64: the first `length` generated tokens of every trial.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    width = length + gamma  # a trial with length-1 tokens ends with at most length+γ
+    seq = torch.zeros(n, width + 1, dtype=torch.int64)  # last column: scratch for padding
+    count = torch.zeros(n, dtype=torch.int64)
+    active = torch.arange(n)
+    carry = None
+    offs = torch.arange(gamma + 1)
+    while active.numel() > 0:
+        cnt = count[active]
+        rows = seq[active]
+        x, q, p = draft_block(target, draft, rows, cnt, k, gamma, gen)
+        out = step(x, q.to(dtype), p.to(dtype), gen, carry)
+        check_output(out, x, target.V)
+        inside = offs[None, :] < out.num_tokens[:, None]
+        rows.scatter_(1, torch.where(inside, cnt[:, None] + offs, width), out.tokens.clamp_min(0))
+        seq[active] = rows
+        count[active] = cnt + out.num_tokens
+        still = torch.nonzero(count[active] < length).squeeze(-1)
+        carry = out.carry.select(still) if out.carry is not None else None
+        active = active[still]
+    return seq[:, :length]
+
+
+def loop_law_pvalue(seq: torch.Tensor, target: WindowModel) -> float:
+    """Chi-square p-value of the law of the generated sequences [N, L] vs the target's exact law."""
+    n, length = seq.shape
+    law = law_dict(target.exact_law(length))
+    return chi_square(counts_of(sequence_codes(seq, target.V)), law, n)[2]

@@ -1,0 +1,74 @@
+"""Draft tree construction: merge each request's K paths into a prefix tree, flattened.
+
+Node 0 of every request is its *root*: the last emitted token, not yet in the target's cache.
+Node (k, d), d = 1..γ, is the prefix of length d of path k; identical prefixes are one node,
+owned by the first path that has it. Nodes are numbered by (depth, owner path), padded to
+the batch's largest tree. The target scores every node in one forward pass: node i attends to
+node j iff j is an ancestor of i or i itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [n, N] int64: node tokens (root = pending token), 0 on padding
+    depth: torch.Tensor  # [n, N] int64: 0 for the root, d for node (k, d); 0 on padding
+    mask: torch.Tensor  # [n, N, N] bool: node i sees node j (ancestor-or-self)
+    node_of: torch.Tensor  # [n, K, γ+1] int64: node index of the prefix of length d of path k
+    num_nodes: torch.Tensor  # [n] int64: real nodes (root included)
+
+
+def build_tree(
+    root: torch.Tensor, paths: torch.Tensor, num_paths: torch.Tensor, depth: torch.Tensor
+) -> DraftTree:
+    """root [n] int64; paths [n, K, γ] int64; request b uses paths [0, num_paths[b]) to depth[b]."""
+    n, K, gamma = paths.shape
+    dev = paths.device
+    ks = torch.arange(K, device=dev)
+    ds = torch.arange(1, gamma + 1, device=dev)
+    valid = (ks[None, :, None] < num_paths[:, None, None]) & (
+        ds[None, None, :] <= depth[:, None, None]
+    )  # [n, K, γ]
+    same = paths[:, :, None, :] == paths[:, None, :, :]  # [n, K, K', γ]
+    common = same.long().cumprod(-1).sum(-1)  # [n, K, K'] shared prefix length
+    shares = (common[..., None] >= ds) & (
+        ks[None, None, :, None] < num_paths[:, None, None, None]
+    )  # [n,K,K',γ]
+    owner = shares.to(torch.int8).argmax(2)  # [n, K, γ]: first valid path with the same prefix
+    canonical = valid & (owner == ks[None, :, None])
+    # Number canonical nodes by (depth, owner path): flatten in depth-major order.
+    order = canonical.transpose(1, 2).reshape(n, gamma * K)  # [n, γ·K]
+    slot = order.long().cumsum(-1)  # 1-based slot of each canonical node (root is 0)
+    slot_of = slot.view(n, gamma, K).transpose(1, 2)  # [n, K, γ] slot if canonical
+    node_of = torch.gather(slot_of, 1, owner)  # slot of (owner(k, d), d)
+    node_of = torch.where(valid, node_of, 0)
+    node_of = torch.cat(
+        [torch.zeros(n, K, 1, dtype=torch.int64, device=dev), node_of], dim=2
+    )  # [n, K, γ+1]
+    num_nodes = 1 + canonical.sum((1, 2))
+    size = int(num_nodes.max())
+
+    tokens = torch.zeros(n, size, dtype=torch.int64, device=dev)
+    node_depth = torch.zeros(n, size, dtype=torch.int64, device=dev)
+    rows = torch.arange(n, device=dev)[:, None, None].expand(n, K, gamma)
+    tokens[rows[canonical], slot_of[canonical]] = paths[canonical]
+    node_depth[rows[canonical], slot_of[canonical]] = ds.expand(n, K, gamma)[canonical]
+    tokens[:, 0] = root
+
+    # Ancestors of node (k, d) are (k, d') for d' <= d: scatter the pairs into the mask.
+    mask = torch.eye(size, dtype=torch.bool, device=dev).repeat(n, 1, 1)
+    anc_valid = torch.cat(
+        [torch.ones(n, K, 1, dtype=torch.bool, device=dev), valid], dim=2
+    )  # [n, K, γ+1]
+    pair_ok = anc_valid[:, :, :, None] & anc_valid[:, :, None, :]
+    pair_ok = pair_ok & torch.ones(gamma + 1, gamma + 1, dtype=torch.bool, device=dev).tril()
+    i = node_of[:, :, :, None].expand(n, K, gamma + 1, gamma + 1)
+    j = node_of[:, :, None, :].expand(n, K, gamma + 1, gamma + 1)
+    b = torch.arange(n, device=dev)[:, None, None, None].expand_as(i)
+    mask[b[pair_ok], i[pair_ok], j[pair_ok]] = True
+    return DraftTree(tokens, node_depth, mask, node_of, num_nodes)

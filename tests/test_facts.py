@@ -1,0 +1,561 @@
+"""Known facts about the verifiers (spec §1-§12) and the contract of ``verify``.
+
+- the toy example's E[τ] (10/9 token, 11/9 block, 12/9 greedy block; spec §12), by Monte Carlo;
+- the K = 1 reductions (spec §6-§10): SpecInfer and SpecTr are token verification, GBV and
+  traversal are block verification, SpecTr-GBV* is greedy block verification;
+- seeded determinism and batch independence (per-request generators), carry included;
+- temperature 0: every method is greedy prefix matching when target and draft are one-hot;
+- input validation (ValueError naming the problem) and the residual-mass-zero edge cases.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from functools import cache
+
+import pytest
+import torch
+from harness import (
+    ALPHA,
+    SPEC_NAMES,
+    TableModel,
+    WindowModel,
+    check_output,
+    chi_square,
+    decode_loop,
+    draft_block,
+    load_reference,
+    loop_law_pvalue,
+    method_step,
+    one_iteration,
+    random_rows,
+    sample_paths,
+)
+
+from service.verification import (
+    METHODS,
+    ROW_SUM_TOL,
+    VERIFIERS,
+    TargetModification,
+    verify,
+)
+
+INSTANCES, NUMBERS = load_reference()
+CARRY_METHODS = [m for m in METHODS if VERIFIERS[m].modifies_target]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The suite runs under xdist on 2 shared cores: intra-op threads only add contention.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@cache
+def reference_models(instance: str) -> tuple[TableModel, TableModel, int]:
+    spec = INSTANCES[instance]
+    gamma, vocab = spec["gamma"], len(spec["target"][""])
+    target = TableModel.from_json(spec["target"], vocab, gamma)
+    draft = TableModel.from_json(spec["draft"], vocab, gamma)
+    return target, draft, gamma
+
+
+def k_of(method: str, multi: int = 3) -> int:
+    return 1 if VERIFIERS[method].single_path else multi
+
+
+# ---------------------------------------------------------------------------------------------
+# Toy example: E[τ] = 10/9 (token), 11/9 (block), 12/9 (greedy block), one iteration.
+# ---------------------------------------------------------------------------------------------
+
+TOY_N = 300_000
+TOY_Z = 4.5
+
+
+def test_toy_expected_accepted_tokens():
+    """z-test of the mean τ at 4.5 σ for each method, plus a check that N separates the three.
+
+    sd(τ) <= 0.9 here, so the standard error at N = 300k is <= 1.7e-3: the exact means are 1/9
+    apart, i.e. > 30 standard errors, and a method that behaved like its neighbour (e.g. block
+    verification with a break, or greedy without the joint acceptance rule) fails its z-test.
+    """
+    target, draft, gamma = reference_models("toy")
+    exact = {"token": 10 / 9, "block": 11 / 9, "greedy_block": 12 / 9}
+    means, ses = {}, {}
+    for i, (method, expected) in enumerate(exact.items()):
+        spec_name = {"token": "TV", "block": "BV", "greedy_block": "GreedyBV"}[method]
+        ref = NUMBERS["numbers"]["toy"]["K=1"][spec_name]
+        assert math.isclose(ref["E_tau"], expected, rel_tol=1e-9)
+        var = sum(t * t * pr for t, pr in enumerate(ref["tau_law"])) - expected**2
+        gen = torch.Generator().manual_seed(100 + i)
+        x = sample_paths(draft, TOY_N, 1, gamma, gen)
+        q = draft.rows(x, range(gamma)).float()
+        p = target.rows(x, range(gamma + 1)).float()
+        out = verify(method, x, q, p, generator=gen)
+        means[method] = float(out.num_accepted.double().mean())
+        ses[method] = math.sqrt(var / TOY_N)
+        z = (means[method] - expected) / ses[method]
+        assert abs(z) < TOY_Z, f"{method}: E[τ] {means[method]:.5f} vs {expected:.5f} (z = {z:.1f})"
+    order = list(exact)
+    for a, b in itertools.pairwise(order):
+        assert exact[b] - exact[a] > 2 * TOY_Z * max(ses[a], ses[b])  # N separates them
+        assert means[b] - means[a] > TOY_Z * math.hypot(ses[a], ses[b]), (a, b, means)
+
+
+# ---------------------------------------------------------------------------------------------
+# K = 1 reductions (spec §6, §7, §8, §9, §10) against the reduced method's exact law.
+# ---------------------------------------------------------------------------------------------
+
+REDUCTIONS = {
+    "specinfer": "TV",
+    "spectr": "TV",
+    "gbv": "BV",
+    "traversal": "BV",
+    "spectr_gbv": "GreedyBV",
+}
+REDUCTION_N = 100_000
+
+
+@pytest.mark.parametrize("instance", list(INSTANCES))
+@pytest.mark.parametrize("method", list(REDUCTIONS))
+def test_k1_reduces_to_single_path_law(method, instance):
+    target, draft, gamma = reference_models(instance)
+    seed = 200 + 10 * list(REDUCTIONS).index(method) + list(INSTANCES).index(instance)
+    outcomes = one_iteration(method, target, draft, REDUCTION_N, 1, gamma, seed=seed)
+    law = NUMBERS["numbers"][instance]["K=1"][REDUCTIONS[method]]["output_law"]
+    _, _, pvalue = chi_square(Counter(outcomes), law, REDUCTION_N)
+    assert pvalue > ALPHA, (
+        f"{method} at K=1 is not {REDUCTIONS[method]} on {instance}: {pvalue:.3g}"
+    )
+
+
+def test_power_k1_reduction_tells_token_from_block():
+    """The reduction test can fail: GBV at K = 1 (= block verification) is not the token law."""
+    target, draft, gamma = reference_models("toy")
+    outcomes = one_iteration("gbv", target, draft, REDUCTION_N, 1, gamma, seed=299)
+    law = NUMBERS["numbers"]["toy"]["K=1"]["TV"]["output_law"]
+    assert chi_square(Counter(outcomes), law, REDUCTION_N)[2] < 1e-9
+
+
+# ---------------------------------------------------------------------------------------------
+# Small context-dependent instances for the contract tests.
+# ---------------------------------------------------------------------------------------------
+
+SMALL_V, SMALL_GAMMA = 5, 3
+SMALL_TARGET = WindowModel.from_fn(SMALL_V, 2, random_rows(SMALL_V, 61, scale=1.5))
+SMALL_DRAFT = WindowModel.from_fn(SMALL_V, 2, random_rows(SMALL_V, 62, scale=1.5))
+
+
+def small_contexts(batch: int, steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random 2-token contexts (different rows per request) with room for `steps` iterations."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = torch.zeros(batch, 2 + steps * (SMALL_GAMMA + 1) + SMALL_GAMMA, dtype=torch.int64)
+    seq[:, :2] = torch.randint(0, SMALL_V, (batch, 2), generator=gen)
+    return seq, torch.full((batch,), 2, dtype=torch.int64)
+
+
+def append(seq: torch.Tensor, count: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = seq.clone()
+    for j in range(seq.shape[0]):
+        n = int(out.num_tokens[j])
+        seq[j, int(count[j]) : int(count[j]) + n] = out.tokens[j, :n]
+    return seq, count + out.num_tokens
+
+
+def outputs_equal(a, b) -> bool:
+    return (
+        torch.equal(a.tokens, b.tokens)
+        and torch.equal(a.num_tokens, b.num_tokens)
+        and torch.equal(a.num_accepted, b.num_accepted)
+        and torch.equal(a.path, b.path)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeded determinism.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("per_request", [False, True], ids=["one-generator", "per-request"])
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_determinism(method, per_request):
+    """Same seed -> identical outputs and carries over 2 steps; another seed -> other outputs
+    (so the generator is really used: with 64 requests a fixed output would be noticed)."""
+    batch, k = 64, k_of(method)
+    seq, count = small_contexts(batch, 2, seed=7)
+
+    def gens(seed):
+        if per_request:
+            return [torch.Generator().manual_seed(seed * 1000 + j) for j in range(batch)]
+        return torch.Generator().manual_seed(seed)
+
+    def two_steps(seed):
+        g, dgen = gens(seed), torch.Generator().manual_seed(8)
+        x, q, p = draft_block(SMALL_TARGET, SMALL_DRAFT, seq, count, k, SMALL_GAMMA, dgen)
+        first = verify(method, x, q, p, generator=g)
+        check_output(first, x, SMALL_V)
+        seq2, count2 = append(seq, count, first)
+        x, q, p = draft_block(SMALL_TARGET, SMALL_DRAFT, seq2, count2, k, SMALL_GAMMA, dgen)
+        second = verify(method, x, q, p, generator=g, carry=first.carry)
+        check_output(second, x, SMALL_V)
+        return first, second
+
+    a1, a2 = two_steps(1)
+    b1, b2 = two_steps(1)
+    c1, _ = two_steps(2)
+    assert outputs_equal(a1, b1) and outputs_equal(a2, b2)
+    if VERIFIERS[method].modifies_target:
+        for fa, fb in zip((a1.carry, a2.carry), (b1.carry, b2.carry), strict=True):
+            assert torch.equal(fa.log_p, fb.log_p) and torch.equal(fa.log_q, fb.log_q)
+            assert torch.equal(fa.rows_left, fb.rows_left)
+    else:
+        assert a1.carry is None
+    assert not outputs_equal(a1, c1), "a different seed gave identical outputs"
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch independence with per-request generators.
+# ---------------------------------------------------------------------------------------------
+
+BATCH_SEEDS = [11, 12, 13, 14, 15, 16]
+STEPS = 3
+
+
+def request_gens(requests: list[int]):
+    """(draft generators, verify generators), seeded by the request only."""
+    dgens = [torch.Generator().manual_seed(10_000 + BATCH_SEEDS[r]) for r in requests]
+    vgens = [torch.Generator().manual_seed(BATCH_SEEDS[r]) for r in requests]
+    return dgens, vgens
+
+
+def run_requests(method: str, gens, seq, count, steps=STEPS, carry=None):
+    """Run `steps` iterations on a batch of requests, each drafting and verifying with its own
+    generators (``gens`` = (draft generators, verify generators), one each per request).
+    Returns (outputs per step, seq, count, carry)."""
+    dgens, vgens = gens
+    outs = []
+    for _ in range(steps):
+        x, q, p = draft_block(
+            SMALL_TARGET, SMALL_DRAFT, seq, count, k_of(method), SMALL_GAMMA, dgens
+        )
+        out = verify(method, x, q, p, generator=vgens, carry=carry)
+        check_output(out, x, SMALL_V)
+        outs.append(out)
+        seq, count = append(seq, count, out)
+        carry = out.carry
+    return outs, seq, count, carry
+
+
+def row(out, j):
+    return (out.tokens[j], out.num_tokens[j], out.path[j])
+
+
+def same_row(a, b) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_independence(method):
+    """Request j's outputs over 3 steps (carry threaded) are identical alone and in a batch with
+    other requests (other seeds, other contexts, other τ's, hence other carries)."""
+    n = len(BATCH_SEEDS)
+    seq, count = small_contexts(n, STEPS, seed=21)
+    batch_outs, *_ = run_requests(method, request_gens(list(range(n))), seq, count)
+    for j in range(n):
+        alone, *_ = run_requests(method, request_gens([j]), seq[j : j + 1], count[j : j + 1])
+        for step in range(STEPS):
+            assert same_row(row(alone[step], 0), row(batch_outs[step], j)), (j, step)
+    taus = torch.stack([o.num_accepted for o in batch_outs])
+    assert len(set(taus.flatten().tolist())) > 1  # the requests really differ
+
+
+@pytest.mark.parametrize("method", CARRY_METHODS)
+def test_batch_composition_changes_keep_the_carry(method):
+    """Requests join a batch (TargetModification.cat of their carries) and leave it (select):
+    every request's outputs equal those of the run where it is alone all along."""
+    n = len(BATCH_SEEDS)
+    seq, count = small_contexts(n, STEPS, seed=22)
+    alone = [
+        run_requests(method, request_gens([j]), seq[j : j + 1], count[j : j + 1])[0]
+        for j in range(n)
+    ]
+    # Step 1: every request alone (B = 1); its generators then continue in the batch.
+    gens = [request_gens([j]) for j in range(n)]
+    firsts = [
+        run_requests(method, gens[j], seq[j : j + 1], count[j : j + 1], steps=1) for j in range(n)
+    ]
+    # Step 2: all requests in one batch, carries concatenated.
+    batch_gens = ([g[0][0] for g in gens], [g[1][0] for g in gens])
+    out2, seq3, count3, carry3 = run_requests(
+        method,
+        batch_gens,
+        torch.cat([f[1] for f in firsts]),
+        torch.cat([f[2] for f in firsts]),
+        steps=1,
+        carry=TargetModification.cat([f[3] for f in firsts]),
+    )
+    for j in range(n):
+        assert same_row(row(out2[0], j), row(alone[j][1], 0)), ("step 2", j)
+    # Step 3: the odd requests have left; the carry rows of the others are selected.
+    keep = [j for j in range(n) if j % 2 == 0]
+    kept_gens = ([batch_gens[0][j] for j in keep], [batch_gens[1][j] for j in keep])
+    out3, *_ = run_requests(
+        method, kept_gens, seq3[keep], count3[keep], steps=1, carry=carry3.select(keep)
+    )
+    for i, j in enumerate(keep):
+        assert same_row(row(out3[0], i), row(alone[j][2], 0)), ("step 3", j)
+
+
+# ---------------------------------------------------------------------------------------------
+# Temperature 0: one-hot target and greedy draft -> greedy prefix matching.
+# ---------------------------------------------------------------------------------------------
+
+
+def one_hot_of(fn):
+    def g(prefix):
+        row = fn(prefix)
+        out = [0.0] * len(row)
+        out[max(range(len(row)), key=lambda i: (row[i], -i))] = 1.0
+        return out
+
+    return g
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_temperature_zero_is_greedy_prefix_match(method):
+    """Spec §11: with a one-hot (T = 0) target and a greedy draft every method accepts the
+    longest draft prefix that matches the target's argmax chain and then emits the target's
+    argmax; over 3 steps with the carry threaded (the carried modification of a one-hot target
+    must stay that target). The 0/0 conventions of spec §11 are all hit here."""
+    base, noise = random_rows(SMALL_V, 71, scale=1.5), random_rows(SMALL_V, 72, scale=1.5)
+    target = WindowModel.from_fn(SMALL_V, 2, one_hot_of(base))
+    # The draft's argmax agrees with the target's on most contexts, not all: τ takes all values.
+
+    def mix(prefix):
+        return [0.7 * a + 0.3 * b for a, b in zip(base(prefix), noise(prefix), strict=True)]
+
+    draft = WindowModel.from_fn(SMALL_V, 2, one_hot_of(mix))
+    batch = 400
+    seq, count = small_contexts(batch, STEPS, seed=73)
+    gen = torch.Generator().manual_seed(74)
+    carry, taus = None, []
+    for _ in range(STEPS):
+        x, q, p = draft_block(target, draft, seq, count, k_of(method), SMALL_GAMMA, gen)
+        out = verify(method, x, q, p, generator=gen, carry=carry)
+        # Greedy prefix match along path 0 (all K greedy paths are identical).
+        x0, p0 = x[:, 0], p[:, 0]
+        argmax = p0.argmax(-1)  # [B, γ+1]: target's choice after each draft prefix
+        tau = (x0 == argmax[:, :SMALL_GAMMA]).long().cumprod(-1).sum(-1)
+        expected = torch.full((batch, SMALL_GAMMA + 1), -1, dtype=torch.int64)
+        for j in range(batch):
+            t = int(tau[j])
+            expected[j, :t] = x0[j, :t]
+            expected[j, t] = argmax[j, t]
+        assert torch.equal(out.num_accepted, tau)
+        assert torch.equal(out.tokens, expected)
+        check_output(out, x, SMALL_V)
+        seq, count = append(seq, count, out)
+        carry, taus = out.carry, [*taus, tau]
+    seen = set(torch.cat(taus).tolist())
+    assert {0, SMALL_GAMMA} <= seen, seen  # both full acceptance and early mismatch occurred
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation: ValueError naming the problem.
+# ---------------------------------------------------------------------------------------------
+
+
+def valid_inputs(k: int = 1, batch: int = 3):
+    seq, count = small_contexts(batch, 1, seed=81)
+    x, q, p = draft_block(
+        SMALL_TARGET, SMALL_DRAFT, seq, count, k, SMALL_GAMMA, torch.Generator().manual_seed(82)
+    )
+    return x, q.float(), p.float()
+
+
+def _bad(name: str, k: int):
+    """Inputs (x, q, p, extra kwargs) with one defect; `name` says which."""
+    x, q, p = valid_inputs(k)
+    kw = {}
+    if name == "tokens-2d":
+        x = x[:, 0]
+    elif name == "tokens-int32":
+        x = x.int()
+    elif name == "tokens-float":
+        x = x.float()
+    elif name == "token-out-of-range":
+        x = x.clone()
+        x[0, 0, 0] = SMALL_V
+    elif name == "draft-shape":
+        q = q[:, :, :-1]
+    elif name == "target-shape":
+        p = p[:, :, :-1]
+    elif name == "vocab-mismatch":
+        p = torch.cat([p, torch.zeros_like(p[..., :1])], dim=-1)
+    elif name == "probs-int":
+        p = (p > 0.5).long()
+    elif name == "nan":
+        p = p.clone()
+        p[1, 0, 1] = float("nan")
+    elif name == "inf":
+        q = q.clone()
+        q[0, 0, 0, 2] = float("inf")
+    elif name == "negative":
+        q = q.clone()
+        q[0, 0, 1, 0] -= 0.1  # row sum unchanged: only the sign is wrong
+        q[0, 0, 1, 1] += 0.1
+    elif name == "row-sum":
+        p = p.clone()
+        p[2, 0, 3] *= 1 + 3 * ROW_SUM_TOL
+    elif name == "zero-row":
+        p = p.clone()
+        p[0, 0, 2] = 0.0
+    elif name == "drafted-q-zero":
+        q = q.clone()
+        q[1, 0, 1, x[1, 0, 1]] = 0.0  # a valid distribution that cannot have drafted x[1, 0, 1]
+        q[1, 0, 1] /= q[1, 0, 1].sum()
+    elif name == "generators-count":
+        kw["generator"] = [torch.Generator() for _ in range(x.shape[0] + 1)]
+    else:
+        raise KeyError(name)
+    return x, q, p, kw
+
+
+DEFECTS = {
+    "tokens-2d": r"draft_tokens must be \[B, K, γ\]",
+    "tokens-int32": "draft_tokens must be int64",
+    "tokens-float": "draft_tokens must be int64",
+    "token-out-of-range": r"draft_tokens must lie in \[0, V",
+    "draft-shape": "draft_probs must be",
+    "target-shape": "target_probs must be",
+    "vocab-mismatch": "target_probs must be",
+    "probs-int": "floating dtype",
+    "nan": "NaN",
+    "inf": "infinite",
+    "negative": "negative probabilities",
+    "row-sum": "sum to 1",
+    "zero-row": "sum to 1",
+    "drafted-q-zero": "q = 0",
+    "generators-count": "per-request generators",
+}
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+@pytest.mark.parametrize("method", METHODS)
+def test_invalid_inputs_raise(method, defect):
+    x, q, p, kw = _bad(defect, k_of(method, multi=2))
+    with pytest.raises(ValueError, match=DEFECTS[defect]):
+        verify(method, x, q, p, **kw)
+
+
+def test_rows_within_tolerance_are_accepted():
+    x, q, p = valid_inputs()
+    p = p.clone()
+    p[2, 0, 3] *= 1 + ROW_SUM_TOL / 4  # off by < ROW_SUM_TOL: a valid (fp16-ish) distribution
+    out = verify("token", x, q, p, generator=torch.Generator().manual_seed(0))
+    check_output(out, x, SMALL_V)
+
+
+@pytest.mark.parametrize(
+    "defect", ["tokens-2d", "tokens-int32", "draft-shape", "token-out-of-range"]
+)
+def test_structure_is_checked_even_without_value_validation(defect):
+    x, q, p, kw = _bad(defect, 1)
+    with pytest.raises(ValueError, match=DEFECTS[defect]):
+        verify("block", x, q, p, validate=False, **kw)
+
+
+def test_unknown_method_raises():
+    x, q, p = valid_inputs()
+    with pytest.raises(ValueError, match="unknown verification method 'tree'"):
+        verify("tree", x, q, p)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if VERIFIERS[m].single_path])
+def test_single_path_methods_reject_k_above_one(method):
+    x, q, p = valid_inputs(k=2)
+    with pytest.raises(ValueError, match="K must be 1"):
+        verify(method, x, q, p)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if not VERIFIERS[m].modifies_target])
+def test_carry_rejected_by_methods_without_modification(method):
+    x1, q1, p1 = valid_inputs(k=1)
+    carry = verify("greedy_block", x1, q1, p1, generator=torch.Generator().manual_seed(1)).carry
+    assert isinstance(carry, TargetModification)
+    x, q, p = valid_inputs(k=k_of(method, multi=2))
+    with pytest.raises(ValueError, match="does not modify the target; carry must be None"):
+        verify(method, x, q, p, carry=carry)
+
+
+@pytest.mark.parametrize("method", CARRY_METHODS)
+def test_carry_of_another_batch_size_is_rejected(method):
+    x, q, p = valid_inputs(k=k_of(method, multi=2))
+    with pytest.raises(ValueError, match="carry holds 5 requests"):
+        verify(method, x, q, p, carry=TargetModification.empty(5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual mass exactly zero (spec §11): valid outputs and the right loop law.
+# ---------------------------------------------------------------------------------------------
+
+EDGE_ROWS = {  # last token -> (target row, draft row); Markov on the last token, V = 3
+    None: ([0.5, 0.3, 0.2], [0.5, 0.3, 0.2]),  # p == q exactly at the start
+    0: ([0.25, 0.25, 0.5], [0.25, 0.25, 0.5]),  # p == q exactly: R = 0, h = 0/0 -> 1
+    1: ([0.6, 0.0, 0.4], [0.2, 0.5, 0.3]),  # drafted token 1 has p = 0: p_i hits 0
+    2: ([0.0, 0.0, 1.0], [0.3, 0.3, 0.4]),  # one-hot target: drafted 0, 1 rejected surely
+}
+
+
+def edge_pair():
+    def row(which):
+        return lambda pre: EDGE_ROWS[pre[-1] if pre else None][which]
+
+    return WindowModel.from_fn(3, 1, row(0)), WindowModel.from_fn(3, 1, row(1))
+
+
+EDGE_N = 50_000
+
+
+def edge_cases():
+    for method in METHODS:
+        for k in (1,) if VERIFIERS[method].single_path else (2, 3):
+            for dtype in (torch.float32, torch.float64):
+                name = str(dtype).removeprefix("torch.")
+                yield pytest.param(method, k, dtype, id=f"{method}-K{k}-{name}")
+
+
+@pytest.mark.parametrize(("method", "k", "dtype"), list(edge_cases()))
+def test_zero_residual_edge_cases(method, k, dtype):
+    """decode_loop checks every output's structure (no -1 inside the emitted length, tokens in
+    range, accepted prefix on a draft path, no NaN in the carry); the law of the first 4 tokens
+    must be the target's (γ = 2)."""
+    target, draft = edge_pair()
+    seed = 300 + 5 * METHODS.index(method) + k + (dtype == torch.float64)
+    seq = decode_loop(method_step(method), target, draft, EDGE_N, k, 2, 4, seed, dtype)
+    pvalue = loop_law_pvalue(seq, target)
+    assert pvalue > ALPHA, (
+        f"{method} K={k}: law rejected on the zero-residual instance ({pvalue:.3g})"
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_equal_rows_single_call(method):
+    """p == q everywhere: token/block/greedy accept the whole block; nothing is NaN or -1."""
+    x, q, _ = valid_inputs(k=k_of(method, multi=2), batch=32)
+    p = torch.cat([q, q[:, :, -1:]], dim=2)  # bonus row: any distribution
+    out = verify(method, x, q, p, generator=torch.Generator().manual_seed(3))
+    check_output(out, x, SMALL_V)
+    if method not in ("naive", "gbv"):
+        # Single path: min(1, p/q) = 1 (greedy: premain = prej = 0 -> 1). SpecInfer, SpecTr (ρ = 1,
+        # β = 1), traversal (α = 1) and SpecTr-GBV* (its first draft) accept a full path w.p. 1.
+        # NSS samples from p and GBV verifies against a skewed q̃ != p: they may stop early.
+        assert bool((out.num_accepted == SMALL_GAMMA).all())
+
+
+def test_spec_names_cover_every_method():
+    assert sorted(SPEC_NAMES.values()) == sorted(METHODS)

@@ -1,0 +1,107 @@
+"""Draft worker: samples K i.i.d. paths of γ tokens per request from the processed draft law.
+
+The cache holds each request's committed tokens except its *pending* ones (1 or 2 tokens not
+yet run through the draft). A proposal first runs the pending tokens (they become committed),
+then samples K tokens from the root row and extends the K paths for γ - 1 more forwards; the
+paths' own keys/values live in a per-step suffix (the shared prefix is never copied), and
+`commit` moves the accepted path's entries into the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.llama import KVCache, Llama
+from workers.sampling import SamplingParams, process, sample
+
+
+class DraftWorker:
+    def __init__(
+        self, model: Llama, max_batch: int, max_len: int, dtype=torch.float32, device="cpu"
+    ):
+        self.model = model
+        self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
+        self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
+
+    def prefill(self, slot0: int, contexts: list[torch.Tensor]) -> None:
+        """Commit new requests' contexts (all but their pending tokens) into slots slot0..."""
+        prefill(self.model, self.cache, slot0, contexts)
+
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move(src, dst)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        pending: torch.Tensor,  # [n, P] int64, padded
+        pending_count: torch.Tensor,  # [n] int64 in [1, P]
+        k: int,
+        gamma: int,
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens [n, K, γ] and the processed rows they were sampled from [n, K, γ, V]."""
+        n, P = pending.shape
+        dev = pending.device
+        lengths = self.cache.lengths[:n].clone()
+        steps = torch.arange(P, device=dev)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        seen = causal & (
+            (steps[None, :] < pending_count[:, None, None])
+            | torch.eye(P, dtype=torch.bool, device=dev)
+        )
+        logits, new_k, new_v = self.model(
+            pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None]
+        )
+        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), pending_count)
+        root = logits[torch.arange(n, device=dev), 0, pending_count - 1]  # [n, V]
+        q_root = process(root[:, None], params)  # [n, 1, V]
+        rows = [q_root.expand(n, k, -1)]
+        tokens = [sample(rows[0], generators)]  # [n, K]
+        base = self.cache.lengths[:n]
+        ks, vs = [], []
+        ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=dev)
+        for i in range(1, gamma):
+            suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
+            pos = (base + i - 1)[:, None, None].expand(n, k, 1)
+            logits, nk, nv = self.model(tokens[-1][:, :, None], pos, self.cache, ones, suffix)
+            ks.append(nk)
+            vs.append(nv)
+            rows.append(process(logits[:, :, 0], params))
+            tokens.append(sample(rows[-1], generators))
+        self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
+        return torch.stack(tokens, dim=2), torch.stack(rows, dim=2)
+
+    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Append the accepted draft tokens that were run (at most γ - 1) of each request's path."""
+        if self._suffix is None:
+            return
+        sk, sv = self._suffix
+        n = path.shape[0]
+        rows = torch.arange(n, device=path.device)
+        k_path, v_path = sk[:, rows, path], sv[:, rows, path]  # [L, n, H, γ-1, D]
+        index = torch.arange(sk.shape[4], device=path.device).expand(n, -1)
+        self.cache.append(k_path, v_path, index, num_accepted.clamp_max(sk.shape[4]))
+        self._suffix = None
+
+
+@torch.inference_mode()
+def prefill(model: Llama, cache: KVCache, slot0: int, contexts: list[torch.Tensor]) -> None:
+    """Run each context [T_i] into empty slots slot0 + i, batched with padding (both workers)."""
+    n = len(contexts)
+    cache.lengths[slot0 : slot0 + n] = 0
+    T = max(c.shape[0] for c in contexts)
+    if T == 0:
+        return
+    dev = cache.lengths.device
+    counts = torch.tensor([c.shape[0] for c in contexts], device=dev)
+    tokens = torch.zeros(n, T, dtype=torch.int64, device=dev)
+    for i, c in enumerate(contexts):
+        tokens[i, : c.shape[0]] = c
+    steps = torch.arange(T, device=dev)
+    # Causal; padded positions see themselves only (keeps their softmax finite, never read).
+    mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril() & (
+        (steps[None, :] < counts[:, None, None]) | torch.eye(T, dtype=torch.bool, device=dev)
+    )
+    _, k, v = model(tokens[:, None], steps.expand(n, 1, T), cache, mask[:, None], slot0=slot0)
+    cache.append(k[:, :, 0], v[:, :, 0], steps.expand(n, T), counts, slot0=slot0)

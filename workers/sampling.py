@@ -1,0 +1,62 @@
+"""Processed sampling distributions: temperature, top-k, top-p (spec §0.1).
+
+Both the draft and the target rows handed to a verifier go through :func:`process`, each with
+the request's settings, and the draft samples from exactly the row it reports: otherwise the
+verifier's q-ratios are wrong and the output is not lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.verification.common import sample_from_weights
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (one-hot on the argmax, ties to the lowest id)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and self.temperature == self.temperature):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [n, ..., V] (one SamplingParams per leading row) -> probabilities, same shape."""
+    n, vocab = logits.shape[0], logits.shape[-1]
+    dev = logits.device
+    view = logits.float().reshape(n, -1, vocab)
+    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None, None]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)[:, None, None]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None, None]
+    greedy = temp == 0
+    scaled = view / torch.where(greedy, 1.0, temp)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        # Sort once: ranks by descending logit, ties to the lowest id (stable).
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        rank = torch.arange(vocab, device=dev)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        keep_sorted = (rank < top_k) & (mass_before < top_p)  # the top token always stays
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        scaled = scaled.masked_fill(~keep, -torch.inf)
+    probs = scaled.softmax(-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs).reshape(logits.shape)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [n, R, V] (R rows per request, one generator per request)."""
+    n, r, vocab = probs.shape
+    u = torch.stack([torch.rand(r, generator=g, dtype=torch.float64) for g in generators])
+    return sample_from_weights(probs.reshape(n * r, vocab), u.to(probs.device).reshape(-1)).view(
+        n, r
+    )

@@ -1,0 +1,59 @@
+"""Target worker: scores every node of every request's draft tree in one forward pass.
+
+The cache holds each request's committed tokens except the last emitted one (the tree's root).
+`score` runs the flattened trees (tree attention mask, positions = committed length + depth)
+and returns the processed target rows gathered per path; `commit` keeps the root and the
+accepted path's entries, so the cache equals a fresh prefill of the accepted sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.tree import DraftTree
+from workers.draft import prefill
+from workers.llama import KVCache, Llama
+from workers.sampling import SamplingParams, process
+
+
+class TargetWorker:
+    def __init__(
+        self, model: Llama, max_batch: int, max_len: int, dtype=torch.float32, device="cpu"
+    ):
+        self.model = model
+        self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
+        self._new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prefill(self, slot0: int, contexts: list[torch.Tensor]) -> None:
+        prefill(self.model, self.cache, slot0, contexts)
+
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move(src, dst)
+
+    @torch.inference_mode()
+    def score(self, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
+        """Returns processed target rows [n, K, γ+1, V] along every path (root row at d = 0)."""
+        logits = self.score_logits(tree)
+        n = logits.shape[0]
+        rows = logits[
+            torch.arange(n, device=logits.device)[:, None, None], tree.node_of
+        ]  # [n,K,γ+1,V]
+        return process(rows, params)
+
+    @torch.inference_mode()
+    def score_logits(self, tree: DraftTree) -> torch.Tensor:
+        """Raw logits of every tree node [n, N, V]; keeps the nodes' keys/values for commit."""
+        n = tree.tokens.shape[0]
+        positions = self.cache.lengths[:n, None] + tree.depth
+        logits, k, v = self.model(
+            tree.tokens[:, None], positions[:, None], self.cache, tree.mask[:, None]
+        )
+        self._new = (k[:, :, 0], v[:, :, 0], tree.node_of)
+        return logits[:, 0]
+
+    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep the root and the first num_accepted nodes of each request's accepted path."""
+        k, v, node_of = self._new
+        rows = torch.arange(path.shape[0], device=path.device)
+        self.cache.append(k, v, node_of[rows, path], num_accepted + 1)
+        self._new = None
