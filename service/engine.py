@@ -284,11 +284,19 @@ def build_engine(
     max_len: int = 1024,
     dtype: str = "float32",
     device: str = "cpu",
+    tensor_parallel: int = 1,
 ):
-    """Engine over a local draft/target pair, single process. Returns (engine, tokenizer)."""
+    """Engine over a local draft/target pair; the target split over `tensor_parallel` ranks
+    (spawned processes, gloo on CPU) when > 1. Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
+    from workers.tensor_parallel import TensorParallelTarget
 
     d, t, tokenizer = load_pair(draft_dir, target_dir, dtype, device)
     draft = DraftWorker(d.build(), max_batch, max_len, DTYPES[dtype], device)
-    target = TargetWorker(t.build(), max_batch, max_len, DTYPES[dtype], device)
+    if tensor_parallel > 1:
+        target = TensorParallelTarget(
+            target_dir, tensor_parallel, max_batch, max_len, dtype, device
+        )
+    else:
+        target = TargetWorker(t.build(), max_batch, max_len, DTYPES[dtype], device)
     return SpeculativeEngine(draft, target, max_batch, max_len), tokenizer

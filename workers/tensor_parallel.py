@@ -14,9 +14,10 @@ run an op) and :func:`serve` (a command loop over any ``recv`` callable) know no
 processes; only :class:`TensorParallelTarget` spawns.
 
 Loopback only: the rendezvous store listens on a socket that we bind to 127.0.0.1 ourselves
-(``TCPStore``'s own server would listen on every interface), and every rank joins with
-``GLOO_SOCKET_IFNAME=lo`` / ``NCCL_SOCKET_IFNAME=lo``, so the backend's own connections stay on
-loopback too.
+(``TCPStore``'s own server would listen on every interface), and every rank sets
+``GLOO_SOCKET_IFNAME=lo`` / ``NCCL_SOCKET_IFNAME=lo`` before joining, so the backend's own
+connections stay on loopback too. A process belongs to one group at a time (the default one):
+one tensor-parallel target per process, which is also how a Ray actor per rank will run.
 
 Commands travel over a pipe per worker rather than as a collective: a worker idling between
 requests would otherwise hit the group's collective timeout.
@@ -30,6 +31,7 @@ import datetime
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
 import sys
 import time
@@ -77,20 +79,12 @@ def rank_device(device: str | torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-@contextlib.contextmanager
-def _loopback_env():
-    """Backends pick their interface from the environment when the group is created."""
-    keys = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict.fromkeys(keys, "lo"))
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _use_loopback() -> None:
+    """Make the backends connect over loopback only. They read these when they open their
+    sockets: gloo when the group is created, NCCL lazily at its first collective, so the
+    setting stays in this rank's environment (rank 0: the calling process's) from now on."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
 
 
 def loopback_store(world: int, timeout_s: float) -> dist.TCPStore:
@@ -113,6 +107,7 @@ def loopback_store(world: int, timeout_s: float) -> dist.TCPStore:
         world,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,  # they connect once spawned; init_process_group waits
         master_listen_fd=sock.detach(),  # the store owns (and closes) the fd from now on
         use_libuv=True,  # the only server that accepts a listening fd
     )
@@ -143,8 +138,8 @@ def join_group(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    with _loopback_env():
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    _use_loopback()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def leave_group() -> None:
@@ -219,6 +214,9 @@ def _worker_main(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a spawned rank: load, report, join the group, serve commands."""
+    # Ctrl-C reaches the whole process group: rank 0 decides (it closes the group if the
+    # interrupt caught it mid-op); a worker dies with rank 0 anyway (EOF on its pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     try:
         shard = TargetShard(path, rank, world, max_batch, max_len, dtype, device)
@@ -411,6 +409,8 @@ class TensorParallelTarget:
             if workers.healthy:
                 raise  # raised here before any other rank ran the op: the group is intact
             self.close()
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt and the like stay what they are
             notes = "".join(f"\n{msg}" for msg in workers.errors)
             raise RuntimeError(f"tensor-parallel op {op!r} failed; group shut down{notes}") from e
 
@@ -449,7 +449,12 @@ class TensorParallelTarget:
     # ---------------------------------------------------------------------------- lifetime
     @property
     def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..world-1."""
         return [p.pid for p in self._workers.procs]
+
+    @property
+    def closed(self) -> bool:
+        return self._workers.closed
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .block import block_verify_rows
 from .common import clipped_products, emit, sample_from_weights, take_rows
 
 
@@ -64,6 +65,10 @@ def traversal_verify(
     uniforms: torch.Tensor,  # [B, K*γ + 2]
 ):
     B, K, gamma = draft_tokens.shape
+    if K == 1:  # a chain: traversal is exactly block verification (spec §9)
+        x = draft_tokens[:, 0]
+        tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
+        return emit(x, tau, y), tau, torch.zeros_like(tau)
     V = draft_probs.shape[-1]
     dev = draft_tokens.device
     leaves, branch = _leaf_order(draft_tokens)

