@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ SPEC_NAMES = {
 ALPHA = 1e-4
 
 
+@cache
 def load_reference():
     instances = json.loads((SPEC_DIR / "reference_instances.json").read_text())
     numbers = json.loads((SPEC_DIR / "reference_numbers.json").read_text())
@@ -355,3 +357,13 @@ def loop_law_pvalue(seq: torch.Tensor, target: WindowModel) -> float:
     n, length = seq.shape
     law = law_dict(target.exact_law(length))
     return chi_square(counts_of(sequence_codes(seq, target.V)), law, n)[2]
+
+
+@cache
+def reference_models(instance: str) -> tuple[TableModel, TableModel, int]:
+    """(target, draft, γ) table models of a reference instance of spec §12."""
+    spec = load_reference()[0][instance]
+    gamma, vocab = spec["gamma"], len(spec["target"][""])
+    target = TableModel.from_json(spec["target"], vocab, gamma)
+    draft = TableModel.from_json(spec["draft"], vocab, gamma)
+    return target, draft, gamma

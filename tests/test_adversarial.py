@@ -57,15 +57,6 @@ N_DEFAULT = 50_000
 N_SLOW = 200_000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The suite runs under xdist on 2 shared cores: intra-op threads only add contention.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def adversarial_pair(sigma: float, seed: int = 2024) -> tuple[WindowModel, WindowModel]:
     """Target softmax(σ z_c), draft softmax(-σ z_c), z_c ~ N(0, 1)^V seeded per context c."""
     target = WindowModel(TableModel(V, 1, random_rows(V, seed, scale=sigma)))

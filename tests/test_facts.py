@@ -13,14 +13,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from functools import cache
 
 import pytest
 import torch
 from harness import (
     ALPHA,
     SPEC_NAMES,
-    TableModel,
     WindowModel,
     check_output,
     chi_square,
@@ -31,6 +29,7 @@ from harness import (
     method_step,
     one_iteration,
     random_rows,
+    reference_models,
     sample_paths,
 )
 
@@ -44,24 +43,6 @@ from service.verification import (
 
 INSTANCES, NUMBERS = load_reference()
 CARRY_METHODS = [m for m in METHODS if VERIFIERS[m].modifies_target]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The suite runs under xdist on 2 shared cores: intra-op threads only add contention.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@cache
-def reference_models(instance: str) -> tuple[TableModel, TableModel, int]:
-    spec = INSTANCES[instance]
-    gamma, vocab = spec["gamma"], len(spec["target"][""])
-    target = TableModel.from_json(spec["target"], vocab, gamma)
-    draft = TableModel.from_json(spec["draft"], vocab, gamma)
-    return target, draft, gamma
 
 
 def k_of(method: str, multi: int = 3) -> int:

@@ -44,15 +44,6 @@ SINGLE_PATH = [m for m in METHODS if VERIFIERS[m].single_path]
 MULTI_PATH = [m for m in METHODS if not VERIFIERS[m].single_path]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The suite runs under xdist on 2 shared cores: intra-op threads only add contention.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # ---------------------------------------------------------------------------------------------
 # Model pairs: (target, draft, γ, L, dtype).
 # ---------------------------------------------------------------------------------------------

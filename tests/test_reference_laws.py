@@ -14,25 +14,15 @@ vLLM-Ascend #7807 bug class) and SpecTr with ρ = 1 (infeasible, spec §7) are b
 from __future__ import annotations
 
 from collections import Counter
-from functools import cache
 
 import pytest
 import torch
-from harness import ALPHA, SPEC_NAMES, TableModel, chi_square, load_reference, one_iteration
+from harness import ALPHA, SPEC_NAMES, chi_square, load_reference, one_iteration, reference_models
 
 from service.verification import VERIFIERS, block, top_down
 
 N = 200_000
 INSTANCES, NUMBERS = load_reference()
-
-
-@cache
-def models(instance: str) -> tuple[TableModel, TableModel, int]:
-    spec = INSTANCES[instance]
-    gamma, vocab = spec["gamma"], len(spec["target"][""])
-    target = TableModel.from_json(spec["target"], vocab, gamma)
-    draft = TableModel.from_json(spec["draft"], vocab, gamma)
-    return target, draft, gamma
 
 
 def cases():
@@ -45,7 +35,7 @@ def cases():
 
 
 def law_test(method: str, instance: str, k: int, spec_name: str, seed: int = 0):
-    target, draft, gamma = models(instance)
+    target, draft, gamma = reference_models(instance)
     outcomes = one_iteration(method, target, draft, N, k, gamma, seed=seed)
     reference = NUMBERS["numbers"][instance][f"K={k}"][spec_name]
     _, _, pvalue = chi_square(Counter(outcomes), reference["output_law"], N)
@@ -86,7 +76,7 @@ def test_power_spectr_with_rho_one_is_rejected(monkeypatch):
 
 def test_power_laws_of_different_methods_are_told_apart():
     # GBV's samples tested against SpecInfer's law (toy, K = 2: E[τ] 131/81 vs 4/3).
-    target, draft, gamma = models("toy")
+    target, draft, gamma = reference_models("toy")
     outcomes = one_iteration("gbv", target, draft, N, 2, gamma, seed=3)
     law = NUMBERS["numbers"]["toy"]["K=2"]["SpecInfer"]["output_law"]
     assert chi_square(Counter(outcomes), law, N)[2] < 1e-9

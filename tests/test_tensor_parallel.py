@@ -33,15 +33,6 @@ VOCAB, MAX_BATCH, MAX_LEN = 96, 4, 64
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # 2 shared cores; the spawned rank inherits this count (num_threads defaults to ours).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
