@@ -12,7 +12,8 @@ sampling settings, seed (a private torch.Generator used for both drafting and ve
 its output does not depend on its batch-mates) and stop conditions. Method ``none`` is plain
 autoregressive decoding with the target (the baseline). A mixed batch runs the draft with the
 largest K and γ present and each request uses its own prefix of that; requests with ``none``
-still feed their token to the draft (wasted work, kept simple).
+still feed their tokens to the draft in such a batch (wasted work, kept simple), while a batch
+of only ``none`` requests skips the draft model entirely.
 """
 
 from __future__ import annotations
@@ -178,12 +179,16 @@ class SpeculativeEngine:
         params = [a.req.sampling for a in act]
         gens = [a.generator for a in act]
 
-        P = max(len(a.draft_pending) for a in act)
-        pending = torch.zeros(n, P, dtype=torch.int64)
-        for i, a in enumerate(act):
-            pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
-        counts = torch.tensor([len(a.draft_pending) for a in act])
-        x, q = self.draft.propose(pending, counts, k_max, g_max, params, gens)
+        drafted = bool(spec)  # a batch of plain requests never touches the draft model
+        if drafted:
+            P = max(len(a.draft_pending) for a in act)
+            pending = torch.zeros(n, P, dtype=torch.int64)
+            for i, a in enumerate(act):
+                pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
+            counts = torch.tensor([len(a.draft_pending) for a in act])
+            x, q = self.draft.propose(pending, counts, k_max, g_max, params, gens)
+        else:
+            x = torch.zeros(n, 1, 1, dtype=torch.int64)
         t1 = time.perf_counter()
 
         plain = torch.tensor([a.req.method == PLAIN for a in act])
@@ -227,16 +232,17 @@ class SpeculativeEngine:
                     act[i].carry = out.carry.select([j])
         t4 = time.perf_counter()
 
-        self.draft.commit(path, tau)
+        if drafted:
+            self.draft.commit(path, tau)
         self.target.commit(path, tau)
-        finished = self._advance(x, tokens, tau, path, g_max)
+        finished = self._advance(x, tokens, tau, path, g_max, drafted)
         t5 = time.perf_counter()
         step = StepTimes(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, n)
         self.times.add(step)
         self.steps += 1
         return finished
 
-    def _advance(self, x, tokens, tau, path, g_max) -> list[GenerationResult]:
+    def _advance(self, x, tokens, tau, path, g_max, drafted) -> list[GenerationResult]:
         """Append emitted tokens, update pending tokens and stats; retire finished requests."""
         done: list[int] = []
         results = []
@@ -249,8 +255,11 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
-            committed = min(t, run) if a.req.method != PLAIN else 0
-            a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
+            if drafted:  # the draft ran the old pending tokens and `committed` path tokens
+                committed = min(t, run) if a.req.method != PLAIN else 0
+                a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
+            else:  # the draft did not run: it still has to see everything since
+                a.draft_pending = a.draft_pending + emitted
             reason = None
             for tok in emitted:
                 a.output.append(tok)

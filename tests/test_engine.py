@@ -252,3 +252,21 @@ def test_mismatched_vocabularies_are_refused(tmp_path):
         PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / name)
     with pytest.raises(ValueError, match="vocabulary"):
         load_pair(tmp_path / "draft", tmp_path / "target")
+
+
+def test_plain_requests_skip_the_draft_and_catch_up_in_a_mixed_batch(pair):
+    hf, target, draft = pair
+    engine = make_engine(target, draft)
+    prompt = [3, 7, 1, 9, 2]
+    ref = greedy_reference(hf, prompt, 20)
+    greedy = SamplingParams(temperature=0.0)
+    engine.add(GenerationRequest(prompt, 20, "none", sampling=greedy, request_id="plain"))
+    for _ in range(4):  # a batch of plain requests only: the draft model does not run
+        engine.step()
+    # The draft cache still holds only the prefilled context; 1 + 4 tokens wait for it.
+    assert int(engine.draft.cache.lengths[0]) == 4 and len(engine.active[0].draft_pending) == 5
+    engine.add(GenerationRequest(prompt, 20, "block", 1, 4, greedy, request_id="spec"))
+    results = {}
+    while engine.active or engine.waiting:
+        results.update({r.request_id: r for r in engine.step()})
+    assert results["plain"].token_ids == ref and results["spec"].token_ids == ref
