@@ -124,9 +124,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engines = {b: build_engine(args.draft, args.target, b, max_len=2048) for b in args.batch}
+    engines = {b: build_engine(args.draft, args.target, b) for b in args.batch}
     tokenizer = engines[args.batch[0]][1]
-    prompts = humaneval_prompts(tokenizer, args.prompts)
+    # Keep each prompt's last tokens so that prompt + new tokens + a draft block fit the models'
+    # context (the bundled pair was trained on 384 positions; some HumanEval prompts are longer).
+    room = engines[args.batch[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
+    prompts = [p[-room:] for p in humaneval_prompts(tokenizer, args.prompts)]
     some_engine = engines[args.batch[0]][0]
     c = forward_ms(some_engine.draft.model) / forward_ms(some_engine.target.model)
     lines: list[str] = []

@@ -296,11 +296,14 @@ def build_engine(
     tensor_parallel: int = 1,
 ):
     """Engine over a local draft/target pair; the target split over `tensor_parallel` ranks
-    (spawned processes, gloo on CPU) when > 1. Returns (engine, tokenizer)."""
+    (spawned processes, gloo on CPU) when > 1. `max_len` is capped at the models' context.
+    Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
 
     d, t, tokenizer = load_pair(draft_dir, target_dir, dtype, device)
+    # Positions past either model's trained context are refused, not silently extrapolated.
+    max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     draft = DraftWorker(d.build(), max_batch, max_len, DTYPES[dtype], device)
     if tensor_parallel > 1:
         target = TensorParallelTarget(

@@ -233,25 +233,42 @@ def test_sampled_output_law_equals_target_law(method, k):
     assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
 
 
-def test_mismatched_vocabularies_are_refused(tmp_path):
+def save_tiny(path, vocab: int, context: int = 2048) -> None:
+    """A tiny random Llama checkpoint with a word-level tokenizer, loadable offline."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=context,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+
+
+def test_mismatched_vocabularies_are_refused(tmp_path):
     from workers.models import load_pair
 
-    for name, vocab in (("draft", 40), ("target", 48)):
-        cfg = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            vocab_size=vocab,
-        )
-        LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
-        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-        PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / name)
+    save_tiny(tmp_path / "draft", 40)
+    save_tiny(tmp_path / "target", 48)
     with pytest.raises(ValueError, match="vocabulary"):
         load_pair(tmp_path / "draft", tmp_path / "target")
+
+
+def test_engine_context_is_capped_at_the_models_context(tmp_path):
+    from service.engine import build_engine
+
+    save_tiny(tmp_path / "draft", 40, context=96)
+    save_tiny(tmp_path / "target", 40, context=64)
+    engine, _ = build_engine(str(tmp_path / "draft"), str(tmp_path / "target"), max_len=1024)
+    assert engine.max_len == 64
+    with pytest.raises(ValueError, match="context"):
+        engine.add(GenerationRequest(list(range(30)), max_new_tokens=30, gamma=4))
 
 
 def test_plain_requests_skip_the_draft_and_catch_up_in_a_mixed_batch(pair):
