@@ -33,12 +33,7 @@ class TargetWorker:
     @torch.inference_mode()
     def score(self, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
         """Returns processed target rows [n, K, γ+1, V] along every path (root row at d = 0)."""
-        logits = self.score_logits(tree)
-        n = logits.shape[0]
-        rows = logits[
-            torch.arange(n, device=logits.device)[:, None, None], tree.node_of
-        ]  # [n,K,γ+1,V]
-        return process(rows, params)
+        return path_rows(self.score_logits(tree), tree, params)
 
     @torch.inference_mode()
     def score_logits(self, tree: DraftTree) -> torch.Tensor:
@@ -57,3 +52,13 @@ class TargetWorker:
         rows = torch.arange(path.shape[0], device=path.device)
         self.cache.append(k, v, node_of[rows, path], num_accepted + 1)
         self._new = None
+
+
+def path_rows(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
+    """Node logits [n, N, V] -> processed rows per path [n, K, γ+1, V].
+
+    Processing runs once per tree node (shared prefixes once), then rows are gathered per path.
+    """
+    probs = process(logits, params)
+    n = probs.shape[0]
+    return probs[torch.arange(n, device=probs.device)[:, None, None], tree.node_of]

@@ -48,8 +48,8 @@ import torch.multiprocessing as mp
 from service.tree import DraftTree
 from workers.llama import LlamaSpec
 from workers.models import DTYPES, load_model
-from workers.sampling import SamplingParams, process
-from workers.target import TargetWorker
+from workers.sampling import SamplingParams
+from workers.target import TargetWorker, path_rows
 
 OPS = ("prefill", "move", "score_logits", "commit")  # TargetWorker methods run on every rank
 STOP = "stop"
@@ -428,10 +428,7 @@ class TensorParallelTarget:
     @torch.inference_mode()
     def score(self, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
         """Processed target rows [n, K, γ+1, V] along every path (as TargetWorker.score)."""
-        logits = self.score_logits(tree)  # [n, N, V]
-        n = logits.shape[0]
-        rows = logits[torch.arange(n, device=logits.device)[:, None, None], tree.node_of]
-        return process(rows, params)
+        return path_rows(self.score_logits(tree), tree, params)
 
     def score_logits(self, tree: DraftTree) -> torch.Tensor:
         """Raw logits of every tree node [n, N, V] (rank 0's copy)."""

@@ -22,10 +22,10 @@ from .common import (
     emit,
     exclusive_cumsum,
     last_passing_level,
-    positive_part_or,
     sample_from_weights,
     scaled_difference,
 )
+from .modification import m_new
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -33,14 +33,14 @@ def num_uniforms(k: int, gamma: int) -> int:
 
 
 def _path_logp(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """rows [B, P, γ+1, V], tokens [B, P, γ] -> log joint of every prefix [B, P, γ+1] float64."""
+    """rows [B, P, >=γ, V], tokens [B, P, γ] -> log joint of every prefix [B, P, γ+1] float64."""
     gamma = tokens.shape[-1]
     tok = rows[:, :, :gamma].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return exclusive_cumsum(tok.double().log())
 
 
 def _next_level(
-    rows: torch.Tensor,  # [B, P, γ+1, V]: P_k along each path
+    rows: torch.Tensor,  # [B, P, >=γ, V]: P_k along each path (rows of prefix lengths < γ)
     log_joint: torch.Tensor,  # [B, P, γ+1]: log P_k(prefix)
     log_joint_q: torch.Tensor,  # [B, P, γ+1]: log Q(prefix)
     q: torch.Tensor,  # [B, P, γ, V]
@@ -51,29 +51,18 @@ def _next_level(
 
     Rows at prefix lengths < |A_k| are one-hot on A_k (prefixes that left A_k already have
     joint 0, so their row is irrelevant); rows at lengths |A_k|..γ-1 (all >= τ_k) are M_new;
-    the bonus row (length γ) is unchanged.
+    the bonus row (length γ) is never modified, so it is not returned:
+    levels hold rows of prefix lengths 0..γ-1 only ([B, P, γ, V]).
     """
     gamma = q.shape[2]
-    head = _m_new(log_joint[..., :gamma], rows[:, :, :gamma], log_joint_q[..., :gamma], q)
+    head = m_new(log_joint[..., :gamma], rows[:, :, :gamma], log_joint_q[..., :gamma], q)
     forced = torch.zeros_like(head[:, 0]).scatter_(-1, accepted.unsqueeze(-1), 1.0)  # [B, γ, V]
     is_forced = torch.arange(gamma, device=q.device)[None, :] < length[:, None]  # [B, γ]
-    head = torch.where(is_forced[:, None, :, None], forced[:, None], head)
-    return torch.cat([head, rows[:, :, gamma:]], dim=2)
-
-
-def _m_new(
-    log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, q: torch.Tensor
-) -> torch.Tensor:
-    """M_new(·|v) = norm((P(v)p(·|v) - Q(v)q(·|v))_+); falls back to p on zero mass (§3.1, §11).
-
-    log_p, log_q [...]: joints of the prefixes v; p, q [..., V]: their rows.
-    """
-    m_new = positive_part_or(scaled_difference(log_p, p, log_q, q), p)
-    return m_new / m_new.sum(-1, keepdim=True)
+    return torch.where(is_forced[:, None, :, None], forced[:, None], head)
 
 
 def _greedy_levels(
-    rows: torch.Tensor,  # [B, γ+1, V]: the law verified against, along one path
+    rows: torch.Tensor,  # [B, >=γ, V]: the law verified against, along one path
     log_joint: torch.Tensor,  # [B, γ+1]
     log_joint_q: torch.Tensor,  # [B, γ+1]
     q: torch.Tensor,  # [B, γ, V]
@@ -148,7 +137,7 @@ def sequential_greedy_verify(
         joint = torch.where(best_path >= k, joint, 0.0)
         level_rows.append(row)
         level_joints.append(joint)
-        row = torch.where(modifiable, _m_new(joint, row, log_q_a, q_row), row)
+        row = torch.where(modifiable, m_new(joint, row, log_q_a, q_row), row)
     y = sample_from_weights(row, uniforms[:, K * gamma])
 
     # Record k: joint of (A, y) under P_k and under the draft; window = lengths |A|+1..γ-1.

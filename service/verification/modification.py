@@ -78,6 +78,16 @@ class TargetModification:
         return TargetModification(self.log_p[:, live], self.log_q[:, live], self.rows_left[:, live])
 
 
+def m_new(
+    log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, q: torch.Tensor
+) -> torch.Tensor:
+    """M_new(·|v) = norm((P(v) p(·|v) - Q(v) q(·|v))_+), falling back to p on zero mass
+    (only on probability-0 prefixes, spec §3.1, §11). log_p, log_q [...]: joints of the
+    prefixes v; p, q [..., V]: their rows."""
+    modified = positive_part_or(scaled_difference(log_p, p, log_q, q), p)
+    return modified / modified.sum(-1, keepdim=True)
+
+
 def apply_records(
     mod: TargetModification,
     tokens: torch.Tensor,  # [B, P, L] int64: the paths whose rows are given
@@ -111,8 +121,7 @@ def apply_records(
         token_logp[:, r] = base_logp
         joint_p = mod.log_p[:, r, None, None] + exclusive_cumsum(base_logp)[..., :width]
         joint_qr = mod.log_q[:, r, None, None] + joint_q
-        modified = positive_part_or(scaled_difference(joint_p, rows, joint_qr, q), rows)
-        modified = modified / modified.sum(-1, keepdim=True)
+        modified = m_new(joint_p, rows, joint_qr, q)
         active = in_window[None, None, :] < mod.rows_left[:, r, None, None]  # [B, 1, W]
         rows = torch.where(active.unsqueeze(-1), modified, rows)
     out = torch.cat([rows, target_probs[:, :, width:]], dim=2)
