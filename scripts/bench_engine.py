@@ -144,7 +144,20 @@ def main() -> None:
         "| draft | tree | target | verify | overhead |"
     )
     emit("|" + "---|" * 14)
-    rows = []
+    meta = dict(
+        c=c,
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        threads=args.threads,
+        torch=torch.__version__,
+        machine=platform.machine(),
+        processor=platform.processor(),
+    )
+    rows: list[dict] = []
+
+    def save() -> None:  # after every row, so an interrupted multi-hour run keeps what it measured
+        Path(args.out + ".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+
     for temperature in args.temperature:
         for batch in args.batch:
             engine = engines[batch][0]
@@ -152,6 +165,7 @@ def main() -> None:
             cfg = dict(method="none", k=1, gamma=0, temperature=temperature)
             rows.append(dict(cfg, batch=batch, **base))
             emit(_row(rows[-1], base, c))
+            save()
             for method in args.methods:
                 for k in args.k:
                     if VERIFIERS[method].single_path and k > 1:
@@ -163,26 +177,18 @@ def main() -> None:
                         cfg = dict(method=method, k=k, gamma=gamma, temperature=temperature)
                         rows.append(dict(cfg, batch=batch, **res))
                         emit(_row(rows[-1], base, c))
+                        save()
             if not args.no_hf and batch == 1:
                 hf = run_hf_assisted(args.draft, args.target, prompts, temperature, args.new_tokens)
                 cfg = dict(method="hf_assisted", k=1, gamma=0, temperature=temperature)
                 rows.append(dict(cfg, batch=1, **hf))
+                save()
                 speedup = hf["tokens_per_s"] / base["tokens_per_s"]
                 emit(
                     f"| hf_assisted | 1 | - | {temperature} | 1 | - | {hf['tokens_per_s']:.1f} "
                     f"| {speedup:.2f} | - | | | | | |"
                 )
 
-    meta = dict(
-        c=c,
-        prompts=args.prompts,
-        new_tokens=args.new_tokens,
-        threads=args.threads,
-        torch=torch.__version__,
-        machine=platform.machine(),
-        processor=platform.processor(),
-    )
-    Path(args.out + ".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     command = "python scripts/bench_engine.py " + " ".join(sys.argv[1:])
     intro = f"Command: `{command}`\n\nMachine: {platform.processor() or platform.machine()}, "
     intro += f"torch {torch.__version__}, {args.threads} thread(s).\n\n"

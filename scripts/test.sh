@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -n 2 "$@"
+.venv/bin/python -m pytest -n 2 --dist loadgroup "$@"

@@ -4,6 +4,9 @@
 - `demo`: every verifier on the spec's toy instance, measured E[τ] next to the exact values.
 - `generate --local`: speculative generation in-process on a local draft/target pair
   (default: the bundled pair under models/).
+- `serve`: the distributed service (Ray actors, Ray Serve replicas, gRPC gateway) on a local
+  Ray cluster on 127.0.0.1, or on the cluster at RAY_ADDRESS / --ray-address.
+- `generate --address HOST:PORT`: stream a completion from a running service.
 """
 
 from __future__ import annotations
@@ -97,6 +100,98 @@ def generate_local(args) -> None:
     )
 
 
+def serve_forever(args) -> None:
+    import asyncio
+    import signal
+
+    from ray import serve
+
+    from service.app import run
+    from service.config import Settings
+
+    overrides: dict = {}
+    for key in ("host", "port", "metrics_port", "redis_url", "ray_address"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    settings = Settings(**overrides)
+    replica = settings.replica.model_copy(
+        update={
+            k: v
+            for k, v in (("tensor_parallel", args.tp), ("max_batch", args.max_batch))
+            if v is not None
+        }
+    )
+    scaling = settings.autoscaling
+    if args.replicas:
+        low, _, high = args.replicas.partition("-")
+        scaling = scaling.model_copy(
+            update=dict(min_replicas=int(low), max_replicas=int(high or low))
+        )
+    settings = settings.model_copy(update=dict(replica=replica, autoscaling=scaling))
+    start = time.perf_counter()
+    gateway = run(settings)
+    address = gateway.address.remote().result()
+    print(
+        f"blockspec serving gRPC on {settings.host}:{address['port']} "
+        f"(metrics: {address['metrics_port'] or 'off'}; replicas "
+        f"{settings.autoscaling.min_replicas}-{settings.autoscaling.max_replicas}; "
+        f"sessions: {settings.redis_url or 'embedded'}) in {time.perf_counter() - start:.0f}s",
+        flush=True,
+    )
+    stop = asyncio.Event()
+
+    async def wait() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+
+    asyncio.run(wait())
+    print("draining...", flush=True)
+    gateway.drain.remote().result()
+    serve.shutdown()
+
+
+def generate_remote(args) -> None:
+    import grpc
+
+    from protos import blockspec_pb2 as pb
+    from protos import blockspec_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        method=args.method,
+        k=args.k,
+        gamma=args.gamma,
+        session_id=args.session or "",
+        stop=args.stop or [],
+    )
+    if args.seed is not None:
+        req.seed = args.seed
+    start = time.perf_counter()
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        try:
+            print(args.prompt, end="", flush=True)
+            for chunk in stub.GenerateStream(req, timeout=args.timeout):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+        except grpc.RpcError as err:
+            raise SystemExit(f"\nblockspec generate: {err.code().name}: {err.details()}") from None
+    print(flush=True)
+    stats = last.stats
+    print(
+        f"[{args.method} K={args.k} γ={args.gamma}] {time.perf_counter() - start:.2f}s, "
+        f"{stats.target_calls} target calls, {stats.tokens_per_call:.2f} tokens/call, "
+        f"finish={pb.FinishReason.Name(last.finish_reason)}, replica={last.replica}",
+        file=sys.stderr,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="blockspec", description="Lossless speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -106,8 +201,22 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt")
-    g.add_argument("--local", action="store_true", required=True, help="run the engine in-process")
+    where = g.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run the engine in-process")
+    where.add_argument("--address", help="HOST:PORT of a running service (blockspec serve)")
+    g.add_argument("--session", help="session id: continue (or start) a conversation")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     g.add_argument("--method", default="block", help="verification method, or none")
+    s = sub.add_parser("serve", help="run the service (Ray Serve + gRPC) until Ctrl-C")
+    s.add_argument("--host", help="gRPC/metrics listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (default 9464; 0 = off)")
+    s.add_argument("--redis-url", help="session store (default: embedded, single node)")
+    s.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    s.add_argument("--replicas", help="N or MIN-MAX replicas (autoscaled between)")
+    s.add_argument("--tp", type=int, help="tensor-parallel target shards per replica")
+    s.add_argument("--max-batch", type=int, help="requests per decode step per replica")
     g.add_argument("--k", type=int, default=1)
     g.add_argument("--gamma", type=int, default=4)
     g.add_argument("--temperature", type=float, default=1.0)
@@ -127,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{v.name:13s} {paths:7s} {v.description}")
     elif args.command == "demo":
         demo(args.trials, args.seed)
+    elif args.command == "serve":
+        serve_forever(args)
+    elif args.address:
+        generate_remote(args)
     else:
         try:
             generate_local(args)

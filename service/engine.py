@@ -7,13 +7,19 @@ One step for the batch of active requests (shared/spec/architecture.md):
   verify -> per (method, K, γ) group, batched (service.verification)
   commit -> keep the accepted path's KV entries, append tokens, retire finished requests
 
-Requests join between steps (`add`) and leave when finished; each has its own method, K, γ,
+Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
+its own method, K, γ,
 sampling settings, seed (a private torch.Generator used for both drafting and verification, so
 its output does not depend on its batch-mates) and stop conditions. Method ``none`` is plain
 autoregressive decoding with the target (the baseline). A mixed batch runs the draft with the
 largest K and γ present and each request uses its own prefix of that; requests with ``none``
 still feed their tokens to the draft in such a batch (wasted work, kept simple), while a batch
 of only ``none`` requests skips the draft model entirely.
+
+Sessions: a request with a ``session_id`` parks its KV entries in one of ``max_sessions`` spare
+cache slots when it finishes (least recently parked evicted first). The session's next request
+(its prompt = the history + new tokens) takes the slot back and prefills only the tokens past the
+longest cached prefix that still matches; KV of tokens generated past a stop is dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +53,9 @@ class GenerationRequest:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     request_id: str = ""
+    session_id: str | None = None  # park the KV under this key when finished (max_sessions > 0)
+    # Called with the tokens each step appends to the output (streaming), on the engine's thread.
+    on_tokens: Callable[[list[int]], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -64,23 +74,28 @@ class RequestStats:
 class GenerationResult:
     request_id: str
     token_ids: list[int]
-    finish_reason: str  # "length" | "stop"
+    finish_reason: str  # "length" | "stop" | "cancelled"
     stats: RequestStats
+    cached_tokens: int = 0  # prompt tokens whose target KV came from the session's parked slot
 
 
 @dataclass
 class StepTimes:
-    """Wall-clock seconds of one engine step by phase; overhead = bookkeeping and commits."""
+    """Wall-clock seconds of engine steps by phase; overhead = bookkeeping and commits;
+    transfer = time remote workers' calls took beyond their own compute (zero in-process)."""
 
     draft: float = 0.0
     tree: float = 0.0
     target: float = 0.0
+    transfer: float = 0.0
     verify: float = 0.0
     overhead: float = 0.0
     batch_size: int = 0
 
+    PHASES = ("draft", "tree", "target", "transfer", "verify", "overhead")
+
     def add(self, other: StepTimes) -> None:
-        for name in ("draft", "tree", "target", "verify", "overhead"):
+        for name in self.PHASES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.batch_size += other.batch_size
 
@@ -94,16 +109,42 @@ class _Active:
     output: list[int] = field(default_factory=list)
     carry: TargetModification | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    emitted: int = 0  # tokens emitted so far, including any past a stop (they are in the caches)
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Parked:
+    """A finished session's KV, kept in a spare slot for its next request."""
+
+    slot: int
+    tokens: list[int]  # the session's history; the caches hold KV of its first *_len tokens
+    draft_len: int
+    target_len: int
 
 
 class SpeculativeEngine:
-    def __init__(self, draft: DraftWorker, target: TargetWorker, max_batch: int, max_len: int):
+    """Workers' caches need max_batch + max_sessions slots: [0, max_batch) for active requests,
+    the rest for parked sessions."""
+
+    def __init__(
+        self,
+        draft: DraftWorker,
+        target: TargetWorker,
+        max_batch: int,
+        max_len: int,
+        vocab_size: int,
+        max_sessions: int = 0,
+    ):
         self.draft, self.target = draft, target
         self.max_batch, self.max_len = max_batch, max_len
-        self.vocab_size = target.model.spec.vocab_size
+        self.vocab_size = vocab_size
         self.active: list[_Active] = []  # slot i of both caches belongs to active[i]
         self.waiting: list[_Active] = []
+        self.parked: OrderedDict[str, _Parked] = OrderedDict()  # oldest first
+        self.free_slots = list(range(max_batch + max_sessions - 1, max_batch - 1, -1))
         self.times = StepTimes()
+        self.last_step = StepTimes()
         self.steps = 0
         self._ids = itertools.count()
 
@@ -144,18 +185,77 @@ class SpeculativeEngine:
         self.waiting.append(_Active(req, gen, last, [last], stats=stats))
         return req.request_id
 
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or active request (between steps); its KV slot is freed, not parked."""
+        for i, a in enumerate(self.waiting):
+            if a.req.request_id == request_id:
+                del self.waiting[i]
+                return True
+        for i, a in enumerate(self.active):
+            if a.req.request_id == request_id:
+                self._retire(i, park=False)
+                return True
+        return False
+
     def _admit(self) -> None:
         room = self.max_batch - len(self.active)
         new, self.waiting = self.waiting[:room], self.waiting[room:]
         if not new:
             return
         slot0 = len(self.active)
-        contexts = [torch.tensor(a.req.prompt_ids[:-1], dtype=torch.int64) for a in new]
-        self.draft.prefill(slot0, contexts)
-        self.target.prefill(slot0, contexts)
+        keep_draft, keep_target = [], []
+        for slot, a in enumerate(new, start=slot0):
+            kd = kt = 0
+            parked = self.parked.pop(a.req.session_id, None) if a.req.session_id else None
+            if parked is not None:
+                prompt = a.req.prompt_ids
+                pairs = zip(parked.tokens, prompt, strict=False)
+                same = next(
+                    (i for i, (x, y) in enumerate(pairs) if x != y),
+                    min(len(parked.tokens), len(prompt)),
+                )
+                usable = min(same, len(prompt) - 1)  # the last prompt token stays pending
+                kd, kt = min(parked.draft_len, usable), min(parked.target_len, usable)
+                self.draft.move(parked.slot, slot)
+                self.target.move(parked.slot, slot)
+                self.free_slots.append(parked.slot)
+            a.cached_tokens = kt
+            keep_draft.append(kd)
+            keep_target.append(kt)
+
+        def rest(keep: list[int]) -> list[torch.Tensor]:
+            return [
+                torch.tensor(a.req.prompt_ids[n:-1], dtype=torch.int64)
+                for a, n in zip(new, keep, strict=True)
+            ]
+
+        self.draft.prefill(slot0, rest(keep_draft), keep_draft)
+        self.target.prefill(slot0, rest(keep_target), keep_target)
         self.active.extend(new)
 
-    def _retire(self, index: int) -> None:
+    def _park(self, index: int) -> None:
+        """Keep active[index]'s KV in a spare slot under its session id."""
+        a = self.active[index]
+        old = self.parked.pop(a.req.session_id, None)
+        if old is not None:
+            self.free_slots.append(old.slot)
+        if not self.free_slots:
+            self.free_slots.append(self.parked.popitem(last=False)[1].slot)
+        slot = self.free_slots.pop()
+        history = a.req.prompt_ids + a.output
+        total = len(a.req.prompt_ids) + a.emitted  # what the caches hold, minus pending tokens
+        self.draft.move(index, slot)
+        self.target.move(index, slot)
+        self.parked[a.req.session_id] = _Parked(
+            slot,
+            history,
+            draft_len=min(total - len(a.draft_pending), len(history)),
+            target_len=min(total - 1, len(history)),
+        )
+
+    def _retire(self, index: int, park: bool = True) -> None:
+        if park and self.active[index].req.session_id and len(self.free_slots) + len(self.parked):
+            self._park(index)
         last = len(self.active) - 1
         if index != last:
             self.draft.move(last, index)
@@ -237,7 +337,17 @@ class SpeculativeEngine:
         self.target.commit(path, tau)
         finished = self._advance(x, tokens, tau, path, g_max, drafted)
         t5 = time.perf_counter()
-        step = StepTimes(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, n)
+        sent_draft, sent_target = _pop_transfer(self.draft), _pop_transfer(self.target)
+        step = StepTimes(
+            t1 - t0 - sent_draft,
+            t2 - t1,
+            t3 - t2 - sent_target,
+            sent_draft + sent_target,
+            t4 - t3,
+            t5 - t4,
+            n,
+        )
+        self.last_step = step
         self.times.add(step)
         self.steps += 1
         return finished
@@ -252,6 +362,7 @@ class SpeculativeEngine:
             emitted = tokens[i, : t + 1].tolist()
             a.stats.target_calls += 1
             a.stats.accepted += t
+            a.emitted += len(emitted)
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
@@ -261,6 +372,7 @@ class SpeculativeEngine:
             else:  # the draft did not run: it still has to see everything since
                 a.draft_pending = a.draft_pending + emitted
             reason = None
+            before = len(a.output)
             for tok in emitted:
                 a.output.append(tok)
                 if tok in a.req.stop_token_ids:
@@ -269,8 +381,12 @@ class SpeculativeEngine:
                 if len(a.output) >= a.req.max_new_tokens:
                     reason = "length"
                     break
+            if a.req.on_tokens is not None:
+                a.req.on_tokens(a.output[before:])
             if reason:
-                results.append(GenerationResult(a.req.request_id, a.output, reason, a.stats))
+                results.append(
+                    GenerationResult(a.req.request_id, a.output, reason, a.stats, a.cached_tokens)
+                )
                 done.append(i)
         for i in reversed(done):
             self._retire(i)
@@ -286,6 +402,12 @@ class SpeculativeEngine:
         return [results[i] for i in ids]
 
 
+def _pop_transfer(worker) -> float:
+    """Transfer seconds a remote worker proxy (workers.actors) spent since last asked."""
+    pop = getattr(worker, "pop_transfer_s", None)
+    return pop() if pop is not None else 0.0
+
+
 def build_engine(
     draft_dir: str,
     target_dir: str,
@@ -294,6 +416,7 @@ def build_engine(
     dtype: str = "float32",
     device: str = "cpu",
     tensor_parallel: int = 1,
+    max_sessions: int = 0,
 ):
     """Engine over a local draft/target pair; the target split over `tensor_parallel` ranks
     (spawned processes, gloo on CPU) when > 1. `max_len` is capped at the models' context.
@@ -304,11 +427,11 @@ def build_engine(
     d, t, tokenizer = load_pair(draft_dir, target_dir, dtype, device)
     # Positions past either model's trained context are refused, not silently extrapolated.
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
-    draft = DraftWorker(d.build(), max_batch, max_len, DTYPES[dtype], device)
+    slots = max_batch + max_sessions
+    draft = DraftWorker(d.build(), slots, max_len, DTYPES[dtype], device)
     if tensor_parallel > 1:
-        target = TensorParallelTarget(
-            target_dir, tensor_parallel, max_batch, max_len, dtype, device
-        )
+        target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
-        target = TargetWorker(t.build(), max_batch, max_len, DTYPES[dtype], device)
-    return SpeculativeEngine(draft, target, max_batch, max_len), tokenizer
+        target = TargetWorker(t.build(), slots, max_len, DTYPES[dtype], device)
+    engine = SpeculativeEngine(draft, target, max_batch, max_len, t.spec.vocab_size, max_sessions)
+    return engine, tokenizer

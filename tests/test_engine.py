@@ -47,12 +47,17 @@ def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05):
     return hf, Llama(spec, state), Llama(spec, draft_state)
 
 
-def make_engine(target: Llama, draft: Llama, max_batch: int = 16, max_len: int = 128):
+def make_engine(
+    target: Llama, draft: Llama, max_batch: int = 16, max_len: int = 128, max_sessions: int = 0
+):
+    slots = max_batch + max_sessions
     return SpeculativeEngine(
-        DraftWorker(draft, max_batch, max_len),
-        TargetWorker(target, max_batch, max_len),
+        DraftWorker(draft, slots, max_len),
+        TargetWorker(target, slots, max_len),
         max_batch,
         max_len,
+        target.spec.vocab_size,
+        max_sessions,
     )
 
 
@@ -287,3 +292,64 @@ def test_plain_requests_skip_the_draft_and_catch_up_in_a_mixed_batch(pair):
     while engine.active or engine.waiting:
         results.update({r.request_id: r for r in engine.step()})
     assert results["plain"].token_ids == ref and results["spec"].token_ids == ref
+
+
+def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
+    hf, target, draft = pair
+    engine = make_engine(target, draft, max_batch=2, max_sessions=2)
+    greedy = SamplingParams(temperature=0.0)
+    first = [3, 7, 1, 9, 2]
+    stop = greedy_reference(hf, first, 12)[7]  # stops mid-block: KV past the stop is dropped
+    req = GenerationRequest(first, 12, "block", 1, 4, greedy, (stop,), session_id="s")
+    (r1,) = engine.generate([req])
+    assert r1.finish_reason == "stop" and r1.cached_tokens == 0  # nothing parked yet
+    history = first + r1.token_ids
+    turn2 = [*history, 11, 12]
+    # A second session fills the other parked slot; a third evicts the oldest ("s" is reused
+    # first, so it is the newest).
+    (r2,) = engine.generate([GenerationRequest(turn2, 10, "gbv", 2, 3, greedy, session_id="s")])
+    # Only the new tokens ran (and the last history token, if the stop ended a block).
+    assert r2.cached_tokens in (len(history) - 1, len(history))
+    assert r2.token_ids == greedy_reference(hf, turn2, 10)
+    # The parked KV equals a fresh prefill of the session's history.
+    parked = engine.parked["s"]
+    seq = turn2 + r2.token_ids
+    assert parked.tokens == seq
+    fresh = KVCache(target.spec, target.kv_heads, 1, 128, torch.float32, "cpu")
+    prefill(target, fresh, 0, [torch.tensor(seq[: parked.target_len])])
+    n = parked.target_len
+    diff = (engine.target.cache.k[:, parked.slot, :, :n] - fresh.k[:, 0, :, :n]).abs().max()
+    assert diff < 1e-4
+    # An edited history reuses only the common prefix, and the output is still exact.
+    edited = [*seq[:4], 30, 31]
+    (r3,) = engine.generate([GenerationRequest(edited, 6, "token", 1, 2, greedy, session_id="s")])
+    assert r3.cached_tokens == 4
+    assert r3.token_ids == greedy_reference(hf, edited, 6)
+    # Eviction: capacity 2, three sessions; the least recently parked one starts cold.
+    for sid in ("a", "b"):
+        engine.generate([GenerationRequest([5, 6], 3, "block", 1, 2, greedy, session_id=sid)])
+    assert list(engine.parked) == ["a", "b"] and len(engine.free_slots) == 0
+    (r4,) = engine.generate([GenerationRequest(edited, 4, "block", 1, 2, greedy, session_id="s")])
+    assert r4.cached_tokens == 0 and r4.token_ids == greedy_reference(hf, edited, 4)
+
+
+def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
+    hf, target, draft = pair
+    engine = make_engine(target, draft, max_batch=2)
+    greedy = SamplingParams(temperature=0.0)
+    streamed: list[int] = []
+    keep = GenerationRequest([4, 5, 6], 20, "traversal", 2, 3, greedy, on_tokens=streamed.extend)
+    gone = GenerationRequest([7, 8], 20, "block", 1, 3, greedy)
+    waiting = GenerationRequest([9], 20, "block", 1, 3, greedy)
+    for r in (keep, gone, waiting):
+        engine.add(r)
+    engine.step()
+    assert len(engine.active) == 2 and len(engine.waiting) == 1
+    assert engine.cancel(gone.request_id) and engine.cancel(waiting.request_id)
+    assert not engine.cancel(gone.request_id)
+    assert len(engine.active) == 1 and not engine.waiting
+    results = []
+    while engine.active:
+        results += engine.step()
+    (res,) = results
+    assert res.token_ids == greedy_reference(hf, [4, 5, 6], 20) == streamed

@@ -179,7 +179,8 @@ def test_engine_greedy_equals_target(tp, checkpoint):
     def run(target) -> list:
         # max_batch 2 < 5 requests: continuous batching, so requests leave and slots move.
         draft = DraftWorker(_noisy_draft(checkpoint), MAX_BATCH, MAX_LEN)
-        engine = SpeculativeEngine(draft, target, max_batch=2, max_len=MAX_LEN)
+        vocab = draft.model.spec.vocab_size
+        engine = SpeculativeEngine(draft, target, max_batch=2, max_len=MAX_LEN, vocab_size=vocab)
         reqs = [
             GenerationRequest(p, 12, method, k, gamma, greedy, seed=i)
             for i, (p, (_, method, k, gamma)) in enumerate(zip(prompts, specs, strict=True))

@@ -23,9 +23,12 @@ class DraftWorker:
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
 
-    def prefill(self, slot0: int, contexts: list[torch.Tensor]) -> None:
-        """Commit new requests' contexts (all but their pending tokens) into slots slot0..."""
-        prefill(self.model, self.cache, slot0, contexts)
+    def prefill(
+        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
+    ) -> None:
+        """Commit new requests' contexts (all but their pending tokens) into slots slot0..,
+        after the first keep[i] tokens a slot already holds (see :func:`prefill`)."""
+        prefill(self.model, self.cache, slot0, contexts, keep)
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)
@@ -86,14 +89,24 @@ class DraftWorker:
 
 
 @torch.inference_mode()
-def prefill(model: Llama, cache: KVCache, slot0: int, contexts: list[torch.Tensor]) -> None:
-    """Run each context [T_i] into empty slots slot0 + i, batched with padding (both workers)."""
+def prefill(
+    model: Llama,
+    cache: KVCache,
+    slot0: int,
+    contexts: list[torch.Tensor],  # [T_i] int64 each
+    keep: list[int] | None = None,  # cached tokens kept per slot (a warm session); None: 0
+) -> None:
+    """Slot slot0 + i keeps its first keep[i] cached tokens and appends contexts[i] after them
+    (both workers). keep = 0 is a fresh prefill; the contexts run batched, with padding."""
     n = len(contexts)
-    cache.lengths[slot0 : slot0 + n] = 0
-    T = max(c.shape[0] for c in contexts)
+    dev = cache.lengths.device
+    kept = torch.tensor(keep if keep is not None else [0] * n, dtype=torch.int64, device=dev)
+    if bool((kept > cache.lengths[slot0 : slot0 + n]).any()):
+        raise ValueError("prefill: cannot keep more tokens than a slot holds")
+    cache.lengths[slot0 : slot0 + n] = kept
+    T = max((c.shape[0] for c in contexts), default=0)
     if T == 0:
         return
-    dev = cache.lengths.device
     counts = torch.tensor([c.shape[0] for c in contexts], device=dev)
     tokens = torch.zeros(n, T, dtype=torch.int64, device=dev)
     for i, c in enumerate(contexts):
@@ -103,5 +116,6 @@ def prefill(model: Llama, cache: KVCache, slot0: int, contexts: list[torch.Tenso
     mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril() & (
         (steps[None, :] < counts[:, None, None]) | torch.eye(T, dtype=torch.bool, device=dev)
     )
-    _, k, v = model(tokens[:, None], steps.expand(n, 1, T), cache, mask[:, None], slot0=slot0)
+    positions = (kept[:, None] + steps)[:, None]  # [n, 1, T]
+    _, k, v = model(tokens[:, None], positions, cache, mask[:, None], slot0=slot0)
     cache.append(k[:, :, 0], v[:, :, 0], steps.expand(n, T), counts, slot0=slot0)

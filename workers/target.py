@@ -24,8 +24,10 @@ class TargetWorker:
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def prefill(self, slot0: int, contexts: list[torch.Tensor]) -> None:
-        prefill(self.model, self.cache, slot0, contexts)
+    def prefill(
+        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
+    ) -> None:
+        prefill(self.model, self.cache, slot0, contexts, keep)
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)

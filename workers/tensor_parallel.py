@@ -74,9 +74,12 @@ def check_divisible(spec: LlamaSpec, world: int) -> None:
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:
-    """CPU ranks share the CPU; CUDA rank r uses GPU r (one GPU per rank)."""
+    """CPU ranks share the CPU; CUDA rank r uses GPU r (one GPU per rank) unless the device
+    names its GPU (a Ray actor sees only its own GPU, as cuda:0)."""
     device = torch.device(device)
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", rank)
+    return device
 
 
 def _use_loopback() -> None:
@@ -414,13 +417,17 @@ class TensorParallelTarget:
             notes = "".join(f"\n{msg}" for msg in workers.errors)
             raise RuntimeError(f"tensor-parallel op {op!r} failed; group shut down{notes}") from e
 
-    def prefill(self, slot0: int, contexts: list[torch.Tensor]) -> None:
-        """contexts: [T_i] int64 each, into slots slot0.. (see workers.draft.prefill)."""
+    def prefill(
+        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
+    ) -> None:
+        """contexts: [T_i] int64 each, into slots slot0.. after keep[i] cached tokens
+        (see workers.draft.prefill)."""
         if not 0 <= slot0 <= slot0 + len(contexts) <= self.max_batch:
             raise ValueError(f"slots {slot0}..{slot0 + len(contexts)} exceed max_batch")
-        if any(c.shape[0] > self.max_len for c in contexts):
+        keep = keep or [0] * len(contexts)
+        if any(c.shape[0] + s > self.max_len for c, s in zip(contexts, keep, strict=True)):
             raise ValueError(f"a context exceeds max_len={self.max_len}")
-        self._call("prefill", slot0, list(contexts), collective=True)
+        self._call("prefill", slot0, list(contexts), keep, collective=True)
 
     def move(self, src: int, dst: int) -> None:
         self._call("move", src, dst, collective=False)

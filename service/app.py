@@ -1,0 +1,95 @@
+"""The Ray Serve application: a `Replica` deployment (autoscaled) behind a `Gateway` deployment
+that serves gRPC. `app_builder` is the import path of deploy/serve_config.yaml and of the KubeRay
+RayService; `blockspec serve` runs the same application on a local cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray import serve
+
+from service.config import Settings
+from service.replica import Replica
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # local Ray listens on 127.0.0.1
+
+
+class Gateway:
+    """Hosts service.gateway.GatewayServer in a Serve replica (one; it is only an ingress)."""
+
+    async def __init__(self, replicas, settings: dict[str, Any]):
+        from service.gateway import GatewayServer
+
+        self.settings = Settings.model_validate(settings)
+        info = await replicas.info.remote()
+        self.server = GatewayServer(self.settings, replicas, info)
+        await self.server.start()
+
+    async def address(self) -> dict[str, Any]:
+        return dict(port=self.server.port, metrics_port=self.server.metrics_port)
+
+    async def drain(self) -> None:
+        await self.server.drain()
+
+    async def __del__(self):
+        await self.server.drain()
+
+
+def build(settings: Settings) -> serve.Application:
+    cfg = settings.replica
+    replica = serve.deployment(
+        Replica,
+        name="Replica",
+        ray_actor_options=dict(
+            num_cpus=cfg.coordinator.num_cpus, num_gpus=cfg.coordinator.num_gpus
+        ),
+        autoscaling_config=settings.autoscaling.serve_config(),
+        # Serve sends a replica at most this many requests; the coordinator batches max_batch
+        # of them and queues the rest, so the handle's queue fills only when all are busy.
+        max_ongoing_requests=cfg.max_batch + cfg.max_queued,
+        # Beyond that, up to max_queued more wait at the gateway's handle (they are what tells
+        # the autoscaler to add replicas); the next ones get RESOURCE_EXHAUSTED at once.
+        max_queued_requests=max(cfg.max_queued, 1),
+        graceful_shutdown_timeout_s=settings.drain_timeout_s,
+    )
+    gateway = serve.deployment(
+        Gateway,
+        name="Gateway",
+        num_replicas=1,
+        ray_actor_options=dict(num_cpus=0),
+        max_ongoing_requests=16,
+        graceful_shutdown_timeout_s=settings.drain_timeout_s,
+    )
+    return gateway.bind(replica.bind(cfg.model_dump()), settings.model_dump())
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """`serve run` / `serve deploy` / RayService entry point: args are Settings fields."""
+    return build(Settings.model_validate(args))
+
+
+def start_ray(settings: Settings) -> None:
+    """Join settings.ray_address (or RAY_ADDRESS), else start a local cluster on 127.0.0.1."""
+    if ray.is_initialized():
+        return
+    address = settings.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(
+        num_cpus=settings.ray_num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        runtime_env={"env_vars": dict(LOOPBACK_ENV)},
+    )
+
+
+def run(settings: Settings, name: str | None = None):
+    """Start (or join) Ray and the application; returns the gateway's handle."""
+    start_ray(settings)
+    serve.start(proxy_location="Disabled")
+    return serve.run(build(settings), name=name or settings.app_name, route_prefix=None)

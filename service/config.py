@@ -1,0 +1,129 @@
+"""Service configuration: one pydantic model, read from env vars and an optional YAML/TOML file.
+
+Precedence: init arguments (the CLI) > environment (``BLOCKSPEC_...``, nested with ``__``, e.g.
+``BLOCKSPEC_REPLICA__MAX_BATCH=16``) > the file named by ``BLOCKSPEC_CONFIG`` > defaults. The
+defaults run the bundled model pair on this machine with no external services: a local Ray
+cluster on 127.0.0.1, the embedded session store, one replica.
+
+``ReplicaConfig`` is what a Serve replica receives (``deploy/serve_config.yaml`` carries the same
+fields under the deployment's ``user_config``-free init args), so the same code runs on a 2-core
+machine and on a GPU cluster by changing resources, device and tensor parallelism only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from workers.models import BUNDLED
+
+CONFIG_ENV = "BLOCKSPEC_CONFIG"
+
+
+class Resources(BaseModel):
+    """Ray resources of one actor. Logical CPUs: Ray schedules by them, the OS does not."""
+
+    model_config = ConfigDict(extra="forbid")  # a typo in a config file is an error
+
+    num_cpus: float = Field(0.25, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class ReplicaConfig(BaseModel):
+    """One replica: a coordinator (the Serve replica) with its draft actor and target shards."""
+
+    model_config = ConfigDict(extra="forbid")  # a typo in a config file is an error
+
+    draft_dir: str = str(BUNDLED / "draft")
+    target_dir: str = str(BUNDLED / "target")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"  # "cuda" on GPU nodes: each actor gets its own GPU from Ray
+    tensor_parallel: int = Field(1, ge=1)  # target shards (one actor each, one placement group)
+    torch_threads: int = Field(1, ge=1)  # intra-op threads per actor (oversubscription is costly)
+    max_batch: int = Field(8, ge=1)  # requests per decode step
+    max_queued: int = Field(32, ge=0)  # waiting beyond max_batch before RESOURCE_EXHAUSTED
+    max_len: int = Field(1024, ge=8)  # capped at the models' context
+    max_sessions: int = Field(16, ge=0)  # parked session KV caches per replica
+    max_new_tokens: int = Field(512, ge=1)  # per-request limit
+    max_k: int = Field(4, ge=1)
+    max_gamma: int = Field(16, ge=1)
+    default_method: str = "block"
+    default_gamma: int = Field(4, ge=1)
+    default_max_new_tokens: int = Field(128, ge=1)
+    coordinator: Resources = Resources()
+    draft: Resources = Resources()
+    target_shard: Resources = Resources()
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve ``autoscaling_config`` of the replica deployment (same field names)."""
+
+    model_config = ConfigDict(extra="forbid")  # a typo in a config file is an error
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    upscale_delay_s: float = Field(2.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+    metrics_interval_s: float = Field(10.0, gt=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling: min_replicas exceeds max_replicas")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("autoscaling: look_back_period_s must exceed metrics_interval_s")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="BLOCKSPEC_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    host: str = "127.0.0.1"  # gRPC listen address (loopback unless you mean otherwise)
+    port: int = Field(50051, ge=0, le=65535)  # 0: any free port
+    metrics_port: int = Field(9464, ge=0, le=65535)  # Prometheus /metrics on `host`; 0: off
+    redis_url: str | None = None  # None: embedded in-process session store (single node)
+    session_ttl_s: float = Field(3600.0, gt=0)
+    ray_address: str | None = None  # join this cluster; None: RAY_ADDRESS or a local cluster
+    ray_num_cpus: int | None = None  # logical CPUs of a local cluster (None: the machine's)
+    app_name: str = "blockspec"
+    drain_timeout_s: float = Field(30.0, ge=0)  # on shutdown: finish in-flight requests
+    replica: ReplicaConfig = ReplicaConfig()
+    autoscaling: Autoscaling = Autoscaling()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources = [init_settings, env_settings]
+        path = os.environ.get(CONFIG_ENV)
+        if path:
+            if not Path(path).is_file():
+                raise ValueError(f"{CONFIG_ENV}: no such file {path!r}")
+            if path.endswith(".toml"):
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)

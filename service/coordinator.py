@@ -1,0 +1,164 @@
+"""The coordinator: scheduler and decode loop over one engine, fed from asyncio request handlers.
+
+Engine steps block (they wait for the draft and target actors), so the loop runs on its own
+thread and the request side talks to it through an inbox: `submit` queues a request, `cancel`
+drops one (the engine frees its KV slot between two steps). Every step admits whatever arrived
+(continuous batching of *all* concurrent requests), enforces deadlines, runs one engine step and
+hands each request its new tokens through a thread-safe callback.
+
+Admission control: at most max_batch requests run and max_queued wait; beyond that `submit`
+raises `Overloaded` at once (the gateway answers RESOURCE_EXHAUSTED) rather than letting
+latency grow without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
+
+
+class Overloaded(Exception):
+    """The replica's queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before it finished (DEADLINE_EXCEEDED)."""
+
+
+class ReplicaFailed(RuntimeError):
+    """A step failed (a worker actor died, say); this replica serves no more (UNAVAILABLE)."""
+
+
+# deliver(kind, value): kind "tokens" (list[int]), "done" (GenerationResult) or "error" (exc).
+Deliver = Callable[[str, object], None]
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    deliver: Deliver
+    deadline: float | None  # time.time() seconds
+
+
+@dataclass
+class CoordinatorStats:
+    """Cumulative counters since start (the replica's `stats` RPC; tests and load tests)."""
+
+    steps: int = 0
+    times: StepTimes | None = None
+    batch_sizes: collections.Counter | None = None  # batch size -> steps that ran it
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+
+
+class Coordinator:
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        max_queued: int,
+        on_step: Callable[[StepTimes, int], None] | None = None,
+    ):
+        self.engine = engine
+        self.capacity = engine.max_batch + max_queued
+        self.on_step = on_step  # metrics hook: (step times, queue depth after the step)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self.stats = CoordinatorStats(times=StepTimes(), batch_sizes=collections.Counter())
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ request side (any thread)
+    def submit(self, request: GenerationRequest, deliver: Deliver, deadline: float | None) -> None:
+        """Queue a validated request; raises ValueError (bad field), Overloaded or
+        ReplicaFailed. `request.request_id` must be unique."""
+        if self.failure is not None:
+            raise ReplicaFailed(f"replica failed: {self.failure!r}")
+        self.engine.validate(request)  # pure: reads only limits
+        with self._lock:
+            if len(self._jobs) >= self.capacity:
+                self.stats.rejected += 1
+                raise Overloaded(
+                    f"queue full: {len(self._jobs)} requests in flight (limit {self.capacity})"
+                )
+            self._jobs[request.request_id] = _Job(request, deliver, deadline)
+        request.on_tokens = lambda tokens: deliver("tokens", tokens)
+        self._inbox.put(("add", request.request_id))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ loop (own thread)
+    def _finish(self, request_id: str, kind: str, value: object) -> None:
+        with self._lock:
+            job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.deliver(kind, value)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        while True:
+            try:
+                op, request_id = self._inbox.get(block=block, timeout=None)
+            except queue.Empty:
+                return True
+            block = False
+            if op == "stop":
+                return False
+            job = self._jobs.get(request_id)
+            if op == "add" and job is not None:
+                self.engine.add(job.request)
+            elif op == "cancel" and self.engine.cancel(request_id):
+                self.stats.cancelled += 1
+                self._finish(request_id, "error", DeadlineExceeded("cancelled"))
+
+    def _expire(self) -> None:
+        now = time.time()
+        late = [rid for rid, job in list(self._jobs.items()) if job.deadline and job.deadline < now]
+        for rid in late:
+            if self.engine.cancel(rid):
+                self.stats.cancelled += 1
+            self._finish(rid, "error", DeadlineExceeded("deadline exceeded"))
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while self._drain_inbox(block=not (engine.active or engine.waiting)):
+                self._expire()
+                if not (engine.active or engine.waiting):
+                    continue
+                finished: list[GenerationResult] = engine.step()
+                step = engine.last_step
+                self.stats.steps += 1
+                self.stats.times.add(step)
+                self.stats.batch_sizes[step.batch_size] += 1
+                for result in finished:
+                    self.stats.finished += 1
+                    self._finish(result.request_id, "done", result)
+                if self.on_step is not None:
+                    self.on_step(step, len(engine.waiting))
+        except BaseException as exc:  # a worker died or a step failed: fail everything
+            self.failure = exc
+            with self._lock:
+                jobs, self._jobs = self._jobs, {}
+            for job in jobs.values():
+                job.deliver("error", ReplicaFailed(f"replica failed: {exc!r}"))

@@ -1,0 +1,365 @@
+"""The gRPC gateway: the public API (protos/blockspec.proto) in front of the replica deployment.
+
+Why our own `grpc.aio` server instead of Serve's gRPC proxy: the proxy rewrites application
+status codes to INTERNAL (ray-project/ray#58851) and cost ~7–10 ms per unary call here; the
+contract below needs exact codes. The gateway reaches replicas through a Serve
+`DeploymentHandle`, so Serve's routing and autoscaling (on ongoing requests) stay in charge.
+
+Per request: check fields (INVALID_ARGUMENT, naming the field), tokenize, prepend the session's
+history, stream the replica's tokens back as text (stop strings cut here), record metrics, save
+the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full, DEADLINE_EXCEEDED /
+CANCELLED stop the request and free its KV cache, UNAVAILABLE while draining or when a replica
+failed. Also grpc.health.v1 (NOT_SERVING while draining) and server reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from ray.serve.exceptions import BackPressureError
+from transformers import AutoTokenizer
+
+from protos import blockspec_pb2 as pb
+from protos import blockspec_pb2_grpc as pb_grpc
+from service.config import Settings
+from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
+from service.requests import InvalidArgument, Limits, check_request
+from service.sessions import Session, SessionStore, open_store
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}
+
+
+class GatewayMetrics:
+    """Request-level metrics (Prometheus, on the gateway's /metrics). Step-level ones (phase
+    times, batch size, queue depth) come from the replicas through Ray's metrics agent."""
+
+    def __init__(self, registry: CollectorRegistry):
+        def counter(name, doc, labels=("method",)):
+            return Counter(name, doc, labels, registry=registry)
+
+        self.requests = counter(
+            "blockspec_requests", "Finished requests by gRPC code", ("method", "code")
+        )
+        self.output_tokens = counter("blockspec_output_tokens", "Generated tokens")
+        self.target_calls = counter("blockspec_target_calls", "Target forward passes (steps)")
+        self.accepted = counter(
+            "blockspec_accepted_tokens",
+            "Draft tokens accepted, by draft position (0-based)",
+            ("method", "position"),
+        )
+        self.block_efficiency = Histogram(
+            "blockspec_block_efficiency",
+            "Emitted tokens per target call, per request",
+            ["method"],
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 17),
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "blockspec_request_seconds", "Request latency", ["method"], registry=registry
+        )
+        self.first_token = Histogram(
+            "blockspec_time_to_first_token_seconds",
+            "Time to first token",
+            ["method"],
+            registry=registry,
+        )
+        self.in_flight = Gauge("blockspec_in_flight", "Requests being served", registry=registry)
+
+    def finished(self, method: str, stats: dict[str, Any], tokens: int) -> None:
+        self.output_tokens.labels(method).inc(tokens)
+        self.target_calls.labels(method).inc(stats["target_calls"])
+        for position, count in enumerate(stats["accepted_per_position"]):
+            self.accepted.labels(method, str(position)).inc(count)
+        if stats["target_calls"]:
+            self.block_efficiency.labels(method).observe(stats["tokens_per_call"])
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC code for an error raised by validation, the handle or a replica."""
+    # Serve re-raises a replica's exception as a RayTaskError that is also an instance of the
+    # original class; its cause carries the original message.
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause)
+    if isinstance(exc, _Abort):
+        return exc.code, exc.message
+    if isinstance(exc, InvalidArgument | ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, text
+    if isinstance(exc, Overloaded | BackPressureError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}"
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, text
+    if isinstance(exc, ReplicaFailed):
+        return grpc.StatusCode.UNAVAILABLE, text
+    return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
+
+
+class _TextStream:
+    """Incremental detokenization with stop strings: emitted text is final (never a broken
+    character, never the start of a stop string that later completes)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        # Text that could still be the beginning of a stop string is held back.
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters already emitted
+        self.stopped = False
+
+    def feed(self, ids: list[int]) -> tuple[str, list[int]]:
+        """Text and token ids to emit for `ids`; sets `stopped` when a stop string appeared
+        (the text ends before it; token ids end with the token that completed it)."""
+        start = len(self.ids)
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        found = [(at, s) for s in self.stops if (at := text.find(s, self.sent)) >= 0]
+        if found:
+            at, stop = min(found)
+            self.stopped = True
+            cut = next(
+                j
+                for j in range(start + 1, len(self.ids) + 1)
+                if stop in self.tokenizer.decode(self.ids[:j])
+            )
+            new_ids, self.ids = self.ids[start:cut], self.ids[:cut]
+            delta, self.sent = text[self.sent : at], at
+            return delta, new_ids
+        end = len(text) - self.hold
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            end = min(end, len(text) - 1)
+        if end <= self.sent:
+            return "", ids
+        delta, self.sent = text[self.sent : end], end
+        return delta, ids
+
+    def flush(self) -> str:
+        """Text held back at the end (an incomplete character stays as U+FFFD)."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+class Generator(pb_grpc.GeneratorServicer):
+    def __init__(
+        self,
+        replicas,
+        tokenizer,
+        limits: Limits,
+        info: dict,
+        store: SessionStore,
+        metrics: GatewayMetrics,
+    ):
+        self.replicas = replicas  # DeploymentHandle of service.replica.Replica
+        self.tokenizer, self.limits, self.info = tokenizer, limits, info
+        self.store, self.metrics = store, metrics
+        self.draining = False
+        self.in_flight = 0
+
+    # ----------------------------------------------------------------------------- RPCs
+    async def Info(self, request, context) -> pb.InfoResponse:
+        i = self.info
+        return pb.InfoResponse(
+            draft_model=i["draft_model"],
+            target_model=i["target_model"],
+            vocab_size=i["vocab_size"],
+            methods=[pb.MethodInfo(**m) for m in i["methods"]],
+            limits=pb.Limits(
+                max_new_tokens=i["max_new_tokens"],
+                max_k=i["max_k"],
+                max_gamma=i["max_gamma"],
+                max_context=i["max_context"],
+                max_batch=i["max_batch"],
+                max_queued=i["max_queued"],
+            ),
+            default_method=i["default_method"],
+            default_gamma=i["default_gamma"],
+            tensor_parallel=i["tensor_parallel"],
+        )
+
+    async def Generate(self, request, context) -> pb.GenerateResponse:
+        text, ids, last, meta = [], [], None, {}
+        async for chunk in self._serve(request, context, meta):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            last = chunk
+        return pb.GenerateResponse(
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=last.finish_reason,
+            stats=last.stats,
+            prompt_tokens=meta["prompt_tokens"],
+            session_id=request.session_id,
+            replica=last.replica,
+        )
+
+    async def GenerateStream(self, request, context) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._serve(request, context, {}):
+            yield chunk
+
+    # ----------------------------------------------------------------------------- core
+    async def _serve(self, request, context, meta: dict) -> AsyncIterator[pb.GenerateChunk]:
+        method = request.method or self.limits.default_method
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            async for chunk in self._generate(request, context, method, start, meta):
+                yield chunk
+        except Exception as exc:
+            code, message = _status_of(exc)
+            await context.abort(code, message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(method, code.name).inc()
+            if code == grpc.StatusCode.OK:
+                self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+
+    async def _generate(
+        self, request, context, method, start, meta
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        if self.draining:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
+        if request.prompt and request.prompt_token_ids:
+            raise InvalidArgument("prompt: set prompt or prompt_token_ids, not both")
+        prompt_ids = (
+            list(request.prompt_token_ids)
+            if request.prompt_token_ids
+            else self.tokenizer(request.prompt)["input_ids"]
+        )
+        session = await self.store.get(request.session_id) if request.session_id else None
+        history = session.tokens if session else []
+        payload = check_request(request, self.limits, prompt_ids, len(history))
+        payload["prompt_ids"] = history + prompt_ids
+        meta["prompt_tokens"] = len(payload["prompt_ids"])
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and not request.ignore_eos:
+            payload["stop_token_ids"].append(eos)
+        remaining = context.time_remaining()
+        payload["deadline"] = time.time() + remaining if remaining is not None else None
+
+        text = _TextStream(self.tokenizer, list(request.stop))
+        output: list[int] = []
+        handle = self.replicas.options(stream=True, multiplexed_model_id=request.session_id or "")
+        stream = handle.generate.remote(payload)
+        first = True
+        try:
+            async for item in stream:
+                if "finish_reason" not in item:
+                    delta, ids = text.feed(item["token_ids"])
+                    output += ids
+                    if first:
+                        self.metrics.first_token.labels(method).observe(time.perf_counter() - start)
+                        first = False
+                    if text.stopped:
+                        stream.cancel()  # the replica frees the request's KV slot
+                        yield pb.GenerateChunk(text=delta, token_ids=ids)
+                        final = {"finish_reason": "stop", "stats": None, "replica": ""}
+                        break
+                    if delta or ids:
+                        yield pb.GenerateChunk(text=delta, token_ids=ids)
+                else:
+                    final = item
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        stats = final["stats"]
+        if stats is not None:
+            self.metrics.finished(method, stats, len(output))
+        if request.session_id:
+            await self._save_session(request, session, payload, output, final)
+        yield pb.GenerateChunk(
+            text=text.flush(),
+            finish_reason=FINISH[final["finish_reason"]],
+            stats=pb.SpeculationStats(**stats) if stats else None,
+            replica=final["replica"],
+        )
+
+    async def _save_session(self, request, old: Session | None, payload, output, final) -> None:
+        now = time.time()
+        tokens = payload["prompt_ids"] + output
+        await self.store.put(
+            Session(
+                session_id=request.session_id,
+                tokens=tokens,
+                settings={k: payload[k] for k in ("method", "k", "gamma", "temperature")},
+                replica=final["replica"] or None,
+                kv_length=len(tokens) - 1 if final["replica"] else 0,
+                created=old.created if old else now,
+                updated=now,
+                turns=(old.turns if old else 0) + 1,
+            )
+        )
+
+
+class GatewayServer:
+    """The gRPC server with health and reflection, and the Prometheus endpoint."""
+
+    def __init__(self, settings: Settings, replicas, info: dict):
+        self.settings = settings
+        tokenizer = AutoTokenizer.from_pretrained(
+            settings.replica.target_dir, local_files_only=True
+        )
+        registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(registry)
+        self.metrics_port = None
+        if settings.metrics_port:
+            server, _ = start_http_server(
+                settings.metrics_port, addr=settings.host, registry=registry
+            )
+            self.metrics_port = server.server_port
+            self._metrics_server = server
+        self.store = open_store(settings.redis_url, settings.session_ttl_s)
+        self.servicer = Generator(
+            replicas, tokenizer, Limits.from_info(info), info, self.store, self.metrics
+        )
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        pb_grpc.add_GeneratorServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {settings.host}:{settings.port}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        """Stop taking requests (UNAVAILABLE, health NOT_SERVING), let in-flight ones finish
+        for up to drain_timeout_s, then stop."""
+        self.servicer.draining = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.servicer.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        if self.metrics_port:
+            self._metrics_server.shutdown()

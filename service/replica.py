@@ -1,0 +1,214 @@
+"""A replica of the service: one coordinator with its draft actor and target shard group, as a
+Ray Serve deployment (autoscaled by Serve on the number of ongoing requests).
+
+The gateway calls `generate` with a validated request (token ids; a session's history already
+prepended) and `stream=True`; it yields one message per decode step that produced tokens and a
+final one with the finish reason and the request's speculation stats. Requests of a session are
+routed with the session id as Serve's *multiplexed model id*: Serve then prefers the replica that
+last "loaded" that id, i.e. the one whose engine parked the session's KV cache. If that replica
+is gone, any other rebuilds the cache from the history the gateway sends; nothing is lost.
+
+Step-level metrics (step time by phase, batch size, queue depth) go to Ray's metrics agent
+(`ray.util.metrics`), which Prometheus scrapes per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from service.config import ReplicaConfig
+from service.coordinator import Coordinator
+from service.engine import PLAIN, GenerationRequest, SpeculativeEngine, StepTimes
+from service.verification import VERIFIERS
+from workers.sampling import SamplingParams
+
+SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (tests of the class itself)
+        return uuid.uuid4().hex[:8]
+
+
+def _step_metrics():
+    from ray.util import metrics
+
+    boundaries = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
+    phase = metrics.Histogram(
+        "blockspec_step_phase_seconds",
+        "Seconds of one decode step spent per phase (draft/tree/target/transfer/verify/overhead)",
+        boundaries=boundaries,
+        tag_keys=("phase",),
+    )
+    batch = metrics.Histogram(
+        "blockspec_step_batch_size",
+        "Requests decoded together in one step",
+        boundaries=[1, 2, 4, 8, 16, 32, 64],
+    )
+    depth = metrics.Gauge("blockspec_queue_depth", "Requests waiting for a batch slot")
+
+    def record(step: StepTimes, waiting: int) -> None:
+        for name in StepTimes.PHASES:
+            phase.observe(getattr(step, name), tags={"phase": name})
+        batch.observe(step.batch_size)
+        depth.set(waiting)
+
+    return record
+
+
+def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str, Any]]:
+    """Engine over a draft actor and the target shard group; returns (engine, model info)."""
+    from transformers import AutoConfig
+
+    from workers.actors import start_draft, start_target
+
+    contexts, vocab = [], set()
+    for path in (cfg.draft_dir, cfg.target_dir):
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        contexts.append(hf.max_position_embeddings)
+        vocab.add(hf.vocab_size)
+    if len(vocab) != 1:
+        raise ValueError(f"draft and target vocabularies differ: {sorted(vocab)}")
+    max_len = min(cfg.max_len, *contexts)
+    slots = cfg.max_batch + cfg.max_sessions
+    draft = start_draft(cfg, slots, max_len)
+    target = start_target(cfg, slots, max_len)
+    draft.sync()  # loaded
+    engine = SpeculativeEngine(
+        draft, target, cfg.max_batch, max_len, vocab.pop(), max_sessions=cfg.max_sessions
+    )
+    info = dict(
+        draft_model=os.path.basename(cfg.draft_dir.rstrip("/")),
+        target_model=os.path.basename(cfg.target_dir.rstrip("/")),
+        vocab_size=engine.vocab_size,
+        max_context=max_len,
+        tensor_parallel=cfg.tensor_parallel,
+    )
+    return engine, info
+
+
+def to_engine_request(payload: dict[str, Any], request_id: str) -> GenerationRequest:
+    method = payload["method"]
+    return GenerationRequest(
+        prompt_ids=list(payload["prompt_ids"]),
+        max_new_tokens=payload["max_new_tokens"],
+        method=method,
+        k=payload["k"] if method != PLAIN else 1,
+        gamma=payload["gamma"] if method != PLAIN else 1,
+        sampling=SamplingParams(payload["temperature"], payload["top_k"], payload["top_p"]),
+        seed=payload.get("seed"),
+        stop_token_ids=tuple(payload.get("stop_token_ids", ())),
+        request_id=request_id,
+        session_id=payload.get("session_id") or None,
+    )
+
+
+class Replica:
+    """Serve deployment class (bound in service/app.py with the replica's ReplicaConfig)."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.cfg = ReplicaConfig.model_validate(config)
+        self.id = _replica_id()
+        engine, self.model_info = build_remote_engine(self.cfg)
+        self.coordinator = Coordinator(engine, self.cfg.max_queued, _step_metrics())
+        self._ids = itertools.count()
+
+    @serve.multiplexed(max_num_models_per_replica=SESSION_ROUTING_CAPACITY)
+    async def _route_session(self, session_id: str) -> str:
+        # Marks the session as "loaded" here, so Serve routes its next request to this replica.
+        return session_id
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        request = to_engine_request(payload, f"{self.id}-{next(self._ids)}")
+        if request.session_id:
+            await self._route_session(request.session_id)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def deliver(kind: str, value: object) -> None:  # on the coordinator's thread
+            loop.call_soon_threadsafe(inbox.put_nowait, (kind, value))
+
+        self.coordinator.submit(request, deliver, payload.get("deadline"))
+        finished = False
+        try:
+            while True:
+                kind, value = await inbox.get()
+                if kind == "tokens":
+                    if value:
+                        yield {"token_ids": value}
+                elif kind == "error":
+                    finished = True
+                    raise value
+                else:
+                    finished = True
+                    stats = value.stats
+                    yield {
+                        "token_ids": [],
+                        "finish_reason": value.finish_reason,
+                        "stats": dict(
+                            target_calls=stats.target_calls,
+                            accepted_tokens=stats.accepted,
+                            tokens_per_call=stats.tokens_per_call,
+                            accepted_per_position=stats.accepted_per_position,
+                            cached_prompt_tokens=value.cached_tokens,
+                        ),
+                        "replica": self.id,
+                    }
+                    return
+        finally:
+            if not finished:  # the client went away (cancelled, deadline): free its KV slot
+                self.coordinator.cancel(request.request_id)
+
+    async def info(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return dict(
+            self.model_info,
+            methods=[
+                dict(name=v.name, single_path=v.single_path, description=v.description)
+                for v in VERIFIERS.values()
+            ],
+            default_method=cfg.default_method,
+            default_gamma=cfg.default_gamma,
+            default_max_new_tokens=cfg.default_max_new_tokens,
+            max_new_tokens=cfg.max_new_tokens,
+            max_k=cfg.max_k,
+            max_gamma=cfg.max_gamma,
+            max_batch=cfg.max_batch,
+            max_queued=cfg.max_queued,
+        )
+
+    async def stats(self) -> dict[str, Any]:
+        """Cumulative coordinator counters of this replica (tests, load tests)."""
+        s = self.coordinator.stats
+        engine = self.coordinator.engine
+        return dict(
+            replica=self.id,
+            steps=s.steps,
+            batch_sizes=dict(s.batch_sizes),
+            step_seconds={name: getattr(s.times, name) for name in StepTimes.PHASES},
+            finished=s.finished,
+            cancelled=s.cancelled,
+            rejected=s.rejected,
+            in_flight=self.coordinator.in_flight,
+            active=len(engine.active),
+            parked_sessions=list(engine.parked),
+        )
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica."""
+        if not self.coordinator.healthy():
+            raise RuntimeError(f"coordinator failed: {self.coordinator.failure!r}")
+
+    def __del__(self) -> None:
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is not None:
+            coordinator.close()

@@ -1,0 +1,403 @@
+"""End to end over real gRPC, a real local Ray cluster (127.0.0.1), Ray Serve and redis-server.
+
+One service for the module (starting Ray and the actors costs ~15 s on 2 cores); every test
+leaves it serving. Tests of this module share an xdist group, so they run on one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos import blockspec_pb2 as pb
+from protos import blockspec_pb2_grpc as pb_grpc
+from service.config import Settings  # first import of `service`: loopback-only Ray
+from service.engine import GenerationRequest, build_engine
+from service.sessions import RedisStore
+from service.verification import VERIFIERS
+from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.xdist_group("ray")
+APP = "blockspec-test"
+MAX_BATCH, MAX_QUEUED = 8, 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(redis_url):
+    import ray
+    from ray import serve
+
+    from service.app import run
+
+    settings = Settings(
+        port=0,
+        metrics_port=free_port(),
+        redis_url=redis_url,
+        ray_num_cpus=4,
+        replica=dict(max_batch=MAX_BATCH, max_queued=MAX_QUEUED, max_sessions=4),
+    )
+    gateway = run(settings, name=APP)
+    address = gateway.address.remote().result()
+    channel = grpc.insecure_channel(f"127.0.0.1:{address['port']}")
+    replica = serve.get_deployment_handle("Replica", APP)
+    yield dict(
+        settings=settings,
+        address=address,
+        channel=channel,
+        stub=pb_grpc.GeneratorStub(channel),
+        replica=replica,
+        gateway=gateway,
+    )
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def stats(service) -> dict:
+    return service["replica"].stats.remote().result()
+
+
+def wait_idle(service, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(service)
+        if (s["active"] == 0 and s["in_flight"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def test_info_health_reflection_and_metrics(service):
+    info = service["stub"].Info(pb.InfoRequest())
+    assert info.vocab_size == 8192 and info.limits.max_context == 384
+    assert [m.name for m in info.methods] == list(VERIFIERS)
+    assert info.limits.max_batch == MAX_BATCH
+
+    health = health_pb2_grpc.HealthStub(service["channel"])
+    for name in ("", "blockspec.v1.Generator"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=name))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    reflect = reflection_pb2_grpc.ServerReflectionStub(service["channel"])
+    (reply,) = reflect.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"blockspec.v1.Generator", "grpc.health.v1.Health"} <= names
+
+    service["stub"].Generate(pb.GenerateRequest(prompt="x = ", max_new_tokens=4))
+    url = f"http://127.0.0.1:{service['address']['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("blockspec_requests_total")]
+    assert any('method="block"' in line and 'code="OK"' in line for line in lines), lines
+    assert "blockspec_block_efficiency_bucket" in text
+
+
+def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batched(service):
+    """≥ 8 concurrent clients, every method: batched together, outputs equal to the engine's."""
+    prompts = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
+    cases = [("none", 1)] + [
+        (m, 1 if VERIFIERS[m].single_path else 2) for m in VERIFIERS
+    ]  # 10 methods x 4 prompts = 40 requests
+    before = stats(service)["batch_sizes"]
+
+    def call(case_prompt):
+        (method, k), prompt = case_prompt
+        req = pb.GenerateRequest(
+            prompt=prompt,
+            max_new_tokens=24,
+            temperature=0,
+            method=method,
+            k=k,
+            gamma=3,
+            ignore_eos=True,
+        )
+        return service["stub"].Generate(req, timeout=120)
+
+    jobs = [(c, p) for c in cases for p in prompts]
+    with ThreadPoolExecutor(MAX_BATCH) as pool:  # 8 clients, within capacity
+        replies = list(pool.map(call, jobs))
+
+    engine, tokenizer = build_engine(
+        service["settings"].replica.draft_dir, service["settings"].replica.target_dir, 4
+    )
+    greedy = SamplingParams(temperature=0.0)
+    refs = engine.generate(
+        [GenerationRequest(tokenizer(p)["input_ids"], 24, "block", 1, 3, greedy) for p in prompts]
+    )
+    expected = {p: r.token_ids for p, r in zip(prompts, refs, strict=True)}
+    for ((method, _), prompt), reply in zip(jobs, replies, strict=True):
+        assert list(reply.token_ids) == expected[prompt], (method, prompt)
+        assert reply.text == tokenizer.decode(expected[prompt])
+        assert reply.finish_reason == pb.FINISH_REASON_LENGTH
+        if method != "none":
+            assert reply.stats.target_calls < 24  # speculation accepted something
+    after = stats(service)["batch_sizes"]
+    batched = {int(b): n - before.get(b, 0) for b, n in after.items() if int(b) > 1}
+    assert any(n > 0 for b, n in batched.items() if b >= MAX_BATCH), after
+
+
+def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
+    req = pb.GenerateRequest(prompt="def f(x):", max_new_tokens=40, seed=7, method="gbv", k=3)
+    chunks = list(service["stub"].GenerateStream(req))
+    unary = service["stub"].Generate(req)  # same seed: same output
+    assert len(chunks) > 2 and chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert chunks[-1].stats.target_calls == unary.stats.target_calls
+    # A stop string taken from the middle of that text ends the output just before it.
+    text = unary.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        stopped = service["stub"].Generate(
+            pb.GenerateRequest(
+                prompt="def f(x):", max_new_tokens=40, seed=7, method="gbv", k=3, stop=[stop]
+            )
+        )
+        assert stopped.finish_reason == pb.FINISH_REASON_STOP
+        assert stopped.text == text[: text.find(stop)]
+    wait_idle(service)
+
+
+def test_session_continuation_reuses_the_kv_cache_and_lives_in_redis(service):
+    stub, sid = service["stub"], f"s-{time.time_ns()}"
+    first = stub.Generate(
+        pb.GenerateRequest(
+            prompt="def mean(xs):",
+            max_new_tokens=16,
+            temperature=0,
+            session_id=sid,
+            ignore_eos=True,
+        )
+    )
+    assert first.stats.cached_prompt_tokens == 0
+    second = stub.Generate(
+        pb.GenerateRequest(
+            prompt="\n\ndef median(xs):",
+            max_new_tokens=16,
+            temperature=0,
+            session_id=sid,
+            ignore_eos=True,
+        )
+    )
+    history = first.prompt_tokens + len(first.token_ids)
+    assert second.prompt_tokens > history
+    assert second.stats.cached_prompt_tokens >= history - 1  # only the new turn was prefilled
+    assert second.replica == first.replica
+    # The store holds the whole conversation; a cold replica would rebuild from it.
+    store = RedisStore(service["settings"].redis_url, ttl_s=60)
+    saved = asyncio.run(store.get(sid))
+    assert saved.turns == 2 and saved.replica == second.replica
+    assert len(saved.tokens) == second.prompt_tokens + len(second.token_ids)
+    # Greedy continuation equals a fresh request with the full history as prompt.
+    fresh = stub.Generate(
+        pb.GenerateRequest(
+            prompt_token_ids=saved.tokens[: second.prompt_tokens],
+            max_new_tokens=16,
+            temperature=0,
+            ignore_eos=True,
+        )
+    )
+    assert list(fresh.token_ids) == list(second.token_ids)
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x", prompt_token_ids=[1]), "prompt"),
+    (dict(prompt_token_ids=[1, 99999]), "prompt_token_ids"),
+    (dict(prompt="x", method="nope"), "method"),
+    (dict(prompt="x", method="block", k=2), "k"),
+    (dict(prompt="x", method="gbv", k=9), "k"),
+    (dict(prompt="x", gamma=99), "gamma"),
+    (dict(prompt="x", gamma=-1), "gamma"),
+    (dict(prompt="x", max_new_tokens=100000), "max_new_tokens"),
+    (dict(prompt="x", max_new_tokens=-3), "max_new_tokens"),
+    (dict(prompt="x", temperature=-1.0), "temperature"),
+    (dict(prompt="x", temperature=float("nan")), "temperature"),
+    (dict(prompt="x", top_p=0.0), "top_p"),
+    (dict(prompt="x", top_k=-2), "top_k"),
+    (dict(prompt="x", stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(prompt="x " * 400), "prompt"),  # longer than the 384-token context
+]
+
+
+@pytest.mark.parametrize(("fields", "name"), BAD, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD)])
+def test_bad_requests_get_invalid_argument_naming_the_field(service, fields, name):
+    for call in (service["stub"].Generate, service["stub"].GenerateStream):
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(pb.GenerateRequest(**fields))
+            list(reply) if call is service["stub"].GenerateStream else None
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(name), err.value.details()
+    ok = service["stub"].Generate(pb.GenerateRequest(prompt="x", max_new_tokens=2))
+    assert len(ok.token_ids) >= 1
+
+
+def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
+    stub = service["stub"]
+    cancelled_before = stats(service)["cancelled"]
+    stream = stub.GenerateStream(
+        pb.GenerateRequest(prompt="x", max_new_tokens=300, ignore_eos=True, method="token")
+    )
+    next(stream)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(
+            pb.GenerateRequest(prompt="y", max_new_tokens=300, ignore_eos=True), timeout=0.5
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    s = wait_idle(service)
+    assert s["active"] == 0 and s["in_flight"] == 0
+    assert s["cancelled"] >= cancelled_before + 2
+    assert stub.Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
+
+
+def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
+    stub = service["stub"]
+    # Each replica holds max_batch + max_queued requests and the gateway queues max_queued more.
+    streams = [
+        stub.GenerateStream(
+            pb.GenerateRequest(prompt="x", max_new_tokens=60, ignore_eos=True, method="token")
+        )
+        for _ in range(MAX_BATCH + 2 * MAX_QUEUED + 4)
+    ]
+    codes = []
+    for s in streams:
+        try:
+            next(s)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+    for s in streams:
+        s.cancel()
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert wait_idle(service)["active"] == 0
+    assert stub.Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
+
+
+def test_draining_gateway_answers_unavailable_and_not_serving(service):
+    """A second gateway on the same replicas, drained: the first keeps serving."""
+    from ray import serve
+
+    from service.gateway import GatewayServer
+
+    settings = service["settings"].model_copy(update=dict(port=0, metrics_port=0))
+    replicas = serve.get_deployment_handle("Replica", APP)
+
+    async def scenario():
+        server = GatewayServer(settings, replicas, await replicas.info.remote())
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            long = pb.GenerateRequest(prompt="a", max_new_tokens=120, ignore_eos=True)
+            in_flight = asyncio.ensure_future(stub.Generate(long))
+            await asyncio.sleep(0.5)
+            drain = asyncio.create_task(server.drain())  # waits for in_flight
+            await asyncio.sleep(0.2)
+            health = health_pb2_grpc.HealthStub(channel)
+            status = (await health.Check(health_pb2.HealthCheckRequest())).status
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=2))
+            finished = await in_flight
+            await drain
+        return status, err.value.code(), finished
+
+    status, code, finished = asyncio.run(scenario())
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert len(finished.token_ids) == 120  # the in-flight request was allowed to finish
+    assert service["stub"].Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
+
+
+def test_serve_scales_replicas_from_one_to_two_under_load(service):
+    """A second app on the same cluster, autoscaled 1..2 replicas on ongoing requests."""
+    from ray import serve
+
+    from service.app import build
+
+    settings = service["settings"].model_copy(
+        update=dict(
+            port=0,
+            metrics_port=0,
+            autoscaling=dict(
+                min_replicas=1,
+                max_replicas=2,
+                target_ongoing_requests=2,
+                upscale_delay_s=0.5,
+                metrics_interval_s=0.5,
+                look_back_period_s=2,
+            ),
+        )
+    )
+    settings = Settings.model_validate(settings.model_dump())
+    name = "blockspec-scale"
+    gateway = serve.run(build(settings), name=name, route_prefix=None)
+    port = gateway.address.remote().result()["port"]
+
+    def replicas() -> int:
+        app = serve.status().applications[name]
+        return sum(
+            n
+            for state, n in app.deployments["Replica"].replica_states.items()
+            if state == "RUNNING"
+        )
+
+    assert replicas() == 1
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        load = [
+            stub.GenerateStream(pb.GenerateRequest(prompt="x", max_new_tokens=300, ignore_eos=True))
+            for _ in range(8)
+        ]
+        deadline = time.monotonic() + 120
+        while replicas() < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        scaled = replicas()
+        for s in load:
+            s.cancel()
+    serve.delete(name)
+    assert scaled == 2
+
+
+def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service):
+    """The replica's engine with the target split over 2 shard actors (gloo on loopback, one
+    placement group) decodes exactly like the in-process engine."""
+    import ray
+
+    from service.config import ReplicaConfig
+    from service.replica import build_remote_engine
+
+    cfg = ReplicaConfig(tensor_parallel=2, max_batch=2, max_sessions=0)
+    engine, info = build_remote_engine(cfg)
+    local, tokenizer = build_engine(cfg.draft_dir, cfg.target_dir, 2)
+    greedy = SamplingParams(temperature=0.0)
+
+    def requests():
+        return [
+            GenerationRequest(tokenizer(p)["input_ids"], 20, m, k, 3, greedy)
+            for p, m, k in (("def add(a, b):", "traversal", 2), ("while True:", "block", 1))
+        ]
+
+    try:
+        assert info["tensor_parallel"] == 2
+        remote = [r.token_ids for r in engine.generate(requests())]
+        assert remote == [r.token_ids for r in local.generate(requests())]
+        assert engine.times.transfer > 0  # actor calls cost something beyond their compute
+    finally:
+        for actor in engine.draft.actors + engine.target.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(engine.target.placement_group)
