@@ -49,18 +49,38 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., gamma: _Optional[int] = ..., k: _Optional[int] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens")
+    __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens", "mean_batch_size", "step_ms")
     TARGET_CALLS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
     target_calls: int
     accepted_tokens: int
     tokens_per_call: float
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     cached_prompt_tokens: int
-    def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    mean_batch_size: float
+    step_ms: StepBreakdown
+    def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., step_ms: _Optional[_Union[StepBreakdown, _Mapping]] = ...) -> None: ...
+
+class StepBreakdown(_message.Message):
+    __slots__ = ("draft", "tree", "target", "transfer", "verify", "overhead")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    draft: float
+    tree: float
+    target: float
+    transfer: float
+    verify: float
+    overhead: float
+    def __init__(self, draft: _Optional[float] = ..., tree: _Optional[float] = ..., target: _Optional[float] = ..., transfer: _Optional[float] = ..., verify: _Optional[float] = ..., overhead: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "prompt_tokens", "session_id", "replica")

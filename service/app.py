@@ -50,9 +50,11 @@ def build(settings: Settings) -> serve.Application:
         # Serve sends a replica at most this many requests; the coordinator batches max_batch
         # of them and queues the rest, so the handle's queue fills only when all are busy.
         max_ongoing_requests=cfg.max_batch + cfg.max_queued,
-        # Beyond that, up to max_queued more wait at the gateway's handle (they are what tells
-        # the autoscaler to add replicas); the next ones get RESOURCE_EXHAUSTED at once.
-        max_queued_requests=max(cfg.max_queued, 1),
+        # Beyond that, up to one replica's worth more wait at the gateway's handle (they tell
+        # the autoscaler to add replicas); the next ones get RESOURCE_EXHAUSTED at once. Serve
+        # counts requests still being routed as queued, so a smaller limit would reject bursts
+        # that the replicas have room for (seen here with a limit of 2 and 4 clients).
+        max_queued_requests=cfg.max_batch + cfg.max_queued,
         graceful_shutdown_timeout_s=settings.drain_timeout_s,
     )
     gateway = serve.deployment(

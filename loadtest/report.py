@@ -1,0 +1,219 @@
+"""From request records to the numbers a user compares: per (configuration, load) point
+throughput, latency / time-to-first-token percentiles, time per output token, block efficiency,
+acceptance per draft position, the batch sizes the coordinator ran, where step time went, and
+errors by status code. Writes JSON, CSV, PNG plots and report.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+
+PHASES = ("draft", "tree", "target", "transfer", "verify", "overhead")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    ok = [r for r in records if r["code"] == "OK"]
+    tokens = sum(r["tokens"] for r in ok)
+    calls = sum(r["target_calls"] for r in ok)
+    latency = [r["latency_s"] for r in ok]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tpot = [
+        (r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1)
+        for r in ok
+        if r["ttft_s"] is not None and r["tokens"] > 1
+    ]
+    gamma = max((len(r["accepted_per_position"]) for r in ok), default=0)
+    accepted = [0] * gamma
+    for r in ok:
+        for i, n in enumerate(r["accepted_per_position"]):
+            accepted[i] += n
+
+    def weighted(key: str) -> float:
+        return sum(r[key] * r["target_calls"] for r in ok) / max(calls, 1)
+
+    return dict(
+        requests=len(records),
+        ok=len(ok),
+        errors=dict(Counter(r["code"] for r in records if r["code"] != "OK")),
+        wall_s=wall_s,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else math.nan,
+        latency_p50=percentile(latency, 50),
+        latency_p90=percentile(latency, 90),
+        latency_p99=percentile(latency, 99),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50),
+        block_efficiency=tokens / calls if calls else math.nan,
+        acceptance_per_position=[a / max(calls, 1) for a in accepted],
+        mean_batch_size=weighted("mean_batch_size"),
+        step_ms={
+            p: sum(r["step_ms"].get(p, 0.0) * r["target_calls"] for r in ok) / max(calls, 1)
+            for p in PHASES
+        },
+    )
+
+
+COLUMNS = [
+    ("config", "{}"),
+    ("load", "{}"),
+    ("ok", "{}"),
+    ("tokens_per_s", "{:.1f}"),
+    ("latency_p50", "{:.2f}"),
+    ("latency_p90", "{:.2f}"),
+    ("latency_p99", "{:.2f}"),
+    ("ttft_p50", "{:.3f}"),
+    ("tpot_p50", "{:.4f}"),
+    ("block_efficiency", "{:.2f}"),
+    ("mean_batch_size", "{:.1f}"),
+]
+
+
+def _cell(fmt: str, value) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return fmt.format(value)
+
+
+def write_outputs(out: Path, points: list[dict], records: list[dict], meta: dict) -> None:
+    """points: [{config, load, **summary}], records: raw per-request dicts."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps(dict(meta=meta, points=points, records=records), indent=1)
+    )
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        names = [c for c, _ in COLUMNS] + ["errors"] + [f"step_ms_{p}" for p in PHASES]
+        writer.writerow(names)
+        for p in points:
+            row = [p[c] for c, _ in COLUMNS] + [json.dumps(p["errors"])]
+            writer.writerow(row + [round(p["step_ms"][ph], 3) for ph in PHASES])
+    plots = _plots(out, points)
+    _report(out, points, meta, plots)
+
+
+def _load_value(load: str) -> float:
+    return float(load.split("=")[1])
+
+
+def _plots(out: Path, points: list[dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_config: dict[str, list[dict]] = defaultdict(list)
+    for p in points:
+        by_config[p["config"]].append(p)
+    files = []
+    for kind in ("c", "rate"):
+        series = {
+            c: sorted(
+                (p for p in ps if p["load"].startswith(kind + "=")),
+                key=lambda p: _load_value(p["load"]),
+            )
+            for c, ps in by_config.items()
+        }
+        series = {c: ps for c, ps in series.items() if ps}
+        if not series:
+            continue
+        xlabel = "concurrent clients" if kind == "c" else "arrival rate (requests/s)"
+        fig, ax = plt.subplots(figsize=(9, 6))
+        for c, ps in series.items():
+            ax.plot(
+                [_load_value(p["load"]) for p in ps], [p["tokens_per_s"] for p in ps], "o-", label=c
+            )
+        ax.set(xlabel=xlabel, ylabel="output tokens/s", title="Throughput")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=6, ncol=2)
+        name = f"throughput_{kind}.png"
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        files.append(name)
+
+        fig, axes = plt.subplots(1, 3, figsize=(15, 5), sharey=True)
+        for ax, q in zip(axes, (50, 90, 99), strict=True):
+            for c, ps in series.items():
+                ax.plot(
+                    [_load_value(p["load"]) for p in ps],
+                    [p[f"latency_p{q}"] for p in ps],
+                    "o-",
+                    label=c,
+                )
+            ax.set(xlabel=xlabel, title=f"latency p{q} (s)")
+            ax.set_xscale("log", base=2)
+        axes[0].legend(fontsize=6)
+        name = f"latency_{kind}.png"
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        files.append(name)
+
+    # Block efficiency per configuration (mean over its load points: BE does not depend on load).
+    be = {c: sum(p["block_efficiency"] for p in ps) / len(ps) for c, ps in by_config.items()}
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(be)), 5))
+    ax.bar(range(len(be)), list(be.values()))
+    ax.set_xticks(range(len(be)), list(be), rotation=90, fontsize=7)
+    ax.set(ylabel="tokens per target call", title="Block efficiency")
+    fig.savefig(out / "block_efficiency.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    files.append("block_efficiency.png")
+    return files
+
+
+def _report(out: Path, points: list[dict], meta: dict, plots: list[str]) -> None:
+    lines = [
+        "# blockspec load test",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "## Environment",
+        "",
+        *[f"- {k}: {v}" for k, v in meta["environment"].items()],
+        "",
+        "## Results",
+        "",
+        "Per point: requests that succeeded, output tokens/s over the point's wall time, request "
+        "latency and time-to-first-token percentiles (s), median time per output token after the "
+        "first (s), block efficiency (tokens per target call), mean batch size of the steps that "
+        "served the requests, and the mean step time by phase (ms).",
+        "",
+        "| "
+        + " | ".join(c for c, _ in COLUMNS)
+        + " | errors | step ms: "
+        + " / ".join(PHASES)
+        + " |",
+        "|" + "---|" * (len(COLUMNS) + 2),
+    ]
+    for p in points:
+        cells = [_cell(fmt, p[c]) for c, fmt in COLUMNS]
+        errors = ", ".join(f"{k} {v}" for k, v in p["errors"].items()) or "-"
+        step = " / ".join(f"{p['step_ms'][ph]:.1f}" for ph in PHASES)
+        lines.append("| " + " | ".join(cells) + f" | {errors} | {step} |")
+    if meta.get("compare"):
+        lines += ["", "## Comparison (B / A, same run, interleaved)", ""]
+        lines += ["| load | metric | A | B | B/A |", "|---|---|---|---|---|"]
+        for row in meta["compare"]:
+            lines.append(
+                f"| {row['load']} | {row['metric']} | {row['a']:.4g} | {row['b']:.4g} "
+                f"| {row['ratio']:.3f} |"
+            )
+    lines += ["", "## Acceptance per draft position", ""]
+    lines += ["| config | load | accepted fraction of steps, position 1..γ |", "|---|---|---|"]
+    for p in points:
+        acc = ", ".join(f"{a:.2f}" for a in p["acceptance_per_position"]) or "-"
+        lines.append(f"| {p['config']} | {p['load']} | {acc} |")
+    lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in plots]
+    (out / "report.md").write_text("\n".join(lines) + "\n")

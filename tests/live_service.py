@@ -1,0 +1,53 @@
+"""The `service` fixture: the whole service on a real local Ray cluster (127.0.0.1), with a
+real redis-server session store, started once per test session (per xdist worker: tests that use
+it are marked ``xdist_group("ray")`` so that they all run on one worker)."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+
+from protos import blockspec_pb2_grpc as pb_grpc
+from service.config import Settings  # first import of `service`: loopback-only Ray
+
+APP = "blockspec-test"
+MAX_BATCH, MAX_QUEUED = 8, 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def service(redis_url):
+    import ray
+    from ray import serve
+
+    from service.app import run
+
+    settings = Settings(
+        port=0,
+        metrics_port=free_port(),
+        redis_url=redis_url,
+        ray_num_cpus=4,
+        replica=dict(max_batch=MAX_BATCH, max_queued=MAX_QUEUED, max_sessions=4),
+    )
+    gateway = run(settings, name=APP)
+    address = gateway.address.remote().result()
+    channel = grpc.insecure_channel(f"127.0.0.1:{address['port']}")
+    replica = serve.get_deployment_handle("Replica", APP)
+    yield dict(
+        settings=settings,
+        address=address,
+        channel=channel,
+        stub=pb_grpc.GeneratorStub(channel),
+        replica=replica,
+        gateway=gateway,
+    )
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
