@@ -129,8 +129,12 @@ async def run(args) -> None:
                 records += batch
                 for cfg in group:
                     mine = [r for r in batch if r["config"] == cfg.label]
-                    points.append(
-                        dict(config=cfg.label, load=f"{kind}={level:g}", **summarize(mine, wall))
+                    point = summarize(mine, wall)
+                    points.append(dict(config=cfg.label, load=f"{kind}={level:g}", **point))
+                    progress.console.print(
+                        f"{cfg.label} {kind}={level:g}: {point['tokens_per_s']:.1f} tok/s, "
+                        f"p50 {point['latency_p50']:.2f} s, BE {point['block_efficiency']:.2f}, "
+                        f"batch {point['mean_batch_size']:.1f}, errors {point['errors'] or 0}"
                     )
     await client.close()
     meta = dict(

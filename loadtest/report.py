@@ -110,67 +110,95 @@ def _load_value(load: str) -> float:
 
 
 def _plots(out: Path, points: list[dict]) -> list[str]:
+    """One panel per method (its K/γ/T configurations as lines), so a full grid stays legible."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_config: dict[str, list[dict]] = defaultdict(list)
+    by_method: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for p in points:
-        by_config[p["config"]].append(p)
+        by_method[p["config"].split()[0]][p["config"]].append(p)
     files = []
     for kind in ("c", "rate"):
-        series = {
-            c: sorted(
-                (p for p in ps if p["load"].startswith(kind + "=")),
-                key=lambda p: _load_value(p["load"]),
-            )
-            for c, ps in by_config.items()
+        panels = {
+            m: {
+                c: sorted((p for p in ps if p["load"].startswith(kind + "=")), key=_load_of)
+                for c, ps in configs.items()
+            }
+            for m, configs in by_method.items()
         }
-        series = {c: ps for c, ps in series.items() if ps}
-        if not series:
+        panels = {m: {c: ps for c, ps in cs.items() if ps} for m, cs in panels.items()}
+        panels = {m: cs for m, cs in panels.items() if cs}
+        if not panels:
             continue
         xlabel = "concurrent clients" if kind == "c" else "arrival rate (requests/s)"
-        fig, ax = plt.subplots(figsize=(9, 6))
-        for c, ps in series.items():
-            ax.plot(
-                [_load_value(p["load"]) for p in ps], [p["tokens_per_s"] for p in ps], "o-", label=c
-            )
-        ax.set(xlabel=xlabel, ylabel="output tokens/s", title="Throughput")
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=6, ncol=2)
-        name = f"throughput_{kind}.png"
-        fig.savefig(out / name, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        files.append(name)
+        for metric, ylabel, name in (
+            ("tokens_per_s", "output tokens/s", f"throughput_{kind}.png"),
+            ("latency", "latency p50 (solid) / p99 (dashed), s", f"latency_{kind}.png"),
+        ):
+            fig, axes = _grid(plt, len(panels))
+            for ax, (method, configs) in zip(axes, panels.items(), strict=False):
+                for config, ps in configs.items():
+                    x = [_load_of(p) for p in ps]
+                    label = config.removeprefix(method).strip()
+                    if metric == "latency":
+                        (line,) = ax.plot(x, [p["latency_p50"] for p in ps], "o-", label=label)
+                        ax.plot(x, [p["latency_p99"] for p in ps], "--", color=line.get_color())
+                    else:
+                        ax.plot(x, [p[metric] for p in ps], "o-", label=label)
+                ax.set_title(method)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel(ylabel)
+                ax.legend(fontsize=6)
+            for ax in axes[len(panels) :]:
+                ax.set_visible(False)
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=90)
+            plt.close(fig)
+            files.append(name)
 
-        fig, axes = plt.subplots(1, 3, figsize=(15, 5), sharey=True)
-        for ax, q in zip(axes, (50, 90, 99), strict=True):
-            for c, ps in series.items():
-                ax.plot(
-                    [_load_value(p["load"]) for p in ps],
-                    [p[f"latency_p{q}"] for p in ps],
-                    "o-",
-                    label=c,
-                )
-            ax.set(xlabel=xlabel, title=f"latency p{q} (s)")
-            ax.set_xscale("log", base=2)
-        axes[0].legend(fontsize=6)
-        name = f"latency_{kind}.png"
-        fig.savefig(out / name, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        files.append(name)
-
-    # Block efficiency per configuration (mean over its load points: BE does not depend on load).
-    be = {c: sum(p["block_efficiency"] for p in ps) / len(ps) for c, ps in by_config.items()}
-    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(be)), 5))
-    ax.bar(range(len(be)), list(be.values()))
-    ax.set_xticks(range(len(be)), list(be), rotation=90, fontsize=7)
-    ax.set(ylabel="tokens per target call", title="Block efficiency")
-    fig.savefig(out / "block_efficiency.png", dpi=110, bbox_inches="tight")
+    # Block efficiency per method and K (mean over T, γ and load: bars grouped by method).
+    be: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for p in points:
+        if math.isnan(p["block_efficiency"]):
+            continue
+        words = p["config"].split()
+        k = next((w for w in words if w.startswith("K=")), "K=1")
+        gamma = next((w for w in words if w.startswith("γ=")), "")
+        be[words[0]][f"{k} {gamma}".strip()].append(p["block_efficiency"])
+    labels = sorted({lab for d in be.values() for lab in d})
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / max(len(labels), 1)
+    for i, lab in enumerate(labels):
+        xs = [j + i * width for j, m in enumerate(be) if lab in be[m]]
+        ys = [sum(be[m][lab]) / len(be[m][lab]) for m in be if lab in be[m]]
+        ax.bar(xs, ys, width, label=lab)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(be))], list(be))
+    ax.set(ylabel="tokens per target call", title="Block efficiency by method, K and γ")
+    ax.legend(fontsize=7, ncol=2)
+    fig.savefig(out / "block_efficiency.png", dpi=90, bbox_inches="tight")
     plt.close(fig)
     files.append("block_efficiency.png")
     return files
+
+
+def _grid(plt, n: int):
+    cols = min(n, 5)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    return fig, list(axes.flat)
+
+
+def _load_of(p: dict) -> float:
+    return _load_value(p["load"])
+
+
+def rerender(out: Path) -> None:
+    """Rewrite CSV, plots and report.md from an existing results.json."""
+    data = json.loads((out / "results.json").read_text())
+    write_outputs(out, data["points"], data["records"], data["meta"])
 
 
 def _report(out: Path, points: list[dict], meta: dict, plots: list[str]) -> None:

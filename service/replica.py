@@ -214,6 +214,15 @@ class Replica:
             raise RuntimeError(f"coordinator failed: {self.coordinator.failure!r}")
 
     def __del__(self) -> None:
+        """Serve calls this when it stops the replica (scale-down, redeploy, shutdown)."""
+        import ray
+
         coordinator = getattr(self, "coordinator", None)
-        if coordinator is not None:
-            coordinator.close()
+        if coordinator is None:
+            return
+        coordinator.close()
+        engine = coordinator.engine
+        for actor in engine.draft.actors + engine.target.actors:
+            ray.kill(actor)
+        # A replica is a detached actor: the placement group would outlive it otherwise.
+        ray.util.remove_placement_group(engine.target.placement_group)

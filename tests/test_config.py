@@ -1,0 +1,55 @@
+"""Settings: defaults, a YAML or TOML file named by BLOCKSPEC_CONFIG, env vars over the file,
+init arguments over both, and typos refused."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from service.config import Settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("BLOCKSPEC_"):
+            monkeypatch.delenv(key)
+
+
+def test_defaults_run_locally_on_loopback():
+    s = Settings()
+    assert s.host == "127.0.0.1" and s.redis_url is None and s.ray_address is None
+    assert s.replica.tensor_parallel == 1 and s.autoscaling.min_replicas == 1
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml"])
+def test_file_then_env_then_arguments(tmp_path, monkeypatch, suffix):
+    path = tmp_path / f"blockspec{suffix}"
+    if suffix == ".yaml":
+        path.write_text(
+            "port: 6000\nreplica:\n  max_batch: 4\n  max_k: 3\nautoscaling:\n  max_replicas: 3\n"
+        )
+    else:
+        path.write_text(
+            "port = 6000\n[replica]\nmax_batch = 4\nmax_k = 3\n[autoscaling]\nmax_replicas = 3\n"
+        )
+    monkeypatch.setenv("BLOCKSPEC_CONFIG", str(path))
+    monkeypatch.setenv("BLOCKSPEC_REPLICA__MAX_BATCH", "16")
+    s = Settings(port=7000)
+    assert s.port == 7000  # argument over file
+    assert s.replica.max_batch == 16  # env over file
+    assert s.replica.max_k == 3 and s.autoscaling.max_replicas == 3  # file over defaults
+
+
+def test_typos_and_bad_values_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(pydantic.ValidationError, match="max_batchs"):
+        Settings(replica={"max_batchs": 3})
+    with pytest.raises(pydantic.ValidationError, match="min_replicas exceeds"):
+        Settings(autoscaling={"min_replicas": 3, "max_replicas": 2})
+    with pytest.raises(pydantic.ValidationError, match="look_back_period_s"):
+        Settings(autoscaling={"metrics_interval_s": 10, "look_back_period_s": 5})
+    monkeypatch.setenv("BLOCKSPEC_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="no such file"):
+        Settings()
