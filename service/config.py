@@ -5,9 +5,9 @@ Precedence: init arguments (the CLI) > environment (``BLOCKSPEC_...``, nested wi
 defaults run the bundled model pair on this machine with no external services: a local Ray
 cluster on 127.0.0.1, the embedded session store, one replica.
 
-``ReplicaConfig`` is what a Serve replica receives (``deploy/serve_config.yaml`` carries the same
-fields under the deployment's ``user_config``-free init args), so the same code runs on a 2-core
-machine and on a GPU cluster by changing resources, device and tensor parallelism only.
+``ReplicaConfig`` is what a Serve replica receives (``deploy/serve_config.yaml`` gives the same
+fields as the application's ``args``), so the same code runs on a 2-core machine and on a GPU
+cluster by changing resources, device and tensor parallelism only.
 """
 
 from __future__ import annotations
