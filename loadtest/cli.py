@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -26,21 +27,21 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest.driver import Client, Config, Record, closed_loop, open_loop
+from loadtest.driver import Client, Config, closed_loop, open_loop
 from loadtest.report import summarize, write_outputs
 
-SINGLE_PATH = {"token", "block", "greedy_block", "none"}
 COMPARED = ("tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "block_efficiency")
 
 
-def grid(args) -> list[Config]:
+def grid(args, single_path: set[str]) -> list[Config]:
+    """single_path: the methods that take K = 1 only (the service's Info says which)."""
     configs = []
     for method in args.methods:
         for temperature in args.temperature:
             if method == "none":
                 configs.append(Config("none", 1, 1, temperature))
                 continue
-            for k in [1] if method in SINGLE_PATH else args.k:
+            for k in [1] if method in single_path else args.k:
                 for gamma in args.gamma:
                     configs.append(Config(method, k, gamma, temperature))
     return configs
@@ -77,12 +78,15 @@ async def run(args) -> None:
     info = await client.stub.Info(pb.InfoRequest(), timeout=30)
     prompts = load_prompts(args, info.limits.max_context)
     rng = random.Random(args.seed)
-    configs = [Config.parse(text) for text in args.compare] if args.compare else grid(args)
+    single_path = {m.name for m in info.methods if m.single_path}
+    configs = (
+        [Config.parse(text) for text in args.compare] if args.compare else grid(args, single_path)
+    )
     loads = [("c", c) for c in args.concurrency] + [("rate", r) for r in args.rate]
     groups = [configs] if args.compare else [[c] for c in configs]
 
     def picker(group: list[Config]):
-        turn = iter(range(1 << 62))
+        turn = itertools.count()
 
         def pick():
             i = next(turn)
@@ -214,6 +218,3 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     asyncio.run(run(args))
-
-
-__all__ = ["Record", "main"]

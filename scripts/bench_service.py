@@ -98,8 +98,7 @@ def through_service(args, ids, stub, replica, batch: int) -> dict:
     after = replica.stats.remote().result()
     times = StepTimes(**{p: after["step_seconds"][p] - before["step_seconds"][p] for p in PHASES})
     steps = after["steps"] - before["steps"]
-    out = _summary(wall, latencies, len(ids) * args.new_tokens, steps, times)
-    return out
+    return _summary(wall, latencies, len(ids) * args.new_tokens, steps, times)
 
 
 def session_reuse(stub, tokenizer, ids) -> dict:

@@ -100,6 +100,21 @@ def generate_local(args) -> None:
     )
 
 
+def serve_settings(args):
+    """One validated Settings: `blockspec serve` flags over env over the config file (nested
+    sections merge, so --tp keeps the rest of the file's replica section)."""
+    from service.config import Settings
+
+    flags = {k: getattr(args, k) for k in ("host", "port", "metrics_port", "redis_url")}
+    flags["ray_address"] = args.ray_address
+    replica = {"tensor_parallel": args.tp, "max_batch": args.max_batch}
+    flags["replica"] = {k: v for k, v in replica.items() if v is not None}
+    if args.replicas:
+        low, _, high = args.replicas.partition("-")
+        flags["autoscaling"] = dict(min_replicas=int(low), max_replicas=int(high or low))
+    return Settings(**{k: v for k, v in flags.items() if v is not None})
+
+
 def serve_forever(args) -> None:
     import asyncio
     import signal
@@ -107,27 +122,8 @@ def serve_forever(args) -> None:
     from ray import serve
 
     from service.app import run
-    from service.config import Settings
 
-    overrides: dict = {}
-    for key in ("host", "port", "metrics_port", "redis_url", "ray_address"):
-        if getattr(args, key) is not None:
-            overrides[key] = getattr(args, key)
-    settings = Settings(**overrides)
-    replica = settings.replica.model_copy(
-        update={
-            k: v
-            for k, v in (("tensor_parallel", args.tp), ("max_batch", args.max_batch))
-            if v is not None
-        }
-    )
-    scaling = settings.autoscaling
-    if args.replicas:
-        low, _, high = args.replicas.partition("-")
-        scaling = scaling.model_copy(
-            update=dict(min_replicas=int(low), max_replicas=int(high or low))
-        )
-    settings = settings.model_copy(update=dict(replica=replica, autoscaling=scaling))
+    settings = serve_settings(args)
     start = time.perf_counter()
     gateway = run(settings)
     address = gateway.address.remote().result()

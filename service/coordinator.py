@@ -127,9 +127,11 @@ class Coordinator:
             job = self._jobs.get(request_id)
             if op == "add" and job is not None:
                 self.engine.add(job.request)
-            elif op == "cancel" and self.engine.cancel(request_id):
-                self.stats.cancelled += 1
-                self._finish(request_id, "error", DeadlineExceeded("cancelled"))
+            elif op == "cancel":  # the requester has gone: nobody to deliver to
+                if self.engine.cancel(request_id):
+                    self.stats.cancelled += 1
+                with self._lock:
+                    self._jobs.pop(request_id, None)
 
     def _expire(self) -> None:
         now = time.time()

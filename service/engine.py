@@ -63,18 +63,12 @@ class RequestStats:
     target_calls: int = 0
     accepted: int = 0  # draft tokens accepted in all
     accepted_per_position: list[int] = field(default_factory=list)  # [γ]: steps accepting pos i
-    batch_size_sum: int = 0  # sum over this request's steps of the step's batch size
-    # Wall seconds by phase of the steps this request was part of (shared with its batch-mates).
-    step_seconds: dict[str, float] = field(default_factory=dict)
+    # Sums over the steps this request was part of (their time is shared with its batch-mates).
+    steps: StepTimes = field(default_factory=lambda: StepTimes())
 
     @property
     def mean_batch_size(self) -> float:
-        return self.batch_size_sum / max(self.target_calls, 1)
-
-    def add_step(self, step: StepTimes) -> None:
-        self.batch_size_sum += step.batch_size
-        for name in StepTimes.PHASES:
-            self.step_seconds[name] = self.step_seconds.get(name, 0.0) + getattr(step, name)
+        return self.steps.batch_size / max(self.target_calls, 1)
 
     @property
     def tokens_per_call(self) -> float:
@@ -149,7 +143,7 @@ class SpeculativeEngine:
         max_sessions: int = 0,
     ):
         self.draft, self.target = draft, target
-        self.max_batch, self.max_len = max_batch, max_len
+        self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
         self.active: list[_Active] = []  # slot i of both caches belongs to active[i]
         self.waiting: list[_Active] = []
@@ -266,7 +260,7 @@ class SpeculativeEngine:
         )
 
     def _retire(self, index: int, park: bool = True) -> None:
-        if park and self.active[index].req.session_id and len(self.free_slots) + len(self.parked):
+        if park and self.active[index].req.session_id and self.max_sessions:
             self._park(index)
         last = len(self.active) - 1
         if index != last:
@@ -362,7 +356,7 @@ class SpeculativeEngine:
         )
         self.last_step = step
         for a in stepped:
-            a.stats.add_step(step)
+            a.stats.steps.add(step)
         self.times.add(step)
         self.steps += 1
         return finished

@@ -97,7 +97,7 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     text = str(cause)
     if isinstance(exc, _Abort):
         return exc.code, exc.message
-    if isinstance(exc, InvalidArgument | ValueError):
+    if isinstance(exc, ValueError):  # InvalidArgument, or the engine's own field checks
         return grpc.StatusCode.INVALID_ARGUMENT, text
     if isinstance(exc, Overloaded | BackPressureError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}"

@@ -82,7 +82,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     slots = cfg.max_batch + cfg.max_sessions
     draft = start_draft(cfg, slots, max_len)
     target = start_target(cfg, slots, max_len)
-    draft.sync()  # loaded
+    draft.wait_ready()  # loaded while the target shards were starting
     engine = SpeculativeEngine(
         draft, target, cfg.max_batch, max_len, vocab.pop(), max_sessions=cfg.max_sessions
     )
@@ -162,8 +162,8 @@ class Replica:
                             cached_prompt_tokens=value.cached_tokens,
                             mean_batch_size=stats.mean_batch_size,
                             step_ms={
-                                name: 1e3 * seconds / max(stats.target_calls, 1)
-                                for name, seconds in stats.step_seconds.items()
+                                name: 1e3 * getattr(stats.steps, name) / max(stats.target_calls, 1)
+                                for name in StepTimes.PHASES
                             },
                         ),
                         "replica": self.id,

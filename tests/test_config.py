@@ -53,3 +53,18 @@ def test_typos_and_bad_values_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match="no such file"):
         Settings()
+
+
+def test_serve_flags_override_env_and_are_validated(monkeypatch):
+    from service.cli import main, serve_settings
+
+    captured = {}
+    monkeypatch.setattr("service.cli.serve_forever", lambda args: captured.update(args=args))
+    monkeypatch.setenv("BLOCKSPEC_REPLICA__MAX_K", "3")
+    main(["serve", "--port", "0", "--tp", "2", "--replicas", "1-3"])
+    s = serve_settings(captured["args"])
+    assert (s.port, s.replica.tensor_parallel, s.replica.max_k) == (0, 2, 3)
+    assert (s.autoscaling.min_replicas, s.autoscaling.max_replicas) == (1, 3)
+    main(["serve", "--tp", "0"])
+    with pytest.raises(pydantic.ValidationError, match="tensor_parallel"):
+        serve_settings(captured["args"])

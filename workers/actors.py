@@ -46,6 +46,9 @@ class DraftActor:
         model = load_model(path, dtype, device).build()
         self.worker = DraftWorker(model, slots, max_len, DTYPES[dtype], device)
 
+    def ready(self) -> None:
+        """Returns once the constructor (model load) has run; raises what it raised."""
+
     def call(self, op: str, args: tuple) -> tuple[Any, float]:
         if op not in DRAFT_OPS:
             raise ValueError(f"unknown draft op {op!r}")
@@ -78,6 +81,9 @@ class TargetShardActor:
         self.device = _actor_device(device)
         self.shard = TargetShard(path, rank, world, slots, max_len, dtype, self.device)
         self._store = None
+
+    def ready(self) -> None:
+        """Returns once the constructor (shard load) has run; raises what it raised."""
 
     def open_store(self, timeout_s: float) -> int:
         """Rank 0: the group's rendezvous store on 127.0.0.1; returns its port."""
@@ -126,10 +132,9 @@ class _Remote:
         seconds, self.transfer_s = self.transfer_s, 0.0
         return seconds
 
-    def sync(self) -> None:
-        """Wait for every call sent so far (raises their errors)."""
-        earlier, self._unwaited = self._unwaited, []
-        ray.get(earlier)
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every actor has loaded its model (raises a load failure)."""
+        ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
@@ -203,7 +208,7 @@ def start_target(cfg, slots: int, max_len: int, timeout_s: float = 300.0) -> Rem
             port = ray.get(actors[0].open_store.remote(timeout_s), timeout=timeout_s)
             ray.get([a.join.remote(port, timeout_s) for a in actors], timeout=timeout_s)
         else:
-            ray.get(actors[0].call.remote("move", (0, 0)), timeout=timeout_s)  # loaded
+            ray.get(actors[0].ready.remote(), timeout=timeout_s)
     except BaseException:
         for a in actors:
             ray.kill(a)
