@@ -221,24 +221,30 @@ class Generator(pb_grpc.GeneratorServicer):
     async def _serve(self, request, context, meta: dict) -> AsyncIterator[pb.GenerateChunk]:
         method = request.method or self.limits.default_method
         start = time.perf_counter()
-        code = grpc.StatusCode.OK
+        outcome = {"code": grpc.StatusCode.CANCELLED}  # until the RPC completes or fails
         self.in_flight += 1
         self.metrics.in_flight.inc()
+        # A client cancel or deadline can end the RPC while grpc is writing a chunk, outside
+        # this generator, which is then dropped without seeing an exception. So the RPC's own
+        # end does the accounting and stops the replica's work (frees its KV slot).
+        context.add_done_callback(lambda _: self._rpc_done(method, start, outcome, meta))
         try:
             async for chunk in self._generate(request, context, method, start, meta):
                 yield chunk
+            outcome["code"] = grpc.StatusCode.OK
         except Exception as exc:
-            code, message = _status_of(exc)
-            await context.abort(code, message)
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(method, code.name).inc()
-            if code == grpc.StatusCode.OK:
-                self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+            outcome["code"], message = _status_of(exc)
+            await context.abort(outcome["code"], message)
+
+    def _rpc_done(self, method: str, start: float, outcome: dict, meta: dict) -> None:
+        if meta.get("stream") is not None and not meta.get("finished"):
+            meta["stream"].cancel()
+        code = outcome["code"]
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(method, code.name).inc()
+        if code == grpc.StatusCode.OK:
+            self.metrics.latency.labels(method).observe(time.perf_counter() - start)
 
     async def _generate(
         self, request, context, method, start, meta
@@ -266,28 +272,25 @@ class Generator(pb_grpc.GeneratorServicer):
         text = _TextStream(self.tokenizer, list(request.stop))
         output: list[int] = []
         handle = self.replicas.options(stream=True, multiplexed_model_id=request.session_id or "")
-        stream = handle.generate.remote(payload)
+        stream = meta["stream"] = handle.generate.remote(payload)
         first = True
-        try:
-            async for item in stream:
-                if "finish_reason" not in item:
-                    delta, ids = text.feed(item["token_ids"])
-                    output += ids
-                    if first:
-                        self.metrics.first_token.labels(method).observe(time.perf_counter() - start)
-                        first = False
-                    if text.stopped:
-                        stream.cancel()  # the replica frees the request's KV slot
-                        yield pb.GenerateChunk(text=delta, token_ids=ids)
-                        final = {"finish_reason": "stop", "stats": None, "replica": ""}
-                        break
-                    if delta or ids:
-                        yield pb.GenerateChunk(text=delta, token_ids=ids)
-                else:
-                    final = item
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
+        async for item in stream:
+            if "finish_reason" not in item:
+                delta, ids = text.feed(item["token_ids"])
+                output += ids
+                if first:
+                    self.metrics.first_token.labels(method).observe(time.perf_counter() - start)
+                    first = False
+                if text.stopped:
+                    stream.cancel()  # the replica frees the request's KV slot
+                    yield pb.GenerateChunk(text=delta, token_ids=ids)
+                    final = {"finish_reason": "stop", "stats": None, "replica": ""}
+                    break
+                if delta or ids:
+                    yield pb.GenerateChunk(text=delta, token_ids=ids)
+            else:
+                final = item
+        meta["finished"] = True
         stats = final["stats"]
         if stats is not None:
             self.metrics.finished(method, stats, len(output))
