@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
         [--vocab 8192 32000] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
+        [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call)
 
 Prints a markdown table: median milliseconds per call (validate=False, the engine's hot path)
 and the ratio to `token` at the same shape. `token` verifies one path, so for K > 1 its
@@ -25,14 +26,14 @@ from service.verification import METHODS, VERIFIERS, verify
 
 
 def make_inputs(b: int, k: int, gamma: int, vocab: int, device: str, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(b, k, gamma + 1, vocab, generator=gen) * 3
+    gen = torch.Generator(device).manual_seed(seed)  # made where they are used: big on a GPU
+    logits = torch.randn(b, k, gamma + 1, vocab, generator=gen, device=device) * 3
     logits[:, 1:, 0] = logits[:, :1, 0]  # every path starts at the same root node
-    draft_logits = logits[:, :, :gamma] + torch.randn(b, k, gamma, vocab, generator=gen)
-    q = draft_logits.softmax(-1)
+    noise = torch.randn(b, k, gamma, vocab, generator=gen, device=device)
+    q = (logits[:, :, :gamma] + noise).softmax(-1)
     p = logits.softmax(-1)
     tokens = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(b, k, gamma)
-    return tokens.to(device), q.to(device), p.to(device)
+    return tokens, q, p
 
 
 def median_ms(fn, repeats: int, device: str) -> float:
@@ -47,6 +48,25 @@ def median_ms(fn, repeats: int, device: str) -> float:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def profile_call(fn) -> dict:
+    """One call under torch.profiler: GPU kernels launched, their summed busy time, and the
+    host waits on the GPU (cudaStreamSynchronize: .item(), nonzero, masked indexing). Many kernels
+    and waits with little busy time means the call is bound by launches and syncs, not memory.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    waits = [e for e in prof.events() if e.name == "cudaStreamSynchronize"]
+    return dict(
+        kernels=len(kernels), gpu_ms=sum(e.device_time for e in gpu) / 1e3, waits=len(waits)
+    )
 
 
 def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
@@ -68,8 +88,15 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
         if VERIFIERS[method].single_path and k > 1:
             continue
         ms = time_call(method, (x, q, p))
-        rows.append(dict(vocab=vocab, batch=b, k=k, method=method, ms=ms, ratio=ms / base))
-        print(f"| {vocab} | {b} | {k} | {method} | {ms:.2f} | {ms / base:.2f} |", flush=True)
+        row = dict(vocab=vocab, batch=b, k=k, method=method, ms=ms, ratio=ms / base)
+        line = f"| {vocab} | {b} | {k} | {method} | {ms:.2f} | {ms / base:.2f} |"
+        if args.profile:
+            row.update(
+                profile_call(lambda m=method: verify(m, x, q, p, generator=gen, validate=False))
+            )
+            line += f" {row['kernels']} | {row['gpu_ms']:.2f} | {row['waits']} |"
+        rows.append(row)
+        print(line, flush=True)
     check = time_call("token", flat, validate=True) - base
     rows.append(dict(vocab=vocab, batch=b, k=k, method="(input validation)", ms=check, ratio=None))
     print(f"| {vocab} | {b} | {k} | (input validation) | {check:.2f} | |", flush=True)
@@ -89,13 +116,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--profile", action="store_true", help="CUDA: kernels, GPU busy ms and host waits per call"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     print(f"# verify() median ms, γ={args.gamma}, device={args.device}, threads={args.threads}")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print("| V | B | K | method | ms | × token |")
-    print("|---|---|---|---|---|---|")
+    extra = (" kernels | GPU busy ms | host waits |", "---|---|---|") if args.profile else ("", "")
+    print("| V | B | K | method | ms | × token |" + extra[0])
+    print("|---|---|---|---|---|---|" + extra[1])
     rows = [
         row
         for vocab in args.vocab

@@ -7,8 +7,10 @@ batch element per independent trial.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -31,6 +33,10 @@ SPEC_NAMES = {
     "Traversal": "traversal",
     "SpecTr-GBV*": "spectr_gbv",
 }
+
+# Where the verifiers run (the tables, drafting and counting stay on the CPU):
+# BLOCKSPEC_TEST_DEVICE=cuda checks the same laws on a GPU (scripts/gpu_checks.sh).
+DEVICE = torch.device(os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu"))
 
 # Significance level of every law test. The tests are seeded (deterministic), so a pass is
 # reproducible; the level keeps the family of ~150 law tests from failing by chance when a
@@ -115,9 +121,24 @@ def one_iteration(method, target, draft, n, k, gamma, seed, dtype=torch.float32,
         x = sample_paths(draft, m, k, gamma, gen)
         q = draft.rows(x, range(gamma)).to(dtype)
         p = target.rows(x, range(gamma + 1)).to(dtype)
-        out = verify(method, x, q, p, generator=gen)
+        out = on_device(verify, method, x, q, p, gen)
         outcomes.extend(sequences(out.tokens, out.num_tokens))
     return outcomes
+
+
+def on_device(verify, method, x, q, p, gen, **kw):
+    """``verify`` on DEVICE; the output's tensors come back to the CPU (a carry stays there).
+
+    On the CPU this is a plain call with ``gen``. Elsewhere the verifier gets a generator of
+    that device seeded from ``gen`` (62 random bits per call), so runs stay reproducible.
+    """
+    if DEVICE.type == "cpu":
+        return verify(method, x, q, p, generator=gen, **kw)
+    seed = int(torch.randint(2**62, (1,), generator=gen))
+    dev_gen = torch.Generator(DEVICE).manual_seed(seed)
+    out = verify(method, x.to(DEVICE), q.to(DEVICE), p.to(DEVICE), generator=dev_gen, **kw)
+    fields = [f.name for f in dataclasses.fields(out) if f.name != "carry"]
+    return dataclasses.replace(out, **{name: getattr(out, name).cpu() for name in fields})
 
 
 def sequences(tokens: torch.Tensor, lengths: torch.Tensor) -> list[str]:
@@ -245,7 +266,7 @@ def method_step(method: str, thread_carry: bool = True):
     from service.verification import verify
 
     def step(x, q, p, gen, carry):
-        return verify(method, x, q, p, generator=gen, carry=carry if thread_carry else None)
+        return on_device(verify, method, x, q, p, gen, carry=carry if thread_carry else None)
 
     return step
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a CUDA machine (no Ray, Redis or models needed): every verifier's exact one-iteration and
+# loop-level laws with the verifiers running on the GPU, then one-call kernel timings.
+#   bash scripts/gpu_checks.sh [OUT_DIR]        (PYTHON=... to pick the interpreter)
+# Writes gpu.txt, laws.txt, verify.md and verify.json under OUT_DIR (default .cache/gpu).
+set -uo pipefail
+out=${1:-.cache/gpu}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+"$py" -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
+
+# Kernel timings first (the shorter job): median of 21 calls after a warm-up, synchronised;
+# then one profiled call per cell (kernels launched, GPU busy time, host waits).
+timeout "${BENCH_TIMEOUT:-300}" "$py" scripts/bench_verify.py --device cuda --repeats 21 --profile \
+    --batch 1 8 32 128 --vocab 8192 32000 128256 --json "$out/verify.json" | tee "$out/verify.md"
+
+# The law tests with the verifiers on the GPU (the tables, drafting and counting stay on the
+# CPU; tests/harness.py reads BLOCKSPEC_TEST_DEVICE). --noconftest: conftest.py only loads
+# the service's fixtures (Ray, Redis), which these tests don't use.
+BLOCKSPEC_TEST_DEVICE=cuda timeout "${LAWS_TIMEOUT:-320}" "$py" -m pytest -q -p no:cacheprovider \
+    --noconftest -n "${WORKERS:-12}" -m "slow or not slow" \
+    tests/test_reference_laws.py tests/test_loop_lossless.py 2>&1 | tee "$out/laws.txt"
