@@ -131,6 +131,11 @@ def main() -> None:
     room = engines[args.batch[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
     prompts = [p[-room:] for p in humaneval_prompts(tokenizer, args.prompts)]
     some_engine = engines[args.batch[0]][0]
+    # Warm-up, discarded: the first steps of a process pay for allocator growth and lazy
+    # initialisation, which would otherwise land on whichever configuration runs first.
+    for engine, _ in engines.values():
+        for method in ("none", args.methods[0]):
+            run_engine(engine, prompts[: engine.max_batch], method, 1, args.gamma[0], 1.0, 16)
     c = forward_ms(some_engine.draft.model) / forward_ms(some_engine.target.model)
     lines: list[str] = []
 

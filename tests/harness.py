@@ -127,7 +127,7 @@ def one_iteration(method, target, draft, n, k, gamma, seed, dtype=torch.float32,
 
 
 def on_device(verify, method, x, q, p, gen, **kw):
-    """``verify`` on DEVICE; the output's tensors come back to the CPU (a carry stays there).
+    """``verify`` on DEVICE; the output's tensors come back to the CPU (a carry stays on DEVICE).
 
     On the CPU this is a plain call with ``gen``. Elsewhere the verifier gets a generator of
     that device seeded from ``gen`` (62 random bits per call), so runs stay reproducible.

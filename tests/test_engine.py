@@ -265,6 +265,15 @@ def test_mismatched_vocabularies_are_refused(tmp_path):
         load_pair(tmp_path / "draft", tmp_path / "target")
 
 
+def test_missing_model_directories_say_what_to_set(tmp_path):
+    from workers.models import BUNDLED, load_model
+
+    with pytest.raises(ValueError, match=r"has no config\.json$"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="BLOCKSPEC_REPLICA__DRAFT_DIR"):
+        load_model(BUNDLED / "not-shipped")  # what an installed wheel sees for the bundled pair
+
+
 def test_engine_context_is_capped_at_the_models_context(tmp_path):
     from service.engine import build_engine
 

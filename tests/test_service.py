@@ -78,6 +78,34 @@ def test_info_health_reflection_and_metrics(service):
     assert any(name.startswith("blockspec_block_efficiency_bucket") for name in metrics)
 
 
+def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
+    """The replica records step metrics with ray.util.metrics; the node's metrics agent
+    exports them (on 127.0.0.1) for Prometheus: every phase, batch sizes, queue depth."""
+    import ray
+
+    service["stub"].Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=6))
+    node = ray._private.worker.global_worker.node
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+    assert node.node_ip_address == "127.0.0.1"
+    deadline, metrics = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:
+        metrics = {}
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for x in family.samples:
+                if x.name.startswith("ray_blockspec_"):
+                    key = (x.name, x.labels.get("phase", ""))
+                    metrics[key] = metrics.get(key, 0) + x.value
+        if metrics.get(("ray_blockspec_step_batch_size_count", ""), 0) > 0:
+            break
+        time.sleep(0.5)
+    assert metrics.get(("ray_blockspec_step_batch_size_count", ""), 0) > 0, sorted(metrics)
+    for phase in ("draft", "tree", "target", "transfer", "verify", "overhead"):
+        assert metrics.get(("ray_blockspec_step_phase_seconds_count", phase), 0) > 0, phase
+    assert metrics[("ray_blockspec_step_phase_seconds_sum", "target")] > 0
+    assert ("ray_blockspec_queue_depth", "") in metrics
+
+
 def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batched(service):
     """≥ 8 concurrent clients, every method: batched together, outputs equal to the engine's."""
     prompts = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]

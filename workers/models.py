@@ -29,7 +29,13 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
 
     path = Path(path)
     if not (path / "config.json").exists():
-        raise ValueError(f"model directory {path} has no config.json")
+        hint = (
+            " (the bundled pair ships in the repository's models/, not in a wheel: run from a "
+            "checkout or `pip install -e .`, or set BLOCKSPEC_REPLICA__DRAFT_DIR/__TARGET_DIR)"
+            if path.parent == BUNDLED
+            else ""
+        )
+        raise ValueError(f"model directory {path} has no config.json{hint}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])

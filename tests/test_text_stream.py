@@ -1,0 +1,71 @@
+"""The gateway's incremental detokenizer (service.gateway._TextStream) on the bundled tokenizer:
+streamed text equals the one-piece decode, never shows a broken character, and stop strings
+cut text and token ids exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from service.gateway import _TextStream
+from workers.models import BUNDLED
+
+TEXTS = [
+    "def add(a, b):\n    return a + b  # sum\n",
+    "naïve café, jalapeño — “quotes” and ½ × 3 ≥ 1",
+    "中文字符和日本語のテキスト, 한국어도",
+    "emoji 🙂🚀 and a family 👨‍👩‍👧 in one line\n\tindented",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(BUNDLED / "target", local_files_only=True)
+
+
+def stream(tokenizer, ids: list[int], stops: list[str], seed: int):
+    """Feed `ids` in random chunks of 1-4 tokens; returns (pieces, ids emitted, stream)."""
+    rng = random.Random(seed)
+    s = _TextStream(tokenizer, stops)
+    pieces, emitted, i = [], [], 0
+    while i < len(ids) and not s.stopped:
+        n = rng.randint(1, 4)
+        text, out = s.feed(ids[i : i + n])
+        pieces.append(text)
+        emitted += out
+        i += n
+    pieces.append(s.flush())
+    return pieces, emitted, s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_streamed_text_equals_the_one_piece_decode(tokenizer, seed):
+    rng = random.Random(seed)
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        pieces, emitted, _ = stream(tokenizer, ids, [], seed)
+        assert "".join(pieces) == tokenizer.decode(ids) and emitted == ids
+        assert not any("\ufffd" in p for p in pieces), pieces  # no broken character shown
+    # Arbitrary token sequences (invalid UTF-8 included) stream to their one-piece decode too.
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+    pieces, emitted, _ = stream(tokenizer, ids, [], seed)
+    assert "".join(pieces) == tokenizer.decode(ids) and emitted == ids
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stop_strings_cut_text_and_ids(tokenizer, seed):
+    text = "x = 1\nprint(x)\n# END of 中文 file\nmore text after"
+    ids = tokenizer(text)["input_ids"]
+    pieces, emitted, s = stream(tokenizer, ids, ["# END", "never"], seed)
+    assert s.stopped and "".join(pieces) == "x = 1\nprint(x)\n"
+    # The ids end with the token that completed the stop string.
+    assert "# END" in tokenizer.decode(emitted) and "# END" not in tokenizer.decode(emitted[:-1])
+
+
+def test_a_stop_string_that_never_completes_is_released_at_the_end(tokenizer):
+    ids = tokenizer("value = 3 # EN")["input_ids"]
+    pieces, emitted, s = stream(tokenizer, ids, ["# END"], seed=0)
+    assert not s.stopped and "".join(pieces) == "value = 3 # EN" and emitted == ids
+    assert "# EN" not in "".join(pieces[:-1])  # held back until the stream ended
