@@ -87,6 +87,7 @@ def start_ray(settings: Settings) -> None:
         num_cpus=settings.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
         runtime_env={"env_vars": dict(LOOPBACK_ENV)},
+        _system_config={"max_direct_call_object_size": settings.ray_inline_bytes},
     )
 
 

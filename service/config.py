@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(3600.0, gt=0)
     ray_address: str | None = None  # join this cluster; None: RAY_ADDRESS or a local cluster
     ray_num_cpus: int | None = None  # logical CPUs of a local cluster (None: the machine's)
+    # Local cluster: actor results up to this size travel inline in the task reply instead of
+    # through the shared-memory object store (Ray's default: 100 KiB). The draft's rows and the
+    # target's logits are 0.1-10 MB per step; inlining them raised service tok/s 10-12%
+    # (docs/service_benchmark.md). A joined cluster keeps its own `max_direct_call_object_size`.
+    ray_inline_bytes: int = Field(16 << 20, ge=0)
     app_name: str = "blockspec"
     drain_timeout_s: float = Field(30.0, ge=0)  # on shutdown: finish in-flight requests
     replica: ReplicaConfig = ReplicaConfig()
