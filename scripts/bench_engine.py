@@ -64,6 +64,7 @@ def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=
         for i, p in enumerate(prompts)
     ]
     engine.times.__init__()
+    engine.steps = 0
     start = time.perf_counter()
     results = engine.generate(reqs)
     wall = time.perf_counter() - start

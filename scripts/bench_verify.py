@@ -120,6 +120,8 @@ def main() -> None:
         "--profile", action="store_true", help="CUDA: kernels, GPU busy ms and host waits per call"
     )
     args = ap.parse_args()
+    if args.profile and not args.device.startswith("cuda"):
+        ap.error("--profile counts CUDA kernels: it needs --device cuda")
     torch.set_num_threads(args.threads)
 
     print(f"# verify() median ms, γ={args.gamma}, device={args.device}, threads={args.threads}")

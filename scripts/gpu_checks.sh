@@ -4,6 +4,7 @@
 #   bash scripts/gpu_checks.sh [OUT_DIR]        (PYTHON=... to pick the interpreter)
 # Writes gpu.txt, laws.txt, verify.md and verify.json under OUT_DIR (default .cache/gpu).
 set -uo pipefail
+status=0
 out=${1:-.cache/gpu}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -14,11 +15,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # Kernel timings first (the shorter job): median of 21 calls after a warm-up, synchronised;
 # then one profiled call per cell (kernels launched, GPU busy time, host waits).
 timeout "${BENCH_TIMEOUT:-300}" "$py" scripts/bench_verify.py --device cuda --repeats 21 --profile \
-    --batch 1 8 32 128 --vocab 8192 32000 128256 --json "$out/verify.json" | tee "$out/verify.md"
+    --batch 1 8 32 128 --vocab 8192 32000 128256 --json "$out/verify.json" | tee "$out/verify.md" \
+    || status=1
 
 # The law tests with the verifiers on the GPU (the tables, drafting and counting stay on the
 # CPU; tests/harness.py reads BLOCKSPEC_TEST_DEVICE). --noconftest: conftest.py only loads
 # the service's fixtures (Ray, Redis), which these tests don't use.
 BLOCKSPEC_TEST_DEVICE=cuda timeout "${LAWS_TIMEOUT:-320}" "$py" -m pytest -q -p no:cacheprovider \
     --noconftest -n "${WORKERS:-12}" -m "slow or not slow" \
-    tests/test_reference_laws.py tests/test_loop_lossless.py 2>&1 | tee "$out/laws.txt"
+    tests/test_reference_laws.py tests/test_loop_lossless.py 2>&1 | tee "$out/laws.txt" || status=1
+exit $status

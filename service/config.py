@@ -106,8 +106,9 @@ class Settings(BaseSettings):
     # Local cluster: actor results up to this size travel inline in the task reply instead of
     # through the shared-memory object store (Ray's default: 100 KiB). The draft's rows and the
     # target's logits are 0.1-10 MB per step; inlining them raised service tok/s 10-12%
-    # (docs/service_benchmark.md). A joined cluster keeps its own `max_direct_call_object_size`.
-    ray_inline_bytes: int = Field(16 << 20, ge=0)
+    # (docs/service_benchmark.md). Ray also caps a reply's inlined bytes at its
+    # `task_rpc_inlined_bytes_limit` (10 MiB), hence 8 MiB. A joined cluster keeps its own.
+    ray_inline_bytes: int = Field(8 << 20, ge=0)
     app_name: str = "blockspec"
     drain_timeout_s: float = Field(30.0, ge=0)  # on shutdown: finish in-flight requests
     replica: ReplicaConfig = ReplicaConfig()

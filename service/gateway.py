@@ -132,10 +132,14 @@ class _TextStream:
         self.sent = 0  # characters of `text` already emitted
         self.stopped = False
 
+    def _decode(self, ids: list[int]) -> str:
+        # No clean-up of tokenization spaces: it rewrites text across piece boundaries.
+        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
     def _tail(self) -> str:
         """Text of ids[read:] (decoded after its left context ids[prefix:read])."""
-        left = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        return self.tokenizer.decode(self.ids[self.prefix :])[len(left) :]
+        left = self._decode(self.ids[self.prefix : self.read])
+        return self._decode(self.ids[self.prefix :])[len(left) :]
 
     def feed(self, ids: list[int]) -> tuple[str, list[int]]:
         """Text and token ids to emit for `ids`; sets `stopped` when a stop string appeared
@@ -143,24 +147,28 @@ class _TextStream:
         start = len(self.ids)
         self.ids += ids
         text = self.text + self._tail()
-        # A trailing U+FFFD is an incomplete UTF-8 sequence: keep its tokens for the next
-        # decode (and the character unsent); the text before it is final.
-        incomplete = text.endswith("\ufffd")
-        if not incomplete:
+        # Trailing U+FFFDs may be an incomplete UTF-8 sequence (one per byte with byte-fallback
+        # tokenizers): keep their tokens for the next decode and the characters unsent; the
+        # text before them is final.
+        pending = len(text) - len(text.rstrip("\ufffd"))
+        if not pending:
             self.text, self.prefix, self.read = text, self.read, len(self.ids)
         found = [(at, s) for s in self.stops if (at := text.find(s, self.sent)) >= 0]
         if found:
             at, stop = min(found)
             self.stopped = True
             cut = next(
-                j
-                for j in range(start + 1, len(self.ids) + 1)
-                if stop in self.tokenizer.decode(self.ids[:j])
+                (
+                    j
+                    for j in range(start + 1, len(self.ids) + 1)
+                    if stop in self._decode(self.ids[:j])
+                ),
+                len(self.ids),
             )
             new_ids, self.ids = self.ids[start:cut], self.ids[:cut]
             delta, self.sent = text[self.sent : at], at
             return delta, new_ids
-        end = len(text) - max(self.hold, int(incomplete))
+        end = len(text) - max(self.hold, pending)
         if end <= self.sent:
             return "", ids
         delta, self.sent = text[self.sent : end], end
@@ -249,18 +257,23 @@ class Generator(pb_grpc.GeneratorServicer):
                 yield chunk
             outcome["code"] = grpc.StatusCode.OK
         except Exception as exc:
+            meta["finished"] = True  # a failed stream (e.g. back-pressure) has nothing to cancel
             outcome["code"], message = _status_of(exc)
             await context.abort(outcome["code"], message)
 
     def _rpc_done(self, method: str, start: float, outcome: dict, meta: dict) -> None:
-        if meta.get("stream") is not None and not meta.get("finished"):
-            meta["stream"].cancel()
-        code = outcome["code"]
-        self.in_flight -= 1
-        self.metrics.in_flight.dec()
-        self.metrics.requests.labels(method, code.name).inc()
-        if code == grpc.StatusCode.OK:
-            self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+        try:
+            if meta.get("stream") is not None and not meta.get("finished"):
+                meta["stream"].cancel()
+        except Exception:  # cancel() re-raises a failed assignment's error: nothing to stop
+            pass
+        finally:
+            code = outcome["code"]
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(method, code.name).inc()
+            if code == grpc.StatusCode.OK:
+                self.metrics.latency.labels(method).observe(time.perf_counter() - start)
 
     async def _generate(
         self, request, context, method, start, meta

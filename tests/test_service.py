@@ -83,12 +83,20 @@ def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
     exports them (on 127.0.0.1) for Prometheus: every phase, batch sizes, queue depth."""
     import ray
 
-    service["stub"].Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=6))
+    # Steps run while the metrics are read: a gauge is exported only for report intervals in
+    # which it was set (histograms accumulate).
+    busy = service["stub"].GenerateStream(
+        pb.GenerateRequest(prompt="def f(x):", max_new_tokens=300, ignore_eos=True)
+    )
+    next(busy)
     node = ray._private.worker.global_worker.node
     url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
     assert node.node_ip_address == "127.0.0.1"
+    phases = ("draft", "tree", "target", "transfer", "verify", "overhead")
+    wanted = [("ray_blockspec_step_phase_seconds_count", phase) for phase in phases]
+    wanted += [("ray_blockspec_step_batch_size_count", ""), ("ray_blockspec_queue_depth", "")]
     deadline, metrics = time.monotonic() + 30, {}
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # each metric shows up at its first report interval
         metrics = {}
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         for family in text_string_to_metric_families(text):
@@ -96,14 +104,13 @@ def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
                 if x.name.startswith("ray_blockspec_"):
                     key = (x.name, x.labels.get("phase", ""))
                     metrics[key] = metrics.get(key, 0) + x.value
-        if metrics.get(("ray_blockspec_step_batch_size_count", ""), 0) > 0:
+        if all(key in metrics for key in wanted):
             break
         time.sleep(0.5)
-    assert metrics.get(("ray_blockspec_step_batch_size_count", ""), 0) > 0, sorted(metrics)
-    for phase in ("draft", "tree", "target", "transfer", "verify", "overhead"):
-        assert metrics.get(("ray_blockspec_step_phase_seconds_count", phase), 0) > 0, phase
+    busy.cancel()
+    assert all(key in metrics for key in wanted), sorted(set(wanted) - set(metrics))
+    assert all(metrics[key] > 0 for key in wanted[:-1])  # counts; the queue depth may be 0
     assert metrics[("ray_blockspec_step_phase_seconds_sum", "target")] > 0
-    assert ("ray_blockspec_queue_depth", "") in metrics
 
 
 def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batched(service):
@@ -279,6 +286,9 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
 
 def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
     stub = service["stub"]
+    exhausted_before = gateway_metrics(service).get(
+        'blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="token"}', 0
+    )
     # The replica holds max_batch + max_queued requests and the gateway queues as many more.
     streams = [
         stub.GenerateStream(
@@ -298,6 +308,11 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert wait_idle(service)["active"] == 0
+    # Rejected RPCs are counted and leave the in-flight gauge (which drain() waits on) at 0.
+    metrics = gateway_metrics(service)
+    rejected = metrics['blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="token"}']
+    assert rejected >= codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) + exhausted_before
+    assert metrics["blockspec_in_flight"] == 0
     assert stub.Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
 
 
