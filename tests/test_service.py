@@ -290,9 +290,11 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
         'blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="token"}', 0
     )
     # The replica holds max_batch + max_queued requests and the gateway queues as many more.
+    # Each request holds its place for ~60 steps, several seconds even on a loaded machine, so
+    # the burst overlaps however slowly the gateway takes it in.
     streams = [
         stub.GenerateStream(
-            pb.GenerateRequest(prompt="x", max_new_tokens=60, ignore_eos=True, method="token")
+            pb.GenerateRequest(prompt="x", max_new_tokens=150, ignore_eos=True, method="token")
         )
         for _ in range(2 * (MAX_BATCH + MAX_QUEUED) + 6)
     ]
