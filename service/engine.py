@@ -8,13 +8,12 @@ One step for the batch of active requests (shared/spec/architecture.md):
   commit -> keep the accepted path's KV entries, append tokens, retire finished requests
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
-its own method, K, γ,
-sampling settings, seed (a private torch.Generator used for both drafting and verification, so
-its output does not depend on its batch-mates) and stop conditions. Method ``none`` is plain
-autoregressive decoding with the target (the baseline). A mixed batch runs the draft with the
-largest K and γ present and each request uses its own prefix of that; requests with ``none``
-still feed their tokens to the draft in such a batch (wasted work, kept simple), while a batch
-of only ``none`` requests skips the draft model entirely.
+its own method, K, γ, sampling settings, seed (a private torch.Generator used for both drafting
+and verification, so its output does not depend on its batch-mates) and stop conditions.
+Method ``none`` is plain autoregressive decoding with the target (the baseline). A mixed batch
+runs the draft with the largest K and γ present and each request uses its own prefix of that;
+requests with ``none`` still feed their tokens to the draft in such a batch (wasted work, kept
+simple), while a batch of only ``none`` requests skips the draft model entirely.
 
 Sessions: a request with a ``session_id`` parks its KV entries in one of ``max_sessions`` spare
 cache slots when it finishes (least recently parked evicted first). The session's next request
@@ -80,7 +79,7 @@ class RequestStats:
 class GenerationResult:
     request_id: str
     token_ids: list[int]
-    finish_reason: str  # "length" | "stop" | "cancelled"
+    finish_reason: str  # "length" | "stop" (a cancelled request has no result)
     stats: RequestStats
     cached_tokens: int = 0  # prompt tokens whose target KV came from the session's parked slot
 
@@ -153,6 +152,10 @@ class SpeculativeEngine:
         self.last_step = StepTimes()
         self.steps = 0
         self._ids = itertools.count()
+
+    def reset_stats(self) -> None:
+        """Zero the cumulative step counters `times` and `steps` (benchmarks)."""
+        self.times, self.steps = StepTimes(), 0
 
     # ---------------------------------------------------------------- admission
     def validate(self, req: GenerationRequest) -> None:

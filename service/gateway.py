@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -32,7 +33,7 @@ from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
 from service.requests import InvalidArgument, Limits, check_request
-from service.sessions import Session, SessionStore, open_store
+from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}
@@ -103,7 +104,7 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}"
     if isinstance(exc, DeadlineExceeded):
         return grpc.StatusCode.DEADLINE_EXCEEDED, text
-    if isinstance(exc, ReplicaFailed):
+    if isinstance(exc, ReplicaFailed | StoreUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, text
     return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
 
@@ -184,6 +185,18 @@ class _TextStream:
         return delta
 
 
+@dataclass
+class _Call:
+    """One Generate/GenerateStream RPC, as its end (the done callback) needs to see it."""
+
+    method: str
+    start: float  # perf_counter seconds
+    code: grpc.StatusCode = grpc.StatusCode.CANCELLED  # until the RPC completes or fails
+    stream: Any = None  # the replica's Serve stream, once sent
+    finished: bool = False  # that stream ended: nothing to cancel
+    prompt_tokens: int = 0
+
+
 class Generator(pb_grpc.GeneratorServicer):
     def __init__(
         self,
@@ -222,8 +235,8 @@ class Generator(pb_grpc.GeneratorServicer):
         )
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
-        text, ids, last, meta = [], [], None, {}
-        async for chunk in self._serve(request, context, meta):
+        text, ids, last, call = [], [], None, self._call(request)
+        async for chunk in self._serve(request, context, call):
             text.append(chunk.text)
             ids += chunk.token_ids
             last = chunk
@@ -232,52 +245,49 @@ class Generator(pb_grpc.GeneratorServicer):
             token_ids=ids,
             finish_reason=last.finish_reason,
             stats=last.stats,
-            prompt_tokens=meta["prompt_tokens"],
+            prompt_tokens=call.prompt_tokens,
             session_id=request.session_id,
             replica=last.replica,
         )
 
     async def GenerateStream(self, request, context) -> AsyncIterator[pb.GenerateChunk]:
-        async for chunk in self._serve(request, context, {}):
+        async for chunk in self._serve(request, context, self._call(request)):
             yield chunk
 
     # ----------------------------------------------------------------------------- core
-    async def _serve(self, request, context, meta: dict) -> AsyncIterator[pb.GenerateChunk]:
-        method = request.method or self.limits.default_method
-        start = time.perf_counter()
-        outcome = {"code": grpc.StatusCode.CANCELLED}  # until the RPC completes or fails
+    def _call(self, request) -> _Call:
+        return _Call(request.method or self.limits.default_method, time.perf_counter())
+
+    async def _serve(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         # A client cancel or deadline can end the RPC while grpc is writing a chunk, outside
         # this generator, which is then dropped without seeing an exception. So the RPC's own
         # end does the accounting and stops the replica's work (frees its KV slot).
-        context.add_done_callback(lambda _: self._rpc_done(method, start, outcome, meta))
+        context.add_done_callback(lambda _: self._rpc_done(call))
         try:
-            async for chunk in self._generate(request, context, method, start, meta):
+            async for chunk in self._generate(request, context, call):
                 yield chunk
-            outcome["code"] = grpc.StatusCode.OK
+            call.code = grpc.StatusCode.OK
         except Exception as exc:
-            meta["finished"] = True  # a failed stream (e.g. back-pressure) has nothing to cancel
-            outcome["code"], message = _status_of(exc)
-            await context.abort(outcome["code"], message)
+            call.finished = True  # a failed stream (e.g. back-pressure) has nothing to cancel
+            call.code, message = _status_of(exc)
+            await context.abort(call.code, message)
 
-    def _rpc_done(self, method: str, start: float, outcome: dict, meta: dict) -> None:
+    def _rpc_done(self, call: _Call) -> None:
         try:
-            if meta.get("stream") is not None and not meta.get("finished"):
-                meta["stream"].cancel()
+            if call.stream is not None and not call.finished:
+                call.stream.cancel()
         except Exception:  # cancel() re-raises a failed assignment's error: nothing to stop
             pass
         finally:
-            code = outcome["code"]
             self.in_flight -= 1
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(method, code.name).inc()
-            if code == grpc.StatusCode.OK:
-                self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+            self.metrics.requests.labels(call.method, call.code.name).inc()
+            if call.code == grpc.StatusCode.OK:
+                self.metrics.latency.labels(call.method).observe(time.perf_counter() - call.start)
 
-    async def _generate(
-        self, request, context, method, start, meta
-    ) -> AsyncIterator[pb.GenerateChunk]:
+    async def _generate(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         if self.draining:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
         if request.prompt and request.prompt_token_ids:
@@ -291,7 +301,7 @@ class Generator(pb_grpc.GeneratorServicer):
         history = session.tokens if session else []
         payload = check_request(request, self.limits, prompt_ids, len(history))
         payload["prompt_ids"] = history + prompt_ids
-        meta["prompt_tokens"] = len(payload["prompt_ids"])
+        call.prompt_tokens = len(payload["prompt_ids"])
         eos = self.tokenizer.eos_token_id
         if eos is not None and not request.ignore_eos:
             payload["stop_token_ids"].append(eos)
@@ -301,14 +311,16 @@ class Generator(pb_grpc.GeneratorServicer):
         text = _TextStream(self.tokenizer, list(request.stop))
         output: list[int] = []
         handle = self.replicas.options(stream=True, multiplexed_model_id=request.session_id or "")
-        stream = meta["stream"] = handle.generate.remote(payload)
+        stream = call.stream = handle.generate.remote(payload)
         first = True
         async for item in stream:
             if "finish_reason" not in item:
                 delta, ids = text.feed(item["token_ids"])
                 output += ids
                 if first:
-                    self.metrics.first_token.labels(method).observe(time.perf_counter() - start)
+                    self.metrics.first_token.labels(call.method).observe(
+                        time.perf_counter() - call.start
+                    )
                     first = False
                 if text.stopped:
                     stream.cancel()  # the replica frees the request's KV slot
@@ -319,10 +331,10 @@ class Generator(pb_grpc.GeneratorServicer):
                     yield pb.GenerateChunk(text=delta, token_ids=ids)
             else:
                 final = item
-        meta["finished"] = True
+        call.finished = True
         stats = final["stats"]
         if stats is not None:
-            self.metrics.finished(method, stats, len(output))
+            self.metrics.finished(call.method, stats, len(output))
         if request.session_id:
             await self._save_session(request, session, payload, output, final)
         yield pb.GenerateChunk(

@@ -67,24 +67,17 @@ def _step_metrics():
 
 def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str, Any]]:
     """Engine over a draft actor and the target shard group; returns (engine, model info)."""
-    from transformers import AutoConfig
-
     from workers.actors import start_draft, start_target
+    from workers.models import check_pair
 
-    contexts, vocab = [], set()
-    for path in (cfg.draft_dir, cfg.target_dir):
-        hf = AutoConfig.from_pretrained(path, local_files_only=True)
-        contexts.append(hf.max_position_embeddings)
-        vocab.add(hf.vocab_size)
-    if len(vocab) != 1:
-        raise ValueError(f"draft and target vocabularies differ: {sorted(vocab)}")
-    max_len = min(cfg.max_len, *contexts)
+    _, vocab_size, context = check_pair(cfg.draft_dir, cfg.target_dir)
+    max_len = min(cfg.max_len, context)
     slots = cfg.max_batch + cfg.max_sessions
     draft = start_draft(cfg, slots, max_len)
     target = start_target(cfg, slots, max_len)
     draft.wait_ready()  # loaded while the target shards were starting
     engine = SpeculativeEngine(
-        draft, target, cfg.max_batch, max_len, vocab.pop(), max_sessions=cfg.max_sessions
+        draft, target, cfg.max_batch, max_len, vocab_size, max_sessions=cfg.max_sessions
     )
     info = dict(
         draft_model=os.path.basename(cfg.draft_dir.rstrip("/")),

@@ -5,22 +5,16 @@ it are marked ``xdist_group("ray")`` so that they all run on one worker)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import grpc
 import pytest
 
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings  # first import of `service`: loopback-only Ray
+from tests.redis_server import free_port
 
 APP = "blockspec-test"
 MAX_BATCH, MAX_QUEUED = 8, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +44,6 @@ def service(redis_url):
         channel=channel,
         stub=pb_grpc.GeneratorStub(channel),
         replica=replica,
-        gateway=gateway,
     )
     channel.close()
     serve.shutdown()

@@ -8,14 +8,7 @@ import pytest
 
 from service.config import Settings
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("BLOCKSPEC_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_defaults_run_locally_on_loopback():

@@ -257,12 +257,13 @@ def save_tiny(path, vocab: int, context: int = 2048) -> None:
 
 
 def test_mismatched_vocabularies_are_refused(tmp_path):
-    from workers.models import load_pair
+    from workers.models import check_pair, load_pair
 
     save_tiny(tmp_path / "draft", 40)
     save_tiny(tmp_path / "target", 48)
-    with pytest.raises(ValueError, match="vocabulary"):
-        load_pair(tmp_path / "draft", tmp_path / "target")
+    for load in (load_pair, check_pair):  # in-process engine; replicas (no weights loaded)
+        with pytest.raises(ValueError, match="vocabulary"):
+            load(tmp_path / "draft", tmp_path / "target")
 
 
 def test_missing_model_directories_say_what_to_set(tmp_path):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 
 import pytest
 
 from loadtest.cli import main as loadtest
+from loadtest.report import summarize
 
 pytestmark = pytest.mark.xdist_group("ray")  # uses the live service (tests/live_service.py)
 
@@ -65,9 +67,48 @@ def test_compare_interleaves_two_configurations_and_reports_ratios(service, tmp_
     args += ["--concurrency", "2", "--requests", "3", "--warmup", "0", "--max-new-tokens", "12"]
     loadtest([*args, "--out", str(out)])
     data = json.loads((out / "results.json").read_text())
-    assert {p["config"] for p in data["points"]} == {"token K=1 γ=3 T=1.0", "block K=1 γ=3 T=1.0"}
+    a, b = "token K=1 γ=3 T=1.0", "block K=1 γ=3 T=1.0"
+    points = {p["config"]: p for p in data["points"]}
+    assert set(points) == {a, b}
+    # Sent in turn: the configurations alternate in start order.
+    order = [r["config"] for r in sorted(data["records"], key=lambda r: r["start"])]
+    assert len(order) == 6 and all(x != y for x, y in itertools.pairwise(order))
     ratios = {row["metric"]: row for row in data["meta"]["compare"]}
     assert set(ratios) >= {"tokens_per_s", "latency_p50", "block_efficiency"}
-    for row in ratios.values():
+    for metric, row in ratios.items():  # A and B are the two points, B/A their ratio
+        assert (row["a"], row["b"]) == (points[a][metric], points[b][metric])
         assert row["ratio"] == pytest.approx(row["b"] / row["a"])
     assert "Comparison (B / A" in (out / "report.md").read_text()
+
+
+def test_summary_of_hand_made_records():
+    """Throughput over the wall time, BE and acceptance per target call, per-step means
+    weighted by each request's steps, nearest-rank percentiles, errors counted apart."""
+
+    def rec(tokens, calls, latency, ttft, accepted, batch, step_ms, code="OK"):
+        return dict(
+            tokens=tokens,
+            target_calls=calls,
+            latency_s=latency,
+            ttft_s=ttft,
+            accepted_per_position=accepted,
+            mean_batch_size=batch,
+            step_ms=step_ms,
+            code=code,
+        )
+
+    records = [
+        rec(10, 4, 2.0, 0.5, [3, 2], 2.0, {"target": 10.0, "draft": 4.0}),
+        rec(6, 2, 1.0, 0.2, [2, 1], 4.0, {"target": 20.0, "draft": 1.0}),
+        rec(0, 0, 0.1, None, [], 0.0, {}, code="RESOURCE_EXHAUSTED"),
+    ]
+    s = summarize(records, wall_s=4.0)
+    assert (s["requests"], s["ok"], s["errors"]) == (3, 2, {"RESOURCE_EXHAUSTED": 1})
+    assert s["tokens_per_s"] == 16 / 4.0
+    assert s["block_efficiency"] == pytest.approx(16 / 6)
+    assert s["acceptance_per_position"] == pytest.approx([5 / 6, 3 / 6])
+    assert s["mean_batch_size"] == pytest.approx((2.0 * 4 + 4.0 * 2) / 6)
+    assert s["step_ms"]["target"] == pytest.approx((10.0 * 4 + 20.0 * 2) / 6)
+    assert s["step_ms"]["draft"] == pytest.approx((4.0 * 4 + 1.0 * 2) / 6)
+    assert (s["latency_p50"], s["latency_p99"], s["ttft_p50"]) == (1.0, 2.0, 0.2)
+    assert s["tpot_p50"] == pytest.approx(0.8 / 5)  # min of 1.5/9 and 0.8/5

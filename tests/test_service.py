@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings  # first import of `service`: loopback-only Ray
-from service.engine import GenerationRequest, build_engine
+from service.engine import GenerationRequest, StepTimes, build_engine
 from service.sessions import RedisStore
 from service.verification import VERIFIERS
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED
@@ -42,16 +42,23 @@ def wait_idle(service, timeout: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
-def gateway_metrics(service) -> dict[str, float]:
-    """The gateway's Prometheus samples: {'name{label="v",...}': value}."""
-    url = f"http://127.0.0.1:{service['address']['metrics_port']}/metrics"
+def scrape(url: str, keep=("",)) -> dict[str, float]:
+    """Prometheus samples at `url` whose labels are among `keep` (others summed over):
+    {'name{label="v",...}': value}."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    samples = {}
+    samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for x in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(x.labels.items()))
-            samples[f"{x.name}{{{labels}}}" if labels else x.name] = x.value
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(x.labels.items()) if k in keep)
+            name = f"{x.name}{{{labels}}}" if labels else x.name
+            samples[name] = samples.get(name, 0.0) + x.value
     return samples
+
+
+def gateway_metrics(service) -> dict[str, float]:
+    """The gateway's request metrics, by method and gRPC code."""
+    port = service["address"]["metrics_port"]
+    return scrape(f"http://127.0.0.1:{port}/metrics", keep=("method", "code", "le", "position"))
 
 
 def test_info_health_reflection_and_metrics(service):
@@ -72,10 +79,14 @@ def test_info_health_reflection_and_metrics(service):
     names = {s.name for s in reply.list_services_response.service}
     assert {"blockspec.v1.Generator", "grpc.health.v1.Health"} <= names
 
-    service["stub"].Generate(pb.GenerateRequest(prompt="x = ", max_new_tokens=4))
-    metrics = gateway_metrics(service)
-    assert metrics['blockspec_requests_total{code="OK",method="block"}'] >= 1
-    assert any(name.startswith("blockspec_block_efficiency_bucket") for name in metrics)
+    before = gateway_metrics(service)
+    service["stub"].Generate(pb.GenerateRequest(prompt="x = ", max_new_tokens=4, method="block"))
+    after = gateway_metrics(service)
+    for name in (
+        'blockspec_requests_total{code="OK",method="block"}',
+        'blockspec_block_efficiency_count{method="block"}',
+    ):
+        assert after[name] == before.get(name, 0) + 1, name
 
 
 def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
@@ -92,25 +103,18 @@ def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
     node = ray._private.worker.global_worker.node
     url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
     assert node.node_ip_address == "127.0.0.1"
-    phases = ("draft", "tree", "target", "transfer", "verify", "overhead")
-    wanted = [("ray_blockspec_step_phase_seconds_count", phase) for phase in phases]
-    wanted += [("ray_blockspec_step_batch_size_count", ""), ("ray_blockspec_queue_depth", "")]
+    wanted = [f'ray_blockspec_step_phase_seconds_count{{phase="{p}"}}' for p in StepTimes.PHASES]
+    wanted += ["ray_blockspec_step_batch_size_count", "ray_blockspec_queue_depth"]
     deadline, metrics = time.monotonic() + 30, {}
     while time.monotonic() < deadline:  # each metric shows up at its first report interval
-        metrics = {}
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for x in family.samples:
-                if x.name.startswith("ray_blockspec_"):
-                    key = (x.name, x.labels.get("phase", ""))
-                    metrics[key] = metrics.get(key, 0) + x.value
+        metrics = scrape(url, keep=("phase",))
         if all(key in metrics for key in wanted):
             break
         time.sleep(0.5)
     busy.cancel()
     assert all(key in metrics for key in wanted), sorted(set(wanted) - set(metrics))
     assert all(metrics[key] > 0 for key in wanted[:-1])  # counts; the queue depth may be 0
-    assert metrics[("ray_blockspec_step_phase_seconds_sum", "target")] > 0
+    assert metrics['ray_blockspec_step_phase_seconds_sum{phase="target"}'] > 0
 
 
 def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batched(service):
@@ -169,57 +173,46 @@ def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
     assert chunks[-1].stats.target_calls == unary.stats.target_calls
     # A stop string taken from the middle of that text ends the output just before it.
     text = unary.text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    if stop.strip():
-        stopped = service["stub"].Generate(
-            pb.GenerateRequest(
-                prompt="def f(x):", max_new_tokens=40, seed=7, method="gbv", k=3, stop=[stop]
-            )
+    at = next(i for i in range(len(text) // 2, len(text) - 3) if text[i : i + 3].strip())
+    stop = text[at : at + 3]
+    stopped = service["stub"].Generate(
+        pb.GenerateRequest(
+            prompt="def f(x):", max_new_tokens=40, seed=7, method="gbv", k=3, stop=[stop]
         )
-        assert stopped.finish_reason == pb.FINISH_REASON_STOP
-        assert stopped.text == text[: text.find(stop)]
-    wait_idle(service)
+    )
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP
+    assert stopped.text == text[: text.find(stop)]
+    assert wait_idle(service)["active"] == 0
 
 
 def test_session_continuation_reuses_the_kv_cache_and_lives_in_redis(service):
-    stub, sid = service["stub"], f"s-{time.time_ns()}"
-    first = stub.Generate(
-        pb.GenerateRequest(
-            prompt="def mean(xs):",
-            max_new_tokens=16,
-            temperature=0,
-            session_id=sid,
-            ignore_eos=True,
-        )
-    )
+    sid = f"s-{time.time_ns()}"
+
+    def ask(**fields):  # greedy, 16 tokens
+        req = pb.GenerateRequest(max_new_tokens=16, temperature=0, ignore_eos=True, **fields)
+        return service["stub"].Generate(req)
+
+    first = ask(prompt="def mean(xs):", session_id=sid)
     assert first.stats.cached_prompt_tokens == 0
-    second = stub.Generate(
-        pb.GenerateRequest(
-            prompt="\n\ndef median(xs):",
-            max_new_tokens=16,
-            temperature=0,
-            session_id=sid,
-            ignore_eos=True,
-        )
-    )
+    second = ask(prompt="\n\ndef median(xs):", session_id=sid)
     history = first.prompt_tokens + len(first.token_ids)
     assert second.prompt_tokens > history
     assert second.stats.cached_prompt_tokens >= history - 1  # only the new turn was prefilled
     assert second.replica == first.replica
+
     # The store holds the whole conversation; a cold replica would rebuild from it.
-    store = RedisStore(service["settings"].redis_url, ttl_s=60)
-    saved = asyncio.run(store.get(sid))
+    async def load():
+        store = RedisStore(service["settings"].redis_url, ttl_s=60)
+        try:
+            return await store.get(sid)
+        finally:
+            await store.close()
+
+    saved = asyncio.run(load())
     assert saved.turns == 2 and saved.replica == second.replica
     assert len(saved.tokens) == second.prompt_tokens + len(second.token_ids)
     # Greedy continuation equals a fresh request with the full history as prompt.
-    fresh = stub.Generate(
-        pb.GenerateRequest(
-            prompt_token_ids=saved.tokens[: second.prompt_tokens],
-            max_new_tokens=16,
-            temperature=0,
-            ignore_eos=True,
-        )
-    )
+    fresh = ask(prompt_token_ids=saved.tokens[: second.prompt_tokens])
     assert list(fresh.token_ids) == list(second.token_ids)
 
 
@@ -258,6 +251,8 @@ def test_bad_requests_get_invalid_argument_naming_the_field(service, fields, nam
 def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
     stub = service["stub"]
     cancelled_before = stats(service)["cancelled"]
+    counted = 'blockspec_requests_total{code="CANCELLED",method="token"}'
+    counted_before = gateway_metrics(service).get(counted, 0)
     # Cancelled after the first chunk, several times: the RPC may end while the gateway is
     # inside grpc's write of a chunk (not awaiting the replica), and must still free the slot.
     for _ in range(6):
@@ -279,7 +274,7 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
     assert s["active"] == 0 and s["in_flight"] == 0
     assert s["cancelled"] >= cancelled_before + 7
     metrics = gateway_metrics(service)
-    assert metrics['blockspec_requests_total{code="CANCELLED",method="token"}'] >= 6
+    assert metrics[counted] == counted_before + 6
     assert metrics["blockspec_in_flight"] == 0
     assert stub.Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
 
@@ -327,16 +322,22 @@ def test_draining_gateway_answers_unavailable_and_not_serving(service):
     settings = service["settings"].model_copy(update=dict(port=0, metrics_port=0))
     replicas = serve.get_deployment_handle("Replica", APP)
 
+    async def until(condition, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
     async def scenario():
         server = GatewayServer(settings, replicas, await replicas.info.remote())
         await server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.GeneratorStub(channel)
-            long = pb.GenerateRequest(prompt="a", max_new_tokens=120, ignore_eos=True)
+            long = pb.GenerateRequest(prompt="a", max_new_tokens=300, ignore_eos=True)
             in_flight = asyncio.ensure_future(stub.Generate(long))
-            await asyncio.sleep(0.5)
+            await until(lambda: server.servicer.in_flight == 1)
             drain = asyncio.create_task(server.drain())  # waits for in_flight
-            await asyncio.sleep(0.2)
+            await until(lambda: server.servicer.draining)
             health = health_pb2_grpc.HealthStub(channel)
             status = (await health.Check(health_pb2.HealthCheckRequest())).status
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -348,7 +349,7 @@ def test_draining_gateway_answers_unavailable_and_not_serving(service):
     status, code, finished = asyncio.run(scenario())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert code == grpc.StatusCode.UNAVAILABLE
-    assert len(finished.token_ids) == 120  # the in-flight request was allowed to finish
+    assert len(finished.token_ids) == 300  # the in-flight request was allowed to finish
     assert service["stub"].Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
 
 
@@ -358,24 +359,28 @@ def test_serve_scales_replicas_from_one_to_two_under_load(service):
 
     from service.app import build
 
-    settings = service["settings"].model_copy(
-        update=dict(
-            port=0,
-            metrics_port=0,
-            autoscaling=dict(
-                min_replicas=1,
-                max_replicas=2,
-                target_ongoing_requests=2,
-                upscale_delay_s=0.5,
-                metrics_interval_s=0.5,
-                look_back_period_s=2,
-            ),
-        )
+    autoscaling = dict(
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing_requests=2,
+        upscale_delay_s=0.5,
+        metrics_interval_s=0.5,
+        look_back_period_s=2,
     )
-    settings = Settings.model_validate(settings.model_dump())
+    fields = dict(port=0, metrics_port=0, autoscaling=autoscaling)
+    settings = Settings.model_validate({**service["settings"].model_dump(), **fields})
     name = "blockspec-scale"
     gateway = serve.run(build(settings), name=name, route_prefix=None)
-    port = gateway.address.remote().result()["port"]
+    try:
+        scaled = _scale_up(gateway.address.remote().result()["port"], name)
+    finally:  # whatever happened: its replicas would hold the cluster's CPUs
+        serve.delete(name)
+    assert scaled == 2
+
+
+def _scale_up(port: int, name: str) -> int:
+    """Load the app until it runs 2 replicas (at most 120 s); returns how many it runs."""
+    from ray import serve
 
     def replicas() -> int:
         app = serve.status().applications[name]
@@ -398,8 +403,7 @@ def test_serve_scales_replicas_from_one_to_two_under_load(service):
         scaled = replicas()
         for s in load:
             s.cancel()
-    serve.delete(name)
-    assert scaled == 2
+    return scaled
 
 
 def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service):

@@ -23,10 +23,7 @@ class LoadedModel:
         return Llama(self.spec, self.state, rank, world, group)
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """`AutoModelForCausalLM.from_pretrained` on a local directory; only Llama-family models."""
-    from transformers import AutoModelForCausalLM
-
+def _model_dir(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").exists():
         hint = (
@@ -36,6 +33,14 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
             else ""
         )
         raise ValueError(f"model directory {path} has no config.json{hint}")
+    return path
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """`AutoModelForCausalLM.from_pretrained` on a local directory; only Llama-family models."""
+    from transformers import AutoModelForCausalLM
+
+    path = _model_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
@@ -47,16 +52,25 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     return LoadedModel(LlamaSpec.from_hf_config(hf.config), state, str(path))
 
 
-def load_pair(draft: str | Path, target: str | Path, dtype: str = "float32", device: str = "cpu"):
-    """Load both models and the shared tokenizer; refuse pairs whose vocabularies differ."""
-    from transformers import AutoTokenizer
+def check_pair(draft: str | Path, target: str | Path):
+    """From the configs and tokenizers alone (no weights): refuse a pair whose vocabularies
+    differ. Returns (target tokenizer, vocab size, the shorter of the two trained contexts)."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    d, t = load_model(draft, dtype, device), load_model(target, dtype, device)
+    draft, target = _model_dir(draft), _model_dir(target)
+    cfg_d, cfg_t = (AutoConfig.from_pretrained(p, local_files_only=True) for p in (draft, target))
     tok_d = AutoTokenizer.from_pretrained(draft, local_files_only=True)
     tok_t = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    if d.spec.vocab_size != t.spec.vocab_size or tok_d.get_vocab() != tok_t.get_vocab():
+    if cfg_d.vocab_size != cfg_t.vocab_size or tok_d.get_vocab() != tok_t.get_vocab():
         raise ValueError(
             f"draft {draft} and target {target} do not share a vocabulary "
-            f"(sizes {d.spec.vocab_size} vs {t.spec.vocab_size}): speculative decoding needs one"
+            f"(sizes {cfg_d.vocab_size} vs {cfg_t.vocab_size}): speculative decoding needs one"
         )
-    return d, t, tok_t
+    context = min(cfg_d.max_position_embeddings, cfg_t.max_position_embeddings)
+    return tok_t, cfg_t.vocab_size, context
+
+
+def load_pair(draft: str | Path, target: str | Path, dtype: str = "float32", device: str = "cpu"):
+    """Load both models and the shared tokenizer; refuse pairs whose vocabularies differ."""
+    tokenizer, _, _ = check_pair(draft, target)
+    return load_model(draft, dtype, device), load_model(target, dtype, device), tokenizer

@@ -1,15 +1,20 @@
-"""The gateway's incremental detokenizer (service.gateway._TextStream) on the bundled tokenizer:
-streamed text equals the one-piece decode, never shows a broken character, and stop strings
-cut text and token ids exactly."""
+"""Gateway units without a service: the incremental detokenizer (service.gateway._TextStream)
+on the bundled tokenizer (streamed text equals the one-piece decode, never shows a broken
+character, stop strings cut text and token ids exactly), and the gRPC code of each error."""
 
 from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
+from ray.serve.exceptions import BackPressureError
 from transformers import AutoTokenizer
 
-from service.gateway import _TextStream
+from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
+from service.gateway import _status_of, _TextStream
+from service.requests import InvalidArgument
+from service.sessions import StoreUnavailableError
 from workers.models import BUNDLED
 
 TEXTS = [
@@ -69,3 +74,24 @@ def test_a_stop_string_that_never_completes_is_released_at_the_end(tokenizer):
     pieces, emitted, s = stream(tokenizer, ids, ["# END"], seed=0)
     assert not s.stopped and "".join(pieces) == "value = 3 # EN" and emitted == ids
     assert "# EN" not in "".join(pieces[:-1])  # held back until the stream ended
+
+
+CODE = grpc.StatusCode
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidArgument("k: 9 out of range"), grpc.StatusCode.INVALID_ARGUMENT),
+        (Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (BackPressureError(num_queued_requests=3, max_queued_requests=2), CODE.RESOURCE_EXHAUSTED),
+        (DeadlineExceeded("deadline exceeded"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (ReplicaFailed("actor died"), grpc.StatusCode.UNAVAILABLE),
+        (StoreUnavailableError("cannot reach Redis"), grpc.StatusCode.UNAVAILABLE),
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_errors_map_to_grpc_codes(error, code):
+    code_got, message = _status_of(error)
+    assert code_got == code
+    assert str(error) in message  # the cause reaches the client
