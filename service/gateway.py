@@ -191,7 +191,7 @@ class _Call:
 
     method: str
     start: float  # perf_counter seconds
-    code: grpc.StatusCode = grpc.StatusCode.CANCELLED  # until the RPC completes or fails
+    settled: bool = False  # counted in the metrics and out of the in-flight count
     stream: Any = None  # the replica's Serve stream, once sent
     finished: bool = False  # that stream ended: nothing to cancel
     prompt_tokens: int = 0
@@ -268,11 +268,14 @@ class Generator(pb_grpc.GeneratorServicer):
         try:
             async for chunk in self._generate(request, context, call):
                 yield chunk
-            call.code = grpc.StatusCode.OK
+            # Settled before grpc sends the status, so a client that has its answer also sees
+            # it counted.
+            self._settle(call, grpc.StatusCode.OK)
         except Exception as exc:
             call.finished = True  # a failed stream (e.g. back-pressure) has nothing to cancel
-            call.code, message = _status_of(exc)
-            await context.abort(call.code, message)
+            code, message = _status_of(exc)
+            self._settle(call, code)
+            await context.abort(code, message)
 
     def _rpc_done(self, call: _Call) -> None:
         try:
@@ -281,11 +284,18 @@ class Generator(pb_grpc.GeneratorServicer):
         except Exception:  # cancel() re-raises a failed assignment's error: nothing to stop
             pass
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(call.method, call.code.name).inc()
-            if call.code == grpc.StatusCode.OK:
-                self.metrics.latency.labels(call.method).observe(time.perf_counter() - call.start)
+            self._settle(call, grpc.StatusCode.CANCELLED)  # ended before completing or failing
+
+    def _settle(self, call: _Call, code: grpc.StatusCode) -> None:
+        """Request accounting, once per RPC."""
+        if call.settled:
+            return
+        call.settled = True
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(call.method, code.name).inc()
+        if code == grpc.StatusCode.OK:
+            self.metrics.latency.labels(call.method).observe(time.perf_counter() - call.start)
 
     async def _generate(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         if self.draining:
