@@ -188,6 +188,9 @@ class Replica:
         """Cumulative coordinator counters of this replica (tests, load tests)."""
         s = self.coordinator.stats
         engine = self.coordinator.engine
+        # Read before the counters: the coordinator counts a job before it drops it, so an
+        # idle reading comes with every count it led to.
+        in_flight, active = self.coordinator.in_flight, len(engine.active)
         return dict(
             replica=self.id,
             steps=s.steps,
@@ -196,8 +199,8 @@ class Replica:
             finished=s.finished,
             cancelled=s.cancelled,
             rejected=s.rejected,
-            in_flight=self.coordinator.in_flight,
-            active=len(engine.active),
+            in_flight=in_flight,
+            active=active,
             parked_sessions=list(engine.parked),
         )
 

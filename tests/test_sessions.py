@@ -111,11 +111,11 @@ async def test_returned_copies_are_independent(store: SessionStore) -> None:
 
 @pytest.mark.asyncio
 async def test_expires_after_ttl(make_store) -> None:
-    store = make_store(ttl_s=1.0)  # margins of 0.5 s and more: the CI machine is busy
+    store = make_store(ttl_s=3.0)  # margins of 1.5 s: the CI machine is busy
     try:
         await store.put(make_session())
         assert await store.get("s1") is not None
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(4.5)
         assert await store.get("s1") is None
     finally:
         await store.close()
@@ -123,15 +123,15 @@ async def test_expires_after_ttl(make_store) -> None:
 
 @pytest.mark.asyncio
 async def test_put_refreshes_ttl(make_store) -> None:
-    store = make_store(ttl_s=2.0)  # margins of 0.8 s: the CI machine is busy
+    store = make_store(ttl_s=4.0)  # margins of 1.5 s: the CI machine is busy
     try:
         await store.put(make_session())
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(2.5)
         await store.put(make_session(turns=2))
-        await asyncio.sleep(1.2)  # 2.4 s after the first put, 1.2 s after the second
+        await asyncio.sleep(2.5)  # 5 s after the first put, 2.5 s after the second
         got = await store.get("s1")
         assert got is not None and got.turns == 2
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(3.0)  # 5.5 s after the second
         assert await store.get("s1") is None
     finally:
         await store.close()
