@@ -53,7 +53,9 @@ def build(settings: Settings) -> serve.Application:
         # Beyond that, up to one replica's worth more wait at the gateway's handle (they tell
         # the autoscaler to add replicas); the next ones get RESOURCE_EXHAUSTED at once. Serve
         # counts requests still being routed as queued, so a smaller limit would reject bursts
-        # that the replicas have room for (seen here with a limit of 2 and 4 clients).
+        # that the replicas have room for (seen here with a limit of 2 and 4 clients). It also
+        # counts a request only after checking the limit, so a burst can overshoot it: the
+        # gateway enforces its own bound, (max_replicas + 1) replicas' worth.
         max_queued_requests=cfg.max_batch + cfg.max_queued,
         graceful_shutdown_timeout_s=settings.drain_timeout_s,
     )

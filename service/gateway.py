@@ -7,7 +7,8 @@ contract below needs exact codes. The gateway reaches replicas through a Serve
 
 Per request: check fields (INVALID_ARGUMENT, naming the field), tokenize, prepend the session's
 history, stream the replica's tokens back as text (stop strings cut here), record metrics, save
-the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full, DEADLINE_EXCEEDED /
+the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full (the gateway holds at most
+max_replicas + 1 replicas' worth of requests), DEADLINE_EXCEEDED /
 CANCELLED stop the request and free its KV cache, UNAVAILABLE while draining or when a replica
 failed. Also grpc.health.v1 (NOT_SERVING while draining) and server reflection.
 """
@@ -206,10 +207,12 @@ class Generator(pb_grpc.GeneratorServicer):
         info: dict,
         store: SessionStore,
         metrics: GatewayMetrics,
+        max_in_flight: int,
     ):
         self.replicas = replicas  # DeploymentHandle of service.replica.Replica
         self.tokenizer, self.limits, self.info = tokenizer, limits, info
         self.store, self.metrics = store, metrics
+        self.max_in_flight = max_in_flight
         self.draining = False
         self.in_flight = 0
 
@@ -300,6 +303,10 @@ class Generator(pb_grpc.GeneratorServicer):
     async def _generate(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         if self.draining:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
+        # Checked before the first await, so a burst cannot overshoot it (Serve's handle queue
+        # limit can: it counts a request as queued only after it has checked the limit).
+        if self.in_flight > self.max_in_flight:
+            raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
         if request.prompt and request.prompt_token_ids:
             raise InvalidArgument("prompt: set prompt or prompt_token_ids, not both")
         prompt_ids = (
@@ -389,8 +396,17 @@ class GatewayServer:
             self.metrics_port = server.server_port
             self._metrics_server = server
         self.store = open_store(settings.redis_url, settings.session_ttl_s)
+        # Every replica full (max_batch + max_queued each) and one replica's worth waiting.
+        capacity = settings.replica.max_batch + settings.replica.max_queued
+        max_in_flight = (settings.autoscaling.max_replicas + 1) * capacity
         self.servicer = Generator(
-            replicas, tokenizer, Limits.from_info(info), info, self.store, self.metrics
+            replicas,
+            tokenizer,
+            Limits.from_info(info),
+            info,
+            self.store,
+            self.metrics,
+            max_in_flight,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()

@@ -293,25 +293,25 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     s = wait_idle(service)
     assert s["active"] == 0 and s["in_flight"] == 0
-    assert s["cancelled"] >= cancelled_before + 6 + reached_replica
+    assert s["cancelled"] >= cancelled_before + 6 + reached_replica, (s, cancelled_before)
     # The replica drops the late request by itself; the gateway ends its RPC independently.
     metrics = poll_gateway_metrics(service, lambda m: m["blockspec_in_flight"] == 0)
-    assert metrics[counted] == counted_before + 6
-    assert metrics["blockspec_in_flight"] == 0
+    assert metrics[counted] == counted_before + 6, (metrics, counted_before)
+    assert metrics["blockspec_in_flight"] == 0, metrics
     assert stub.Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
 
 
 def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
     stub = service["stub"]
     exhausted_before = gateway_metrics(service).get(
-        'blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="token"}', 0
+        'blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="none"}', 0
     )
     # The replica holds max_batch + max_queued requests and the gateway queues as many more.
-    # Each request holds its place for ~60 steps, several seconds even on a loaded machine, so
-    # the burst overlaps however slowly the gateway takes it in.
+    # Each request holds its place for 300 plain decoding steps, over 10 s, so the burst
+    # overlaps however slowly the gateway takes it in.
     streams = [
         stub.GenerateStream(
-            pb.GenerateRequest(prompt="x", max_new_tokens=150, ignore_eos=True, method="token")
+            pb.GenerateRequest(prompt="x", max_new_tokens=300, ignore_eos=True, method="none")
         )
         for _ in range(2 * (MAX_BATCH + MAX_QUEUED) + 6)
     ]
@@ -324,12 +324,14 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
             codes.append(err.code())
     for s in streams:
         s.cancel()
-    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    # None finishes during the burst and the gateway holds at most 2 replicas' worth (the live
+    # service runs one replica): the 6 beyond are rejected, and Serve may reject a few more.
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 6, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert wait_idle(service)["active"] == 0
     # Rejected RPCs are counted and leave the in-flight gauge (which drain() waits on) at 0.
     metrics = gateway_metrics(service)
-    rejected = metrics['blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="token"}']
+    rejected = metrics['blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="none"}']
     assert rejected >= codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) + exhausted_before
     assert metrics["blockspec_in_flight"] == 0
     assert stub.Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
