@@ -281,11 +281,12 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
         next(stream)
         stream.cancel()
     # A deadline that passes mid-generation (a chunk proves the replica has it; on a loaded
-    # machine the deadline may pass before the first one).
-    late = stub.GenerateStream(
-        pb.GenerateRequest(prompt="y", max_new_tokens=370, ignore_eos=True, method="none"),
-        timeout=4.0,  # 370 plain decoding steps take over 10 s through the service
-    )
+    # machine the deadline may pass before the first one). Half the time the same request
+    # takes to finish, measured here: a fixed deadline would fit one machine only.
+    long = pb.GenerateRequest(prompt="y", max_new_tokens=370, ignore_eos=True, method="none")
+    start = time.monotonic()
+    stub.Generate(long)
+    late = stub.GenerateStream(long, timeout=(time.monotonic() - start) / 2)
     reached_replica = False
     with pytest.raises(grpc.RpcError) as err:
         for _ in late:
@@ -307,8 +308,8 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
         'blockspec_requests_total{code="RESOURCE_EXHAUSTED",method="none"}', 0
     )
     # The replica holds max_batch + max_queued requests and the gateway queues as many more.
-    # Each request holds its place for 300 plain decoding steps, over 10 s, so the burst
-    # overlaps however slowly the gateway takes it in.
+    # Each request holds its place for 300 plain decoding steps (~4 s alone on the dev
+    # machine, longer when batched), so none finishes while the gateway takes the burst in.
     streams = [
         stub.GenerateStream(
             pb.GenerateRequest(prompt="x", max_new_tokens=300, ignore_eos=True, method="none")
