@@ -7,10 +7,10 @@ contract below needs exact codes. The gateway reaches replicas through a Serve
 
 Per request: check fields (INVALID_ARGUMENT, naming the field), tokenize, prepend the session's
 history, stream the replica's tokens back as text (stop strings cut here), record metrics, save
-the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full (the gateway holds at most
-max_replicas + 1 replicas' worth of requests), DEADLINE_EXCEEDED /
-CANCELLED stop the request and free its KV cache, UNAVAILABLE while draining or when a replica
-failed. Also grpc.health.v1 (NOT_SERVING while draining) and server reflection.
+the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full (the gateway holds
+at most max_replicas + 1 replicas' worth of requests), DEADLINE_EXCEEDED / CANCELLED stop the
+request and free its KV cache, UNAVAILABLE while draining or when a replica failed. Also
+grpc.health.v1 (NOT_SERVING while draining) and server reflection.
 """
 
 from __future__ import annotations
