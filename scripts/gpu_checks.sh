@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a CUDA machine (no Ray, Redis or models needed): every verifier's exact one-iteration and
-# loop-level laws with the verifiers running on the GPU, then one-call kernel timings.
+# On a CUDA machine (no Ray, Redis or models needed): one-call kernel timings of every
+# verifier, then its exact one-iteration and loop-level laws with the verifiers on the GPU.
 #   bash scripts/gpu_checks.sh [OUT_DIR]        (PYTHON=... to pick the interpreter)
 # Writes gpu.txt, laws.txt, verify.md and verify.json under OUT_DIR (default .cache/gpu).
 set -uo pipefail

@@ -82,13 +82,13 @@ CODE = grpc.StatusCode
 @pytest.mark.parametrize(
     ("error", "code"),
     [
-        (InvalidArgument("k: 9 out of range"), grpc.StatusCode.INVALID_ARGUMENT),
-        (Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (InvalidArgument("k: 9 out of range"), CODE.INVALID_ARGUMENT),
+        (Overloaded("queue full"), CODE.RESOURCE_EXHAUSTED),
         (BackPressureError(num_queued_requests=3, max_queued_requests=2), CODE.RESOURCE_EXHAUSTED),
-        (DeadlineExceeded("deadline exceeded"), grpc.StatusCode.DEADLINE_EXCEEDED),
-        (ReplicaFailed("actor died"), grpc.StatusCode.UNAVAILABLE),
-        (StoreUnavailableError("cannot reach Redis"), grpc.StatusCode.UNAVAILABLE),
-        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+        (DeadlineExceeded("deadline exceeded"), CODE.DEADLINE_EXCEEDED),
+        (ReplicaFailed("actor died"), CODE.UNAVAILABLE),
+        (StoreUnavailableError("cannot reach Redis"), CODE.UNAVAILABLE),
+        (RuntimeError("boom"), CODE.INTERNAL),
     ],
 )
 def test_errors_map_to_grpc_codes(error, code):
