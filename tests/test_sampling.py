@@ -41,3 +41,49 @@ def test_greedy_ties_go_to_the_lowest_id_and_extra_dims_are_kept():
 def test_bad_settings_are_refused(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def hf_process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Hugging Face's warpers in `generate`'s order: temperature, top-k, top-p."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.clone()
+    if params.temperature != 1.0:
+        scores = TemperatureLogitsWarper(params.temperature)(None, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+def test_top_k_then_top_p_renormalises_like_hugging_face():
+    """The issue's example: top-k keeps .5/.3, renormalised to .625/.375; top_p = 0.6 then keeps
+    the first alone (HF), not both (top-p over the full softmax)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+    params = SamplingParams(1.0, top_k=2, top_p=0.6)
+    assert torch.equal(process(logits, [params]), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(hf_process(logits, params), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_processing_equals_hugging_face_on_random_rows(ties):
+    """Random rows (ties: logits drawn from 6 values, so the top-k and top-p boundaries cut
+    through runs of equal logits), every combination of settings, top_p near 0 and 1."""
+    gen = torch.Generator().manual_seed(7)
+    rows, vocab = 64, 50
+    if ties:
+        logits = torch.randint(0, 6, (rows, vocab), generator=gen).float() / 2
+    else:
+        logits = 3 * torch.randn(rows, vocab, generator=gen)
+    settings = [
+        SamplingParams(t, k, p)
+        for t in (1.0, 0.7, 1.3)
+        for k in (0, 1, 3, 10, 49, 50)
+        for p in (1.0, 0.9, 0.5, 1e-6, 0.999999)
+    ]
+    for params in settings:
+        ours = process(logits, [params] * rows)
+        theirs = hf_process(logits, params)
+        assert torch.equal(ours > 0, theirs > 0), params  # the same kept tokens
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=str(params))

@@ -1,5 +1,11 @@
 """Processed sampling distributions: temperature, top-k, top-p (spec §0.1).
 
+Hugging Face's semantics and order (``generate``'s warpers): temperature, then top-k (every
+token whose logit ties the k-th largest stays), then top-p over the top-k survivors
+*renormalised* (a token stays while the mass of the tokens above it is < top_p; the most likely
+always stays; which of several tied logits at the boundary stay is decided by the same
+``torch.sort`` call HF makes). Temperature 0 is greedy: one-hot on the argmax, ties to the lowest id.
+
 Both the draft and the target rows handed to a verifier go through :func:`process`, each with
 the request's settings, and the draft samples from exactly the row it reports: otherwise the
 verifier's q-ratios are wrong and the output is not lossless.
@@ -36,18 +42,21 @@ def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     view = logits.float().reshape(n, -1, vocab)
     temp = torch.tensor([p.temperature for p in params], device=dev)[:, None, None]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)[:, None, None]
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None, None]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)[:, None, None]
     greedy = temp == 0
     scaled = view / torch.where(greedy, 1.0, temp)
-    if bool((top_k < vocab).any() or (top_p < 1).any()):
-        # Sort once: ranks by descending logit, ties to the lowest id (stable).
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        rank = torch.arange(vocab, device=dev)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        keep_sorted = (rank < top_k) & (mass_before < top_p)  # the top token always stays
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        scaled = scaled.masked_fill(~keep, -torch.inf)
+    if bool((top_k < vocab).any()):
+        largest = scaled.topk(int(top_k.max()), dim=-1).values  # [n, R, max k]
+        kth = largest.gather(-1, (top_k - 1).expand(*largest.shape[:2], 1))  # [n, R, 1]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    if bool((top_p < 1).any()):
+        # HF's computation exactly (the same sort call, the same cumulative sum): a kept set can
+        # flip on the last float bit, or on the order the sort gives tied logits.
+        ascending, order = scaled.sort(dim=-1)
+        cumulative = ascending.softmax(-1).cumsum(-1)
+        drop = cumulative <= (1 - top_p).float()  # [n, R, V] ascending; 1 - p in double as HF
+        drop[..., -1] = False  # the most likely token always stays
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
     probs = scaled.softmax(-1)
     one_hot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs).reshape(logits.shape)
