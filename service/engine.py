@@ -284,11 +284,13 @@ class SpeculativeEngine:
         stepped = list(act)  # `act` shrinks as finished requests retire
         n = len(act)
         spec = [a for a in act if a.req.method != PLAIN]
-        k_max = max((a.req.k for a in spec), default=1)
         g_max = max((a.req.gamma for a in spec), default=1)
         params = [a.req.sampling for a in act]
         gens = [a.generator for a in act]
 
+        plain = torch.tensor([a.req.method == PLAIN for a in act])
+        num_paths = torch.tensor([a.req.k for a in act]).masked_fill(plain, 0)
+        depth = torch.tensor([a.req.gamma for a in act]).masked_fill(plain, 0)
         drafted = bool(spec)  # a batch of plain requests never touches the draft model
         if drafted:
             P = max(len(a.draft_pending) for a in act)
@@ -296,14 +298,12 @@ class SpeculativeEngine:
             for i, a in enumerate(act):
                 pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
             counts = torch.tensor([len(a.draft_pending) for a in act])
-            x, q = self.draft.propose(pending, counts, k_max, g_max, params, gens)
+            x, q = self.draft.propose(
+                pending, counts, num_paths.tolist(), depth.tolist(), params, gens
+            )
         else:
             x = torch.zeros(n, 1, 1, dtype=torch.int64)
         t1 = time.perf_counter()
-
-        plain = torch.tensor([a.req.method == PLAIN for a in act])
-        num_paths = torch.tensor([a.req.k for a in act]).masked_fill(plain, 0)
-        depth = torch.tensor([a.req.gamma for a in act]).masked_fill(plain, 0)
         root = torch.tensor([a.target_pending for a in act])
         tree = build_tree(root, x, num_paths, depth)
         t2 = time.perf_counter()

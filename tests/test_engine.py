@@ -286,6 +286,42 @@ def test_engine_context_is_capped_at_the_models_context(tmp_path):
         engine.add(GenerationRequest(list(range(30)), max_new_tokens=30, gamma=4))
 
 
+# Every method with its own K and γ (and plain decoding), as batch-mates of one another.
+MIXED = [
+    ("none", 1, 1),
+    ("token", 1, 2),
+    ("block", 1, 2),
+    ("greedy_block", 1, 5),
+    ("naive", 2, 3),
+    ("specinfer", 3, 2),
+    ("spectr", 2, 4),
+    ("gbv", 3, 4),
+    ("traversal", 3, 4),
+    ("spectr_gbv", 2, 3),
+]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_seeded_output_does_not_depend_on_batch_mates(pair, temperature):
+    """A seeded request writes the same tokens alone and in a batch that mixes every method,
+    K and γ (a request draws random numbers only for its own paths and depths)."""
+    _, target, draft = pair
+    sampling = SamplingParams(temperature, top_k=20 if temperature < 1 else 0)
+
+    def requests(seed: int) -> list[GenerationRequest]:
+        return [
+            GenerationRequest([5, 1 + i, 7, 3], 16, m, k, g, sampling, seed=seed + i)
+            for i, (m, k, g) in enumerate(MIXED)
+        ]
+
+    engine = make_engine(target, draft, max_batch=len(MIXED))
+    for seed in (0, 100, 200):
+        alone = [engine.generate([r])[0].token_ids for r in requests(seed)]
+        together = [r.token_ids for r in engine.generate(requests(seed))]
+        backwards = [r.token_ids for r in engine.generate(requests(seed)[::-1])]
+        assert together == alone and backwards == alone[::-1], seed
+
+
 def test_plain_requests_skip_the_draft_and_catch_up_in_a_mixed_batch(pair):
     hf, target, draft = pair
     engine = make_engine(target, draft)

@@ -57,10 +57,10 @@ class DraftActor:
         out = fn(*args)
         return out, time.perf_counter() - start
 
-    def propose_with_state(self, pending, pending_count, k, gamma, params, states):
+    def propose_with_state(self, pending, pending_count, paths, depths, params, states):
         """DraftWorker.propose with generators rebuilt from, and returned as, their states."""
         generators = [torch.Generator().set_state(state) for state in states]
-        x, q = self.worker.propose(pending, pending_count, k, gamma, params, generators)
+        x, q = self.worker.propose(pending, pending_count, paths, depths, params, generators)
         return x, q, [g.get_state() for g in generators]
 
 
@@ -153,8 +153,8 @@ class RemoteDraft(_Remote):
         self,
         pending: torch.Tensor,  # [n, P] int64
         pending_count: torch.Tensor,  # [n] int64
-        k: int,
-        gamma: int,
+        paths: list[int],  # per request: its K (0: plain)
+        depths: list[int],  # per request: its γ (0: plain)
         params: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +164,7 @@ class RemoteDraft(_Remote):
         stream whichever process draws from it."""
         states = [g.get_state() for g in generators]
         x, q, states = self._wait(
-            "propose_with_state", pending, pending_count, k, gamma, params, states
+            "propose_with_state", pending, pending_count, paths, depths, params, states
         )
         for g, state in zip(generators, states, strict=True):
             g.set_state(state)

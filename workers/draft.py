@@ -1,5 +1,9 @@
 """Draft worker: samples K i.i.d. paths of γ tokens per request from the processed draft law.
 
+Each request drafts its own K paths of its own γ tokens (0 and 0 for a plain request that only
+catches its cache up): the batch runs as [n, max K, max γ] tensors, but a request draws random
+numbers only for its own paths and depths.
+
 The cache holds each request's committed tokens except its *pending* ones (1 or 2 tokens not
 yet run through the draft). A proposal first runs the pending tokens (they become committed),
 then samples K tokens from the root row and extends the K paths for γ - 1 more forwards; the
@@ -38,13 +42,19 @@ class DraftWorker:
         self,
         pending: torch.Tensor,  # [n, P] int64, padded
         pending_count: torch.Tensor,  # [n] int64 in [1, P]
-        k: int,
-        gamma: int,
+        paths: list[int],  # per request: its K (0: a plain request, nothing drafted)
+        depths: list[int],  # per request: its γ (0 likewise)
         params: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens [n, K, γ] and the processed rows they were sampled from [n, K, γ, V]."""
+        """Draft tokens [n, K, γ] and the processed rows they were sampled from [n, K, γ, V]
+        (K, γ the batch's largest; entries past a request's own K or γ are never read)."""
         n, P = pending.shape
+        k, gamma = max(paths), max(depths)
+
+        def drawn(depth: int) -> list[int]:  # rows each request samples at this depth
+            return [kk if depth < g else 0 for kk, g in zip(paths, depths, strict=True)]
+
         dev = pending.device
         lengths = self.cache.lengths[:n].clone()
         steps = torch.arange(P, device=dev)
@@ -60,7 +70,7 @@ class DraftWorker:
         root = logits[torch.arange(n, device=dev), 0, pending_count - 1]  # [n, V]
         q_root = process(root[:, None], params)  # [n, 1, V]
         rows = [q_root.expand(n, k, -1)]
-        tokens = [sample(rows[0], generators)]  # [n, K]
+        tokens = [sample(rows[0], generators, drawn(0))]  # [n, K]
         base = self.cache.lengths[:n]
         ks, vs = [], []
         ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=dev)
@@ -71,7 +81,7 @@ class DraftWorker:
             ks.append(nk)
             vs.append(nv)
             rows.append(process(logits[:, :, 0], params))
-            tokens.append(sample(rows[-1], generators))
+            tokens.append(sample(rows[-1], generators, drawn(i)))
         self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
         return torch.stack(tokens, dim=2), torch.stack(rows, dim=2)
 

@@ -62,10 +62,20 @@ def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return torch.where(greedy, one_hot, probs).reshape(logits.shape)
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs [n, R, V] (R rows per request, one generator per request)."""
+def sample(
+    probs: torch.Tensor,  # [n, R, V]: R rows per request
+    generators: list[torch.Generator],  # one per request
+    rows: list[int] | None = None,  # per request, how many of its R rows it uses (None: all)
+) -> torch.Tensor:
+    """One token per row [n, R]. A request draws exactly `rows[i]` uniforms from its own
+    generator: rows it does not use (batch-mates drafting more paths or deeper) take u = 1/2
+    without touching its stream, so its output does not depend on who shares its batch."""
     n, r, vocab = probs.shape
-    u = torch.stack([torch.rand(r, generator=g, dtype=torch.float64) for g in generators])
+    u = torch.full((n, r), 0.5, dtype=torch.float64)
+    for i, g in enumerate(generators):
+        used = r if rows is None else rows[i]
+        if used:
+            u[i, :used] = torch.rand(used, generator=g, dtype=torch.float64)
     return sample_from_weights(probs.reshape(n * r, vocab), u.to(probs.device).reshape(-1)).view(
         n, r
     )
