@@ -16,15 +16,30 @@ Attention of new tokens is split in two parts, softmaxed jointly:
 Tensor parallelism (Megatron style) shards heads and the MLP's inner dimension over the ranks
 of a ``torch.distributed`` group: q/k/v and gate/up are column-parallel, o and down are
 row-parallel followed by an all-reduce. With one rank the group is None.
+
+Families (``LlamaSpec.from_hf_config`` refuses anything else, naming the field): Llama with
+default, linear or Llama 3.x RoPE and optional attention/MLP biases; Mistral (when its sliding
+window covers the whole context); Qwen2/2.5 (biased q/k/v); Qwen3 (RMSNorm on each q/k head).
+A draft may keep only part of the vocabulary in its output head (``head_vocab``): the head's
+matmul shrinks to the kept rows, and the ids it drops get logit -inf (probability exactly 0).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_KEYS = {  # what each rope_type reads from rope_parameters besides rope_theta
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass(frozen=True)
@@ -39,12 +54,39 @@ class LlamaSpec:
     rms_norm_eps: float
     rope_theta: float
     max_positions: int
+    # RoPE frequency scaling (see inv_freq): "default" none; "linear" all frequencies / factor;
+    # "llama3" only the long wavelengths / factor (Llama 3.1+; also reads the rope_*_freq_factor
+    # and rope_original_max_positions fields, unused otherwise).
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (head_dim features), pre-RoPE
 
     @staticmethod
     def from_hf_config(cfg) -> LlamaSpec:
-        rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default"}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}: only 'default'")
+        """The one place that reads a Hugging Face config: raises ValueError naming any field
+        whose value this forward pass would not reproduce exactly."""
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: expected one of {MODEL_TYPES}"
+            )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (a SwiGLU MLP)")
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}: expected one of {ROPE_TYPES}")
+        missing = [key for key in _ROPE_KEYS[rope_type] if key not in rope]
+        if missing:
+            raise ValueError(f"rope_parameters of rope_type {rope_type!r} lack {missing}")
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {partial!r}: only 1.0")
+        _refuse_sliding_window(cfg)
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         heads = cfg.num_attention_heads
         return LlamaSpec(
@@ -58,6 +100,59 @@ class LlamaSpec:
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=float(theta),
             max_positions=cfg.max_position_embeddings,
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies [D/2] float32 on the CPU, computed as
+        transformers.modeling_rope_utils does (same operations, same order, same device: the
+        same bits as HF's buffer)."""
+        d = self.head_dim
+        steps = torch.arange(0, d, 2, dtype=torch.int64).float()
+        inv = 1.0 / (self.rope_theta ** (steps / d))
+        if self.rope_type == "linear":  # positions / factor, folded into the frequencies
+            return inv / self.rope_factor
+        if self.rope_type != "llama3":
+            return inv
+        # Llama 3.1: wavelengths longer than the pre-training context / low_freq_factor are
+        # stretched by `factor`, those shorter than context / high_freq_factor are kept, and the
+        # band between is interpolated linearly in context / wavelength.
+        factor, low, high = self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor
+        context = self.rope_original_max_positions
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > context / low, inv / factor, inv)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+        return torch.where(medium, smoothed, scaled)
+
+
+def _refuse_sliding_window(cfg) -> None:
+    """Sliding-window attention is not implemented. HF lets a query at position p see keys
+    > p - window, so a window of at least max_position_embeddings never masks anything and is
+    accepted. A smaller one is refused rather than capping max_positions at the window (exact
+    too, but replicas take their context from the config's max_position_embeddings)."""
+    window, context = getattr(cfg, "sliding_window", None), cfg.max_position_embeddings
+    if cfg.model_type == "mistral":  # Mistral windows every layer whenever sliding_window is set
+        if window is not None and window < context:
+            raise ValueError(
+                f"unsupported sliding_window {window} < max_position_embeddings {context}: "
+                "sliding-window attention is not implemented"
+            )
+        return
+    # Qwen2/3: the layers marked "sliding_attention" (use_sliding_window, from max_window_layers).
+    layer_types = set(getattr(cfg, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"unsupported layer_types {sorted(layer_types)}")
+    if "sliding_attention" in layer_types and window is not None and window < context:
+        raise ValueError(
+            f"unsupported use_sliding_window=True with sliding_window {window} < "
+            f"max_position_embeddings {context}: sliding-window attention is not implemented"
         )
 
 
@@ -112,13 +207,11 @@ class KVCache:
 
 
 def _rope_tables(
-    spec: LlamaSpec, positions: torch.Tensor, dtype
+    inv_freq: torch.Tensor,  # [D/2] float32
+    positions: torch.Tensor,  # [...] int64
+    dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (
-        spec.rope_theta
-        ** (torch.arange(0, spec.head_dim, 2, device=positions.device).float() / spec.head_dim)
-    )
-    ang = positions.float()[..., None] * inv  # [..., D/2]
+    ang = positions.float()[..., None] * inv_freq  # [..., D/2]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -144,6 +237,8 @@ class Llama(torch.nn.Module):
         rank: int = 0,
         world: int = 1,
         group=None,
+        *,
+        head_vocab: torch.Tensor | None = None,  # [Vh] int64 sorted unique ids: a reduced head
     ):
         super().__init__()
         if spec.num_heads % world or spec.num_kv_heads % world or spec.intermediate_size % world:
@@ -158,41 +253,60 @@ class Llama(torch.nn.Module):
         def row(w: torch.Tensor, cols_per_rank: int) -> torch.Tensor:  # split input features
             return w[:, rank * cols_per_rank : (rank + 1) * cols_per_rank].contiguous()
 
+        def fused(prefix: str, names: list[str], rows: list[int]):
+            """Column-parallel projections run as one matmul: this rank's weight rows and, when
+            the checkpoint has them (Qwen2's q/k/v, Llama's attention_bias/mlp_bias), the same
+            entries of their biases, concatenated."""
+            parts = list(zip(names, rows, strict=True))
+            w = torch.cat([col(state[f"{prefix}{m}.weight"], r) for m, r in parts])
+            if f"{prefix}{names[0]}.bias" not in state:
+                return w, None
+            return w, torch.cat([col(state[f"{prefix}{m}.bias"], r) for m, r in parts])
+
         inter = spec.intermediate_size // world
         self.embed = state["model.embed_tokens.weight"]
         self.norm = state["model.norm.weight"]
-        self.lm_head = state.get("lm_head.weight", self.embed)
+        self.inv_freq = spec.inv_freq().to(self.embed.device)  # [D/2] float32, once
+        lm_head = state.get("lm_head.weight", self.embed)  # absent: tied to the embeddings
+        self.head_vocab = None
+        if head_vocab is not None:  # keep only those rows, gathered once
+            self.head_vocab = head_vocab.to(device=self.embed.device, dtype=torch.int64)
+            lm_head = lm_head[self.head_vocab].contiguous()
+        self.lm_head = lm_head  # [V or Vh, E]
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat(
-                [
-                    col(state[p + "self_attn.q_proj.weight"], self.heads * d),
-                    col(state[p + "self_attn.k_proj.weight"], self.kv_heads * d),
-                    col(state[p + "self_attn.v_proj.weight"], self.kv_heads * d),
-                ]
+            attn = p + "self_attn."
+            qkv, qkv_bias = fused(
+                attn, ["q_proj", "k_proj", "v_proj"], [self.heads * d] + [self.kv_heads * d] * 2
             )
-            gate_up = torch.cat(
-                [
-                    col(state[p + "mlp.gate_proj.weight"], inter),
-                    col(state[p + "mlp.up_proj.weight"], inter),
-                ]
-            )
+            gate_up, gate_up_bias = fused(p + "mlp.", ["gate_proj", "up_proj"], [inter, inter])
             self.layers.append(
                 dict(
                     attn_norm=state[p + "input_layernorm.weight"],
                     qkv=qkv,
-                    o=row(state[p + "self_attn.o_proj.weight"], self.heads * d),
+                    qkv_bias=qkv_bias,
+                    # Per head_dim, the same for every head: replicated on every rank.
+                    q_norm=state[attn + "q_norm.weight"] if spec.qk_norm else None,
+                    k_norm=state[attn + "k_norm.weight"] if spec.qk_norm else None,
+                    o=row(state[attn + "o_proj.weight"], self.heads * d),
+                    o_bias=state.get(attn + "o_proj.bias"),  # unsharded: added after the sum
                     mlp_norm=state[p + "post_attention_layernorm.weight"],
                     gate_up=gate_up,
+                    gate_up_bias=gate_up_bias,
                     down=row(state[p + "mlp.down_proj.weight"], inter),
+                    down_bias=state.get(p + "mlp.down_proj.bias"),
                 )
             )
 
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _row_parallel(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x @ w.T summed over the ranks' input shards, then the bias (once, not once a rank)."""
+        y = F.linear(x, w)
         if self.world > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
+            dist.all_reduce(y, group=self.group)
+        return y if bias is None else y + bias
 
     @torch.inference_mode()
     def forward(
@@ -209,7 +323,7 @@ class Llama(torch.nn.Module):
         spec, d = self.spec, self.spec.head_dim
         n, R, T = tokens.shape
         h = F.embedding(tokens, self.embed)  # [n, R, T, E]
-        cos, sin = _rope_tables(spec, positions, h.dtype)  # [n, R, T, D]
+        cos, sin = _rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
         cos, sin = cos[:, :, None], sin[:, :, None]
         lengths = cache.lengths[slot0 : slot0 + n]
         plen = int(lengths.max()) if n else 0
@@ -220,12 +334,15 @@ class Llama(torch.nn.Module):
         new_k, new_v = [], []
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["attn_norm"], spec.rms_norm_eps)
-            qkv = x @ layer["qkv"].T
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-            q = _rotate(q.view(n, R, T, self.heads, d).transpose(2, 3), cos, sin)  # [n, R, H, T, D]
-            k = _rotate(
-                k.view(n, R, T, self.kv_heads, d).transpose(2, 3), cos, sin
-            )  # [n, R, Hkv, T, D]
+            q = q.view(n, R, T, self.heads, d)
+            k = k.view(n, R, T, self.kv_heads, d)
+            if spec.qk_norm:  # Qwen3: each head's q and k normalized on their own, before RoPE
+                q = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
+                k = _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+            q = _rotate(q.transpose(2, 3), cos, sin)  # [n, R, H, T, D]
+            k = _rotate(k.transpose(2, 3), cos, sin)  # [n, R, Hkv, T, D]
             v = v.view(n, R, T, self.kv_heads, d).transpose(2, 3)
             new_k.append(k)
             new_v.append(v)
@@ -251,9 +368,12 @@ class Llama(torch.nn.Module):
             probs = torch.cat([s_prefix, s_new], dim=-1).float().softmax(-1).to(q.dtype)
             out = probs[..., :plen] @ pv + probs[..., plen:] @ vv  # [n, R, Hkv, g, T, D]
             out = out.view(n, R, self.heads, T, d).transpose(2, 3).reshape(n, R, T, self.heads * d)
-            h = h + self._all_reduce(out @ layer["o"].T)
+            h = h + self._row_parallel(out, layer["o"], layer["o_bias"])
             x = _rms_norm(h, layer["mlp_norm"], spec.rms_norm_eps)
-            gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
-            h = h + self._all_reduce((F.silu(gate) * up) @ layer["down"].T)
-        logits = _rms_norm(h, self.norm, spec.rms_norm_eps) @ self.lm_head.T
-        return logits.float(), torch.stack(new_k), torch.stack(new_v)
+            gate, up = F.linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            h = h + self._row_parallel(F.silu(gate) * up, layer["down"], layer["down_bias"])
+        logits = F.linear(_rms_norm(h, self.norm, spec.rms_norm_eps), self.lm_head).float()
+        if self.head_vocab is not None:  # [n, R, T, Vh] -> [n, R, T, V], -inf at dropped ids
+            full = logits.new_full((n, R, T, spec.vocab_size), -torch.inf)
+            logits = full.index_copy_(-1, self.head_vocab, logits)
+        return logits, torch.stack(new_k), torch.stack(new_v)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +12,16 @@ import torch
 from workers.llama import Llama, LlamaSpec
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models"
+# The tiny pair (5.3M / 1.2M parameters, trained on the CPython stdlib) ships in the repository
+# for fast tests; its output is not meant to be read.
+TINY_DRAFT, TINY_TARGET = BUNDLED / "tiny" / "draft", BUNDLED / "tiny" / "target"
+# The default pair: SmolLM2-135M-Instruct and the draft the project trained for it. The target
+# is converted at set-up (scripts/fetch_models.py) into a cache outside the repository; the
+# draft's trained weights ship in the repository and are assembled next to it.
+MODEL_CACHE = Path(os.environ.get("BLOCKSPEC_MODEL_CACHE", Path.home() / ".cache" / "blockspec"))
+DEFAULT_TARGET = MODEL_CACHE / "smollm2-135m-instruct"
+DEFAULT_DRAFT = MODEL_CACHE / "smollm2-135m-draft"
+SMOLLM2_DRAFT_WEIGHTS = BUNDLED / "smollm2-draft"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,38 +30,72 @@ class LoadedModel:
     spec: LlamaSpec
     state: dict[str, torch.Tensor]  # HF parameter names -> tensors (on the target device/dtype)
     path: str
+    head_vocab: torch.Tensor | None = None  # [Vh] int64: a draft's reduced output head, if any
 
     def build(self, rank: int = 0, world: int = 1, group=None) -> Llama:
-        return Llama(self.spec, self.state, rank, world, group)
+        return Llama(self.spec, self.state, rank, world, group, head_vocab=self.head_vocab)
 
 
 def _model_dir(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").exists():
-        hint = (
-            " (the bundled pair ships in the repository's models/, not in a wheel: run from a "
-            "checkout or `pip install -e .`, or set BLOCKSPEC_REPLICA__DRAFT_DIR/__TARGET_DIR)"
-            if path.parent == BUNDLED
-            else ""
-        )
+        hint = ""
+        if path.parent == MODEL_CACHE:
+            hint = (
+                " (the default pair is converted and assembled there by scripts/setup.sh; or "
+                "serve your own pair: --draft/--target, BLOCKSPEC_REPLICA__DRAFT_DIR/__TARGET_DIR)"
+            )
+        elif path.parent.parent == BUNDLED:
+            hint = (
+                " (the tiny pair ships in the repository's models/, not in a wheel: run from a "
+                "checkout or `pip install -e .`)"
+            )
         raise ValueError(f"model directory {path} has no config.json{hint}")
     return path
 
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+DRAFT_VOCAB = "draft_vocab.json"  # optional: a draft's reduced head (sorted unique token ids)
+
+
+def _read_draft_vocab(file: Path, vocab_size: int) -> torch.Tensor:
+    ids = json.loads(file.read_text())
+    ok = isinstance(ids, list) and ids and all(type(i) is int for i in ids)
+    if not ok or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(
+            f"{file}: expected a non-empty sorted list of unique token ids in [0, {vocab_size})"
+        )
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """`AutoModelForCausalLM.from_pretrained` on a local directory; only Llama-family models."""
-    from transformers import AutoModelForCausalLM
+    """`AutoModelForCausalLM.from_pretrained` on a local directory; only the families that
+    `LlamaSpec.from_hf_config` accepts (refused from the config, before reading weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _model_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
-    if hf.config.model_type != "llama":
-        raise ValueError(
-            f"{path}: model_type {hf.config.model_type!r} is not supported (llama only)"
-        )
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        spec = LlamaSpec.from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not any((path / name).exists() for name in WEIGHT_FILES):
+        raise ValueError(f"model directory {path} has no weights ({WEIGHT_FILES[0]})")
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, config=cfg, local_files_only=True, dtype=DTYPES[dtype]
+    )
     state = {k: v.detach().to(device) for k, v in hf.state_dict().items()}
-    return LoadedModel(LlamaSpec.from_hf_config(hf.config), state, str(path))
+    head_vocab = None
+    if (path / DRAFT_VOCAB).exists():
+        head_vocab = _read_draft_vocab(path / DRAFT_VOCAB, spec.vocab_size).to(device)
+    return LoadedModel(spec, state, str(path), head_vocab)
 
 
 def check_pair(draft: str | Path, target: str | Path):

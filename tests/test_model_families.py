@@ -1,0 +1,302 @@
+"""Our Llama forward (workers/llama.py) on every Hugging Face family that load_model accepts.
+
+Each family is a tiny random checkpoint built from its transformers config class, saved to disk
+and read back through ``workers.models.load_model`` (no downloads). Checks: RoPE inverse
+frequencies equal HF's bit for bit; tree-batch logits (ragged prefix cache, two rows of
+branching trees per request) equal HF's logits along each node's root-to-node path; greedy
+decoding one token at a time equals HF's ``generate``; a 2-rank tensor-parallel split (biases,
+q/k norms) equals the unsharded model; a ``draft_vocab.json`` head gives HF's logits on the kept
+ids and -inf elsewhere; unsupported configs are refused with the field named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+from test_engine import greedy_reference
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import workers.llama
+from workers.draft import prefill
+from workers.llama import KVCache, Llama, LlamaSpec
+from workers.models import load_model
+
+VOCAB, TOL = 256, 1e-4
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.5,  # peaked rows: greedy argmaxes are far from ties
+    eos_token_id=None,
+)
+# Short pre-training context so that a 16-dim head hits all three llama3 bands (kept, smoothed,
+# stretched wavelengths).
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+FAMILIES = {  # name: (config class, overrides)
+    "llama": (LlamaConfig, dict(tie_word_embeddings=True)),
+    "llama3_rope": (LlamaConfig, dict(rope_parameters=LLAMA3_ROPE)),
+    "linear_rope": (LlamaConfig, dict(rope_parameters=dict(rope_type="linear", factor=4.0))),
+    "llama_biases": (LlamaConfig, dict(attention_bias=True, mlp_bias=True)),  # untied head
+    "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, dict(head_dim=24, tie_word_embeddings=True)),  # 4 * 24 != 64
+    "mistral": (MistralConfig, dict()),  # its default sliding_window 4096 >= context 128
+}
+TIED = {"llama", "qwen2", "qwen3"}
+
+
+def save_family(name: str, path) -> torch.nn.Module:
+    """A random HF model of the family, saved to `path`. Biases and norm weights are randomized
+    too (HF initializes them to 0 and 1, which would hide a missing bias or q/k norm)."""
+    cls, overrides = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cls(**{**COMMON, **overrides}), dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in pname:
+                p.uniform_(0.5, 1.5)
+    hf.eval().save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_family(request.param, path)
+    return request.param, hf, path
+
+
+def hf_last_logits(hf, seq: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([seq])).logits[0, -1]
+
+
+def tree_logits(model: Llama, seed: int = 1):
+    """Two requests (ragged contexts) x two rows, each row a flattened 5-node tree, scored in
+    one forward over the prefilled cache. Yields (logits [V], full token sequence) per node."""
+    parents = [[-1, 0, 1, 0, 3], [-1, 0, 0, 2, 2]]  # row r: node t's parent (-1: the root)
+    g = torch.Generator().manual_seed(seed)
+    contexts = [torch.randint(0, VOCAB, (t,), generator=g) for t in (5, 9)]
+    n, R, T = len(contexts), len(parents), len(parents[0])
+    tokens = torch.randint(0, VOCAB, (n, R, T), generator=g)
+    chains = []  # chains[r][t]: node t's root-to-node path
+    for par in parents:
+        chains.append([])
+        for t, p in enumerate(par):
+            chains[-1].append((chains[-1][p] if p >= 0 else []) + [t])
+    mask = torch.zeros(R, T, T, dtype=torch.bool)  # node t sees its ancestors and itself
+    depth = torch.zeros(R, T, dtype=torch.int64)
+    for r in range(R):
+        for t in range(T):
+            mask[r, t, chains[r][t]] = True
+            depth[r, t] = len(chains[r][t]) - 1
+    cache = KVCache(model.spec, model.kv_heads, n, 32, torch.float32, "cpu")
+    prefill(model, cache, 0, contexts)
+    positions = cache.lengths[:n, None, None] + depth  # [n, R, T]
+    logits, _, _ = model(tokens, positions, cache, mask.expand(n, R, T, T))  # [n, R, T, V]
+    assert logits.dtype == torch.float32 and logits.shape == (n, R, T, VOCAB)
+    for b in range(n):
+        for r in range(R):
+            for t in range(T):
+                path = tokens[b, r, chains[r][t]]
+                yield logits[b, r, t], torch.cat([contexts[b], path]).tolist()
+
+
+def our_greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
+    """Prefill all but the last prompt token, then one token per forward, argmax."""
+    cache = KVCache(model.spec, model.kv_heads, 1, len(prompt) + steps, torch.float32, "cpu")
+    prefill(model, cache, 0, [torch.tensor(prompt[:-1])])
+    out, last = [], prompt[-1]
+    one = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    for _ in range(steps):
+        pos = cache.lengths[:1].view(1, 1, 1)
+        logits, k, v = model(torch.tensor([[[last]]]), pos, cache, one)
+        cache.append(k[:, :, 0], v[:, :, 0], torch.zeros(1, 1, dtype=torch.int64), one.view(1))
+        last = int(logits[0, 0, 0].argmax())
+        out.append(last)
+    return out
+
+
+def test_rope_frequencies_equal_hugging_face(family):
+    name, hf, path = family
+    model = load_model(path).build()
+    assert torch.equal(model.inv_freq, hf.model.rotary_emb.inv_freq)
+    plain = dataclasses.replace(model.spec, rope_type="default").inv_freq()
+    if name in ("llama3_rope", "linear_rope"):  # the scaling did change some frequencies
+        assert not torch.equal(model.inv_freq, plain)
+    if name == "llama3_rope":  # ... and kept the highest ones
+        assert model.inv_freq[0] == plain[0]
+
+
+def test_tree_batch_logits_equal_hugging_face(family):
+    name, hf, path = family
+    loaded = load_model(path)
+    state = loaded.state
+    assert name in TIED or not torch.equal(
+        state["lm_head.weight"], state["model.embed_tokens.weight"]
+    )
+    models = [loaded.build()]
+    if name in TIED:  # a checkpoint without lm_head.weight reads the embeddings instead
+        models.append(Llama(loaded.spec, {k: v for k, v in state.items() if k != "lm_head.weight"}))
+    for model in models:
+        for got, seq in tree_logits(model):
+            assert torch.allclose(got, hf_last_logits(hf, seq), atol=TOL), (name, seq)
+
+
+def test_greedy_equals_hugging_face_generate(family):
+    name, hf, path = family
+    model = load_model(path).build()
+    prompt = [3, 7, 1, 9, 2, 200]
+    assert our_greedy(model, prompt, 10) == greedy_reference(hf, prompt, 10), name
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # tied and untied head
+def test_draft_vocab_head(name, tmp_path):
+    hf = save_family(name, tmp_path)
+    kept = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40].tolist())
+    (tmp_path / "draft_vocab.json").write_text(json.dumps(kept))
+    loaded = load_model(tmp_path)
+    assert loaded.head_vocab.tolist() == kept
+    model = loaded.build()
+    assert model.lm_head.shape == (len(kept), COMMON["hidden_size"])  # gathered once
+    dropped = torch.ones(VOCAB, dtype=torch.bool)
+    dropped[kept] = False
+    for got, seq in tree_logits(model):
+        assert torch.allclose(got[kept], hf_last_logits(hf, seq)[kept], atol=TOL), seq
+        assert torch.isneginf(got[dropped]).all()
+        probs = got.softmax(-1)
+        assert (probs[dropped] == 0).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
+    for bad in ([5, 3], [1, 1], [VOCAB], [], "x"):
+        (tmp_path / "draft_vocab.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=r"draft_vocab\.json"):
+            load_model(tmp_path)
+
+
+class _Threads:
+    """An all-reduce for ranks run as threads of this process (no torch.distributed group)."""
+
+    def __init__(self, world: int):
+        self.barrier, self.parts, self.local = threading.Barrier(world), {}, threading.local()
+
+    def all_reduce(self, tensor: torch.Tensor, group=None) -> None:
+        self.parts[self.local.rank] = tensor.clone()
+        self.barrier.wait()
+        total = sum(self.parts[r] for r in sorted(self.parts))
+        self.barrier.wait()  # every rank has read the parts before any writes its next one
+        tensor.copy_(total)
+
+
+@pytest.mark.parametrize("name", ["llama_biases", "qwen2", "qwen3"])
+def test_tensor_parallel_shards_biases_and_qk_norms(name, tmp_path, monkeypatch):
+    save_family(name, tmp_path)
+    loaded = load_model(tmp_path)
+    seq = torch.randint(0, VOCAB, (1, 1, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+
+    def run(model: Llama) -> torch.Tensor:
+        cache = KVCache(model.spec, model.kv_heads, 1, 16, torch.float32, "cpu")
+        return model(seq, torch.arange(12)[None, None], cache, mask)[0]
+
+    want = run(loaded.build())
+    threads = _Threads(2)
+    monkeypatch.setattr(workers.llama.dist, "all_reduce", threads.all_reduce)
+    got = [None, None]
+
+    def rank(r: int) -> None:
+        threads.local.rank = r
+        got[r] = run(loaded.build(r, 2))
+
+    workers_ = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for w in workers_:
+        w.start()
+    for w in workers_:
+        w.join()
+    for r in range(2):
+        assert torch.allclose(got[r], want, atol=TOL), (name, r)
+
+
+def refused(tmp_path, cfg, field: str) -> None:
+    cfg.save_pretrained(tmp_path)  # the config alone: refused before any weights are read
+    with pytest.raises(ValueError, match=field):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match=field):  # the tensor-parallel target's early check
+        LlamaSpec.from_hf_config(cfg)
+
+
+SMALL = {k: v for k, v in COMMON.items() if k != "initializer_range"}
+
+
+@pytest.mark.parametrize(
+    ("field", "cfg"),
+    [
+        ("model_type", lambda: GPT2Config()),
+        ("model_type", lambda: Phi3Config(**SMALL)),
+        ("hidden_act", lambda: LlamaConfig(**SMALL, hidden_act="gelu")),
+        (
+            "rope_type",
+            lambda: LlamaConfig(
+                **SMALL,
+                rope_parameters=dict(
+                    rope_type="yarn", factor=2.0, original_max_position_embeddings=64
+                ),
+            ),
+        ),
+        (
+            "rope_type",
+            lambda: LlamaConfig(**SMALL, rope_parameters=dict(rope_type="dynamic", factor=2.0)),
+        ),
+        (
+            "use_sliding_window",
+            lambda: Qwen2Config(
+                **SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0
+            ),
+        ),
+        ("sliding_window", lambda: MistralConfig(**SMALL, sliding_window=16)),
+    ],
+)
+def test_unsupported_configs_are_refused_naming_the_field(field, cfg, tmp_path):
+    refused(tmp_path, cfg(), field)
+
+
+def test_windows_that_cover_the_context_are_accepted():
+    for cfg in (
+        MistralConfig(**SMALL, sliding_window=None),
+        MistralConfig(**SMALL, sliding_window=128),  # = max_position_embeddings: never binds
+        Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=128, max_window_layers=0),
+        Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+    ):
+        assert LlamaSpec.from_hf_config(cfg).max_positions == 128
+
+
+def test_missing_weights_are_named(tmp_path):
+    LlamaConfig(**SMALL).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"no weights \(model\.safetensors\)"):
+        load_model(tmp_path)
+    shutil.rmtree(tmp_path)
+    with pytest.raises(ValueError, match=r"config\.json"):
+        load_model(tmp_path)
