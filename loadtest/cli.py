@@ -51,9 +51,9 @@ def grid(args, single_path: set[str]) -> list[Config]:
 def load_prompts(args, max_context: int, configs: list[Config]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from workers.models import BUNDLED
+    from workers.models import DEFAULT_TARGET
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or BUNDLED / "target")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or DEFAULT_TARGET)
     # Each prompt's last tokens, so that it + max_new_tokens + a draft block fit the context.
     room = max_context - args.max_new_tokens - max(c.gamma for c in configs) - 2
     try:
@@ -192,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default="humaneval", help="'humaneval' or a JSONL file")
     ap.add_argument("--num-prompts", type=int, default=164)
-    ap.add_argument("--tokenizer", help="tokenizer directory (default: the bundled target's)")
+    ap.add_argument("--tokenizer", help="tokenizer directory (default: the default target's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="'method:K:γ:T' each")

@@ -24,33 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/blockspec.proto\x12\x0c\x62lockspec.v1\"\xbe\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x06method\x18\x08 \x01(\t\x12\r\n\x05gamma\x18\t \x01(\x05\x12\t\n\x01k\x18\n \x01(\x05\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xde\x01\n\x10SpeculationStats\x12\x14\n\x0ctarget_calls\x18\x01 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0ftokens_per_call\x18\x03 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\x17\n\x0fmean_batch_size\x18\x06 \x01(\x01\x12,\n\x07step_ms\x18\x07 \x01(\x0b\x32\x1b.blockspec.v1.StepBreakdown\"p\n\rStepBreakdown\x12\r\n\x05\x64raft\x18\x01 \x01(\x01\x12\x0c\n\x04tree\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x10\n\x08transfer\x18\x04 \x01(\x01\x12\x0e\n\x06verify\x18\x05 \x01(\x01\x12\x10\n\x08overhead\x18\x06 \x01(\x01\"\xd1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xa3\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x0f\n\x07replica\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"D\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bsingle_path\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"~\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x11\n\tmax_gamma\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x12\n\nmax_queued\x18\x06 \x01(\x05\"\xe6\x01\n\x0cInfoResponse\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12)\n\x07methods\x18\x04 \x03(\x0b\x32\x18.blockspec.v1.MethodInfo\x12$\n\x06limits\x18\x05 \x01(\x0b\x32\x14.blockspec.v1.Limits\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x06 \x01(\t\x12\x15\n\rdefault_gamma\x18\x07 \x01(\x05\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\x05*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xe5\x01\n\tGenerator\x12I\n\x08Generate\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1e.blockspec.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1b.blockspec.v1.GenerateChunk0\x01\x12=\n\x04Info\x12\x19.blockspec.v1.InfoRequest\x1a\x1a.blockspec.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/blockspec.proto\x12\x0c\x62lockspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xeb\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x06method\x18\x08 \x01(\t\x12\r\n\x05gamma\x18\t \x01(\x05\x12\t\n\x01k\x18\n \x01(\x05\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12+\n\x08messages\x18\x0f \x03(\x0b\x32\x19.blockspec.v1.ChatMessageB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xde\x01\n\x10SpeculationStats\x12\x14\n\x0ctarget_calls\x18\x01 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0ftokens_per_call\x18\x03 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\x17\n\x0fmean_batch_size\x18\x06 \x01(\x01\x12,\n\x07step_ms\x18\x07 \x01(\x0b\x32\x1b.blockspec.v1.StepBreakdown\"p\n\rStepBreakdown\x12\r\n\x05\x64raft\x18\x01 \x01(\x01\x12\x0c\n\x04tree\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x10\n\x08transfer\x18\x04 \x01(\x01\x12\x0e\n\x06verify\x18\x05 \x01(\x01\x12\x10\n\x08overhead\x18\x06 \x01(\x01\"\xd1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xa3\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x0f\n\x07replica\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"D\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bsingle_path\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"~\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x11\n\tmax_gamma\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x12\n\nmax_queued\x18\x06 \x01(\x05\"\xfd\x01\n\x0cInfoResponse\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12)\n\x07methods\x18\x04 \x03(\x0b\x32\x18.blockspec.v1.MethodInfo\x12$\n\x06limits\x18\x05 \x01(\x0b\x32\x14.blockspec.v1.Limits\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x06 \x01(\t\x12\x15\n\rdefault_gamma\x18\x07 \x01(\x05\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\x05\x12\x15\n\rchat_template\x18\t \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xe5\x01\n\tGenerator\x12I\n\x08Generate\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1e.blockspec.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1b.blockspec.v1.GenerateChunk0\x01\x12=\n\x04Info\x12\x19.blockspec.v1.InfoRequest\x1a\x1a.blockspec.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.blockspec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1524
-  _globals['_FINISHREASON']._serialized_end=1619
-  _globals['_GENERATEREQUEST']._serialized_start=41
-  _globals['_GENERATEREQUEST']._serialized_end=359
-  _globals['_SPECULATIONSTATS']._serialized_start=362
-  _globals['_SPECULATIONSTATS']._serialized_end=584
-  _globals['_STEPBREAKDOWN']._serialized_start=586
-  _globals['_STEPBREAKDOWN']._serialized_end=698
-  _globals['_GENERATERESPONSE']._serialized_start=701
-  _globals['_GENERATERESPONSE']._serialized_end=910
-  _globals['_GENERATECHUNK']._serialized_start=913
-  _globals['_GENERATECHUNK']._serialized_end=1076
-  _globals['_INFOREQUEST']._serialized_start=1078
-  _globals['_INFOREQUEST']._serialized_end=1091
-  _globals['_METHODINFO']._serialized_start=1093
-  _globals['_METHODINFO']._serialized_end=1161
-  _globals['_LIMITS']._serialized_start=1163
-  _globals['_LIMITS']._serialized_end=1289
-  _globals['_INFORESPONSE']._serialized_start=1292
-  _globals['_INFORESPONSE']._serialized_end=1522
-  _globals['_GENERATOR']._serialized_start=1622
-  _globals['_GENERATOR']._serialized_end=1851
+  _globals['_FINISHREASON']._serialized_start=1638
+  _globals['_FINISHREASON']._serialized_end=1733
+  _globals['_CHATMESSAGE']._serialized_start=40
+  _globals['_CHATMESSAGE']._serialized_end=84
+  _globals['_GENERATEREQUEST']._serialized_start=87
+  _globals['_GENERATEREQUEST']._serialized_end=450
+  _globals['_SPECULATIONSTATS']._serialized_start=453
+  _globals['_SPECULATIONSTATS']._serialized_end=675
+  _globals['_STEPBREAKDOWN']._serialized_start=677
+  _globals['_STEPBREAKDOWN']._serialized_end=789
+  _globals['_GENERATERESPONSE']._serialized_start=792
+  _globals['_GENERATERESPONSE']._serialized_end=1001
+  _globals['_GENERATECHUNK']._serialized_start=1004
+  _globals['_GENERATECHUNK']._serialized_end=1167
+  _globals['_INFOREQUEST']._serialized_start=1169
+  _globals['_INFOREQUEST']._serialized_end=1182
+  _globals['_METHODINFO']._serialized_start=1184
+  _globals['_METHODINFO']._serialized_end=1252
+  _globals['_LIMITS']._serialized_start=1254
+  _globals['_LIMITS']._serialized_end=1380
+  _globals['_INFORESPONSE']._serialized_start=1383
+  _globals['_INFORESPONSE']._serialized_end=1636
+  _globals['_GENERATOR']._serialized_start=1736
+  _globals['_GENERATOR']._serialized_end=1965
 # @@protoc_insertion_point(module_scope)

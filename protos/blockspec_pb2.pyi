@@ -16,8 +16,16 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method", "gamma", "k", "session_id", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method", "gamma", "k", "session_id", "stop", "stop_token_ids", "ignore_eos", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +40,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -46,7 +55,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., gamma: _Optional[int] = ..., k: _Optional[int] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., gamma: _Optional[int] = ..., k: _Optional[int] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens", "mean_batch_size", "step_ms")
@@ -145,7 +155,7 @@ class Limits(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., max_k: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queued: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("draft_model", "target_model", "vocab_size", "methods", "limits", "default_method", "default_gamma", "tensor_parallel")
+    __slots__ = ("draft_model", "target_model", "vocab_size", "methods", "limits", "default_method", "default_gamma", "tensor_parallel", "chat_template")
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +164,7 @@ class InfoResponse(_message.Message):
     DEFAULT_METHOD_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GAMMA_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     draft_model: str
     target_model: str
     vocab_size: int
@@ -162,4 +173,5 @@ class InfoResponse(_message.Message):
     default_method: str
     default_gamma: int
     tensor_parallel: int
-    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[MethodInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_method: _Optional[str] = ..., default_gamma: _Optional[int] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[MethodInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_method: _Optional[str] = ..., default_gamma: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., chat_template: _Optional[str] = ...) -> None: ...

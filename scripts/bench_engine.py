@@ -1,4 +1,4 @@
-"""Side-by-side benchmark of the speculative engine on the bundled pair (one run, one machine).
+"""Side-by-side benchmark of the speculative engine on a model pair (one run, one machine).
 
     .venv/bin/python scripts/bench_engine.py [--prompts 50] [--new-tokens 128] \\
         [--methods ...] [--k 1 2 3 4] [--gamma 4 8] [--temperature 0.6 1.0] [--batch 1 8] \\
@@ -31,17 +31,19 @@ from service.engine import GenerationRequest, build_engine
 from service.verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
-from workers.models import BUNDLED
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from workers.sampling import SamplingParams
 
 
-def forward_ms(model: Llama, context: int = 200, repeats: int = 30) -> float:
-    """Median batch-1 single-token decode step with a KV cache of `context` tokens."""
-    cache = KVCache(model.spec, model.kv_heads, 1, context + 2, torch.float32, "cpu")
+def forward_ms(model: Llama, new: int = 1, context: int = 200, repeats: int = 30) -> float:
+    """Median batch-1 forward of `new` tokens (a causal chain, as in a γ-token tree pass) after
+    a KV cache of `context` tokens."""
+    dtype = model.embed.dtype
+    cache = KVCache(model.spec, model.kv_heads, 1, context + new + 2, dtype, "cpu")
     prefill(model, cache, 0, [torch.randint(0, model.spec.vocab_size, (context,))])
-    tok = torch.zeros(1, 1, 1, dtype=torch.int64)
-    pos = torch.full((1, 1, 1), context)
-    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    tok = torch.zeros(1, 1, new, dtype=torch.int64)
+    pos = (context + torch.arange(new)).view(1, 1, new)
+    mask = torch.ones(new, new, dtype=torch.bool).tril().view(1, 1, new, new)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -76,11 +78,17 @@ def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=
     )
 
 
-def run_hf_assisted(draft_dir, target_dir, prompts, temperature, new_tokens):
+def run_hf_assisted(draft_dir, target_dir, prompts, temperature, new_tokens, dtype):
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True).eval()
+    from workers.models import DTYPES
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=DTYPES[dtype]
+        ).eval()
+
+    target, draft = load(target_dir), load(draft_dir)
     tokens, start = 0, time.perf_counter()
     torch.manual_seed(0)
     for p in prompts:
@@ -103,8 +111,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--draft", default=str(BUNDLED / "draft"))
-    ap.add_argument("--target", default=str(BUNDLED / "target"))
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--methods", nargs="+", default=list(VERIFIERS))
@@ -118,7 +127,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engines = {b: build_engine(args.draft, args.target, b) for b in args.batch}
+    engines = {b: build_engine(args.draft, args.target, b, dtype=args.dtype) for b in args.batch}
     tokenizer = engines[args.batch[0]][1]
     # Keep each prompt's last tokens so that prompt + new tokens + a draft block fit the models'
     # context (the bundled pair was trained on 384 positions; some HumanEval prompts are longer).
@@ -130,14 +139,21 @@ def main() -> None:
     for engine, _ in engines.values():
         for method in ("none", args.methods[0]):
             run_engine(engine, prompts[: engine.max_batch], method, 1, args.gamma[0], 1.0, 16)
-    c = forward_ms(some_engine.draft.model) / forward_ms(some_engine.target.model)
+    target_ms = forward_ms(some_engine.target.model)
+    c = forward_ms(some_engine.draft.model) / target_ms
+    tree_cost = {g: forward_ms(some_engine.target.model, g + 1) / target_ms for g in args.gamma}
     lines: list[str] = []
 
     def emit(line: str) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    emit(f"draft/target forward cost ratio c = {c:.3f} (batch 1, one token, 200-token cache)\n")
+    emit(f"draft/target forward cost ratio c = {c:.3f} (batch 1, one token, 200-token cache)")
+    emit(
+        f"target forward, batch 1: {target_ms:.1f} ms for one token; γ+1 tokens cost "
+        + ", ".join(f"{v:.2f}× (γ = {g})" for g, v in tree_cost.items())
+        + "\n"
+    )
     emit(
         "| method | K | γ | T | batch | BE | tok/s | × none | ideal BE/(1+γc) "
         "| draft | tree | target | verify | overhead |"
@@ -145,6 +161,9 @@ def main() -> None:
     emit("|" + "---|" * 14)
     meta = dict(
         c=c,
+        target_ms=target_ms,
+        tree_cost=tree_cost,
+        dtype=args.dtype,
         prompts=args.prompts,
         new_tokens=args.new_tokens,
         threads=args.threads,
@@ -165,7 +184,7 @@ def main() -> None:
             rows.append(dict(cfg, batch=batch, **base))
             emit(_row(rows[-1], base, c))
             save()
-            for method in args.methods:
+            for method in (m for m in args.methods if m != "none"):  # `none` is the baseline
                 for k in args.k:
                     if VERIFIERS[method].single_path and k > 1:
                         continue
@@ -178,7 +197,9 @@ def main() -> None:
                         emit(_row(rows[-1], base, c))
                         save()
             if not args.no_hf and batch == 1:
-                hf = run_hf_assisted(args.draft, args.target, prompts, temperature, args.new_tokens)
+                hf = run_hf_assisted(
+                    args.draft, args.target, prompts, temperature, args.new_tokens, args.dtype
+                )
                 cfg = dict(method="hf_assisted", k=1, gamma=0, temperature=temperature)
                 rows.append(dict(cfg, batch=1, **hf))
                 save()

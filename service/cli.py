@@ -3,7 +3,7 @@
 - `methods`: the verification methods.
 - `demo`: every verifier on the spec's toy instance, measured E[τ] next to the exact values.
 - `generate --local`: speculative generation in-process on a local draft/target pair
-  (default: the bundled pair under models/).
+  (default: SmolLM2-135M-Instruct and its trained draft, set up by scripts/setup.sh).
 - `serve`: the distributed service (Ray actors, Ray Serve replicas, gRPC gateway) on a local
   Ray cluster on 127.0.0.1, or on the cluster at RAY_ADDRESS / --ray-address.
 - `generate --address HOST:PORT`: stream a completion from a running service.
@@ -64,17 +64,18 @@ def demo(trials: int, seed: int) -> None:
 
 
 def generate_local(args) -> None:
+    from loadtest.prompts import chat_ids
     from service.engine import GenerationRequest, build_engine
-    from workers.models import BUNDLED
+    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from workers.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
-    draft = args.draft or str(BUNDLED / "draft")
-    target = args.target or str(BUNDLED / "target")
+    draft = args.draft or str(DEFAULT_DRAFT)
+    target = args.target or str(DEFAULT_TARGET)
     engine, tokenizer = build_engine(
         draft, target, max_batch=1, max_len=args.max_len, tensor_parallel=args.tp
     )
-    ids = tokenizer(args.prompt)["input_ids"]
+    ids = chat_ids(tokenizer, args.prompt) if args.chat else tokenizer(args.prompt)["input_ids"]
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     req = GenerationRequest(
         prompt_ids=ids,
@@ -89,7 +90,8 @@ def generate_local(args) -> None:
     start = time.perf_counter()
     (result,) = engine.generate([req])
     seconds = time.perf_counter() - start
-    print(args.prompt + tokenizer.decode(result.token_ids))
+    answer = tokenizer.decode(result.token_ids, skip_special_tokens=args.chat)
+    print(answer if args.chat else args.prompt + answer)
     stats = result.stats
     print(
         f"[{args.method} K={args.k} γ={args.gamma}] "
@@ -107,7 +109,13 @@ def serve_settings(args):
 
     flags = {k: getattr(args, k) for k in ("host", "port", "metrics_port", "redis_url")}
     flags["ray_address"] = args.ray_address
-    replica = {"tensor_parallel": args.tp, "max_batch": args.max_batch}
+    replica = {
+        "tensor_parallel": args.tp,
+        "max_batch": args.max_batch,
+        "draft_dir": args.draft,
+        "target_dir": args.target,
+        "dtype": args.dtype,
+    }
     flags["replica"] = {k: v for k, v in replica.items() if v is not None}
     if args.replicas:
         low, _, high = args.replicas.partition("-")
@@ -122,8 +130,11 @@ def serve_forever(args) -> None:
     from ray import serve
 
     from service.app import run
+    from workers.models import check_pair
 
     settings = serve_settings(args)
+    # Before any Ray start: a pair that cannot work together is refused here, naming both.
+    check_pair(settings.replica.draft_dir, settings.replica.target_dir)
     start = time.perf_counter()
     gateway = run(settings)
     address = gateway.address.remote().result()
@@ -155,7 +166,8 @@ def generate_remote(args) -> None:
     from protos import blockspec_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest(
-        prompt=args.prompt,
+        prompt="" if args.chat else args.prompt,
+        messages=[pb.ChatMessage(role="user", content=args.prompt)] if args.chat else [],
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -172,7 +184,8 @@ def generate_remote(args) -> None:
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         try:
-            print(args.prompt, end="", flush=True)
+            if not args.chat:
+                print(args.prompt, end="", flush=True)
             for chunk in stub.GenerateStream(req, timeout=args.timeout):
                 print(chunk.text, end="", flush=True)
                 last = chunk
@@ -197,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt")
+    g.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user turn (chat template)"
+    )
     where = g.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run the engine in-process")
     where.add_argument("--address", help="HOST:PORT of a running service (blockspec serve)")
@@ -213,6 +229,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--replicas", help="N or MIN-MAX replicas (autoscaled between)")
     s.add_argument("--tp", type=int, help="tensor-parallel target shards per replica")
     s.add_argument("--max-batch", type=int, help="requests per decode step per replica")
+    s.add_argument("--draft", help="draft model directory (default: the default pair's)")
+    s.add_argument("--target", help="target model directory (default: the default pair's)")
+    s.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="weights (default float32)"
+    )
     g.add_argument("--k", type=int, default=1)
     g.add_argument("--gamma", type=int, default=4)
     g.add_argument("--temperature", type=float, default=1.0)
@@ -221,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--max-len", type=int, default=1024)
-    g.add_argument("--draft", help="draft model directory (default: bundled)")
-    g.add_argument("--target", help="target model directory (default: bundled)")
+    g.add_argument("--draft", help="draft model directory, with --local (default pair)")
+    g.add_argument("--target", help="target model directory, with --local (default pair)")
     g.add_argument("--threads", type=int, default=1, help="torch threads per process")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
     sub.add_parser("loadtest", help="load-test a running service (python -m loadtest --help)")
@@ -240,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         demo(args.trials, args.seed)
     elif args.command == "serve":
-        serve_forever(args)
+        try:
+            serve_forever(args)
+        except ValueError as err:  # a model pair that cannot be served
+            raise SystemExit(f"blockspec serve: {err}") from None
     elif args.address:
         generate_remote(args)
     else:

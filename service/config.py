@@ -2,7 +2,7 @@
 
 Precedence: init arguments (the CLI) > environment (``BLOCKSPEC_...``, nested with ``__``, e.g.
 ``BLOCKSPEC_REPLICA__MAX_BATCH=16``) > the file named by ``BLOCKSPEC_CONFIG`` > defaults. The
-defaults run the bundled model pair on this machine with no external services: a local Ray
+defaults run the default model pair on this machine with no external services: a local Ray
 cluster on 127.0.0.1, the embedded session store, one replica.
 
 ``ReplicaConfig`` is what a Serve replica receives (``deploy/serve_config.yaml`` gives the same
@@ -25,7 +25,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from workers.models import BUNDLED
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
 
@@ -44,8 +44,10 @@ class ReplicaConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a typo in a config file is an error
 
-    draft_dir: str = str(BUNDLED / "draft")
-    target_dir: str = str(BUNDLED / "target")
+    # The default pair (SmolLM2-135M-Instruct and its trained draft), written by setup.sh into
+    # BLOCKSPEC_MODEL_CACHE (~/.cache/blockspec); any compatible Llama-family pair works.
+    draft_dir: str = str(DEFAULT_DRAFT)
+    target_dir: str = str(DEFAULT_TARGET)
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"  # "cuda" on GPU nodes: each actor gets its own GPU from Ray
     tensor_parallel: int = Field(1, ge=1)  # target shards (one actor each, one placement group)

@@ -33,7 +33,7 @@ from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
-from service.requests import InvalidArgument, Limits, check_request
+from service.requests import Limits, check_request, prompt_ids
 from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -135,8 +135,11 @@ class _TextStream:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        # No clean-up of tokenization spaces: it rewrites text across piece boundaries.
-        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        # No clean-up of tokenization spaces: it rewrites text across piece boundaries. Special
+        # tokens (end of turn, end of text) are control, not text; their ids are still sent.
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
 
     def _tail(self) -> str:
         """Text of ids[read:] (decoded after its left context ids[prefix:read])."""
@@ -235,6 +238,7 @@ class Generator(pb_grpc.GeneratorServicer):
             default_method=i["default_method"],
             default_gamma=i["default_gamma"],
             tensor_parallel=i["tensor_parallel"],
+            chat_template=self.tokenizer.chat_template or "",
         )
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
@@ -307,17 +311,11 @@ class Generator(pb_grpc.GeneratorServicer):
         # limit can: it counts a request as queued only after it has checked the limit).
         if self.in_flight > self.max_in_flight:
             raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidArgument("prompt: set prompt or prompt_token_ids, not both")
-        prompt_ids = (
-            list(request.prompt_token_ids)
-            if request.prompt_token_ids
-            else self.tokenizer(request.prompt)["input_ids"]
-        )
         session = await self.store.get(request.session_id) if request.session_id else None
         history = session.tokens if session else []
-        payload = check_request(request, self.limits, prompt_ids, len(history))
-        payload["prompt_ids"] = history + prompt_ids
+        ids = prompt_ids(request, self.tokenizer, continues_session=bool(history))
+        payload = check_request(request, self.limits, ids, len(history))
+        payload["prompt_ids"] = history + ids
         call.prompt_tokens = len(payload["prompt_ids"])
         eos = self.tokenizer.eos_token_id
         if eos is not None and not request.ignore_eos:

@@ -35,6 +35,35 @@ class Limits:
         return Limits(**{name: info[name] for name in Limits.__dataclass_fields__})
 
 
+def prompt_ids(req: pb.GenerateRequest, tokenizer, continues_session: bool) -> list[int]:
+    """The request's prompt as token ids: exactly one of prompt / prompt_token_ids / messages
+    (rendered with the tokenizer's chat template, ending in the assistant's generation prompt)."""
+    given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(req, f)]
+    if len(given) > 1:
+        raise InvalidArgument(f"{given[0]}: set one of prompt, prompt_token_ids, messages")
+    if req.prompt_token_ids:
+        return list(req.prompt_token_ids)
+    if not req.messages:
+        return tokenizer(req.prompt)["input_ids"]
+    if not tokenizer.chat_template:
+        raise InvalidArgument("messages: the target model has no chat template; send a prompt")
+    if continues_session:
+        # A template renders a whole conversation (some add a system turn when the first message
+        # is not one), so new turns cannot be rendered alone: the session holds tokens, not turns.
+        raise InvalidArgument(
+            "messages: this session already has turns; send the next turn as prompt text "
+            "(render it with Info.chat_template)"
+        )
+    if any(not m.role for m in req.messages):
+        raise InvalidArgument("messages: every message needs a role")
+    turns = [{"role": m.role, "content": m.content} for m in req.messages]
+    try:
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    except Exception as err:  # the template's own checks (jinja raise_exception)
+        raise InvalidArgument(f"messages: the chat template refused them: {err}") from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def check_request(
     req: pb.GenerateRequest, limits: Limits, prompt_ids: list[int], history_len: int = 0
 ) -> dict[str, Any]:

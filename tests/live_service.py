@@ -12,6 +12,9 @@ import pytest
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings  # first import of `service`: loopback-only Ray
 from tests.redis_server import free_port
+from workers.models import TINY_DRAFT, TINY_TARGET
+
+TINY_PAIR = dict(draft_dir=str(TINY_DRAFT), target_dir=str(TINY_TARGET))  # fast tests
 
 APP = "blockspec-test"
 MAX_BATCH, MAX_QUEUED = 8, 2
@@ -32,7 +35,7 @@ def service(redis_url):
         metrics_port=free_port(),
         redis_url=redis_url,
         ray_num_cpus=4,
-        replica=dict(max_batch=MAX_BATCH, max_queued=MAX_QUEUED, max_sessions=4),
+        replica=dict(**TINY_PAIR, max_batch=MAX_BATCH, max_queued=MAX_QUEUED, max_sessions=4),
     )
     gateway = run(settings, name=APP)
     address = gateway.address.remote().result()

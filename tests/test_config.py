@@ -58,6 +58,9 @@ def test_serve_flags_override_env_and_are_validated(monkeypatch):
     s = serve_settings(captured["args"])
     assert (s.port, s.replica.tensor_parallel, s.replica.max_k) == (0, 2, 3)
     assert (s.autoscaling.min_replicas, s.autoscaling.max_replicas) == (1, 3)
+    main(["serve", "--draft", "/d", "--target", "/t", "--dtype", "bfloat16"])
+    s = serve_settings(captured["args"])
+    assert (s.replica.draft_dir, s.replica.target_dir, s.replica.dtype) == ("/d", "/t", "bfloat16")
     main(["serve", "--tp", "0"])
     with pytest.raises(pydantic.ValidationError, match="tensor_parallel"):
         serve_settings(captured["args"])

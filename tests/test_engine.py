@@ -267,12 +267,12 @@ def test_mismatched_vocabularies_are_refused(tmp_path):
 
 
 def test_missing_model_directories_say_what_to_set(tmp_path):
-    from workers.models import BUNDLED, load_model
+    from workers.models import DEFAULT_TARGET, load_model
 
     with pytest.raises(ValueError, match=r"has no config\.json$"):
         load_model(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="BLOCKSPEC_REPLICA__DRAFT_DIR"):
-        load_model(BUNDLED / "not-shipped")  # what an installed wheel sees for the bundled pair
+    with pytest.raises(ValueError, match=r"scripts/setup\.sh"):
+        load_model(DEFAULT_TARGET.parent / "not-converted")  # the default pair before set-up
 
 
 def test_engine_context_is_capped_at_the_models_context(tmp_path):

@@ -1,5 +1,5 @@
 """Gateway units without a service: the incremental detokenizer (service.gateway._TextStream)
-on the bundled tokenizer (streamed text equals the one-piece decode, never shows a broken
+on the tiny pair's tokenizer (streamed text equals the one-piece decode, never shows a broken
 character, stop strings cut text and token ids exactly), and the gRPC code of each error."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
 from service.gateway import _status_of, _TextStream
 from service.requests import InvalidArgument
 from service.sessions import StoreUnavailableError
-from workers.models import BUNDLED
+from workers.models import TINY_TARGET
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # sum\n",
@@ -27,7 +27,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(BUNDLED / "target", local_files_only=True)
+    return AutoTokenizer.from_pretrained(TINY_TARGET, local_files_only=True)
 
 
 def stream(tokenizer, ids: list[int], stops: list[str], seed: int):
@@ -51,12 +51,12 @@ def test_streamed_text_equals_the_one_piece_decode(tokenizer, seed):
     for text in TEXTS:
         ids = tokenizer(text)["input_ids"]
         pieces, emitted, _ = stream(tokenizer, ids, [], seed)
-        assert "".join(pieces) == tokenizer.decode(ids) and emitted == ids
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) and emitted == ids
         assert not any("\ufffd" in p for p in pieces), pieces  # no broken character shown
     # Arbitrary token sequences (invalid UTF-8 included) stream to their one-piece decode too.
     ids = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
     pieces, emitted, _ = stream(tokenizer, ids, [], seed)
-    assert "".join(pieces) == tokenizer.decode(ids) and emitted == ids
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) and emitted == ids
 
 
 @pytest.mark.parametrize("seed", range(5))

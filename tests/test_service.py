@@ -24,7 +24,7 @@ from service.config import Settings  # first import of `service`: loopback-only 
 from service.engine import GenerationRequest, StepTimes, build_engine
 from service.sessions import RedisStore
 from service.verification import VERIFIERS
-from tests.live_service import APP, MAX_BATCH, MAX_QUEUED
+from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
@@ -170,7 +170,7 @@ def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batch
     expected = {p: r.token_ids for p, r in zip(prompts, refs, strict=True)}
     for ((method, _), prompt), reply in zip(jobs, replies, strict=True):
         assert list(reply.token_ids) == expected[prompt], (method, prompt)
-        assert reply.text == tokenizer.decode(expected[prompt])
+        assert reply.text == tokenizer.decode(expected[prompt], skip_special_tokens=True)
         assert reply.finish_reason == pb.FINISH_REASON_LENGTH
         if method != "none":
             assert reply.stats.target_calls < 24  # speculation accepted something
@@ -179,6 +179,30 @@ def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batch
     after = stats(service)["batch_sizes"]
     batched = {int(b): n - before.get(b, 0) for b, n in after.items() if int(b) > 1}
     assert any(n > 0 for b, n in batched.items() if b >= MAX_BATCH), after
+
+
+def test_seeded_output_through_the_service_equals_the_engine_alone(service):
+    """Sampled (T = 1) seeded requests of every method, sent concurrently so that they share
+    decode steps, each write what the in-process engine writes for that request alone."""
+    from tests.test_engine import MIXED
+
+    def request(i: int, method: str, k: int, gamma: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            prompt=f"def f{i}(x):", max_new_tokens=20, seed=40 + i, method=method, k=k,
+            gamma=gamma, ignore_eos=True,
+        )  # fmt: skip
+
+    jobs = [request(i, *case) for i, case in enumerate(MIXED)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        replies = list(pool.map(lambda r: service["stub"].Generate(r, timeout=120), jobs))
+    assert max(r.stats.mean_batch_size for r in replies) > 1  # they did share steps
+    replica = service["settings"].replica
+    engine, tokenizer = build_engine(replica.draft_dir, replica.target_dir, 1)
+    for job, reply in zip(jobs, replies, strict=True):
+        alone = GenerationRequest(
+            tokenizer(job.prompt)["input_ids"], 20, job.method, job.k, job.gamma, seed=job.seed
+        )
+        assert list(reply.token_ids) == engine.generate([alone])[0].token_ids, job.method
 
 
 def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
@@ -251,6 +275,8 @@ BAD = [
     (dict(prompt="x", top_k=-2), "top_k"),
     (dict(prompt="x", stop_token_ids=[-1]), "stop_token_ids"),
     (dict(prompt="x " * 400), "prompt"),  # longer than the 384-token context
+    (dict(messages=[pb.ChatMessage(role="user", content="x")]), "messages"),  # no template
+    (dict(prompt="x", messages=[pb.ChatMessage(role="user", content="x")]), "prompt"),
 ]
 
 
@@ -442,7 +468,7 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
     from service.config import ReplicaConfig
     from service.replica import build_remote_engine
 
-    cfg = ReplicaConfig(tensor_parallel=2, max_batch=2, max_sessions=0)
+    cfg = ReplicaConfig(**TINY_PAIR, tensor_parallel=2, max_batch=2, max_sessions=0)
     engine, info = build_remote_engine(cfg)
     local, tokenizer = build_engine(cfg.draft_dir, cfg.target_dir, 2)
     greedy = SamplingParams(temperature=0.0)

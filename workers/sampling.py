@@ -4,7 +4,8 @@ Hugging Face's semantics and order (``generate``'s warpers): temperature, then t
 token whose logit ties the k-th largest stays), then top-p over the top-k survivors
 *renormalised* (a token stays while the mass of the tokens above it is < top_p; the most likely
 always stays; which of several tied logits at the boundary stay is decided by the same
-``torch.sort`` call HF makes). Temperature 0 is greedy: one-hot on the argmax, ties to the lowest id.
+``torch.sort`` call HF makes). Temperature 0 is greedy: one-hot on the argmax, ties to the
+lowest id.
 
 Both the draft and the target rows handed to a verifier go through :func:`process`, each with
 the request's settings, and the draft samples from exactly the row it reports: otherwise the

