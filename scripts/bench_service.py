@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from loadtest.prompts import prompt_ids
-from service.config import Settings  # first import of `service`: loopback-only Ray
+from service.config import Settings
 from service.engine import GenerationRequest, StepTimes, build_engine
 from workers.sampling import SamplingParams
 
@@ -52,7 +52,7 @@ def in_process(args, engine, ids) -> dict:
     for _ in range(engine.max_batch):
         add_next()
     while engine.active or engine.waiting:
-        for result in engine.step():
+        for result in engine.step().finished:
             latencies.append(time.perf_counter() - started[result.request_id])
             add_next()
     wall = time.perf_counter() - start

@@ -5,7 +5,7 @@ Prefills the same random prompts into both, then scores random draft trees step 
 prints the max |Δlogit| over all real tree nodes and the per-step time of 1 rank vs N ranks.
 Also lists the TCP listeners of every rank (they must all be on loopback).
 
-    .venv/bin/python scripts/check_tp.py                       # models/target, 2 ranks
+    .venv/bin/python scripts/check_tp.py                       # models/tiny/target, 2 ranks
     .venv/bin/python scripts/check_tp.py --target DIR --world 2 --steps 20
 
 Exit status 1 if the difference exceeds --tol or a listener is not on loopback.
@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from service.tree import build_tree
 from workers.models import DTYPES, load_model
 from workers.target import TargetWorker
 from workers.tensor_parallel import TensorParallelTarget
+from workers.tree import build_tree
 
 LOOPBACK = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")
 
@@ -47,7 +47,7 @@ def random_tree(n: int, k: int, gamma: int, vocab: int, g: torch.Generator):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="models/target", help="local HF checkpoint directory")
+    ap.add_argument("--target", default="models/tiny/target", help="local HF checkpoint directory")
     ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--batch", type=int, default=4, help="requests per step")

@@ -1,6 +1,6 @@
-"""Evaluate blockspec's bundled target/draft pair (offline, CPU, one thread).
+"""Evaluate blockspec's tiny target/draft pair (offline, CPU, one thread).
 
-Reports, for ``models/target`` and ``models/draft``:
+Reports, for ``models/tiny/target`` and ``models/tiny/draft``:
 
 * held-out loss (nats/token) on the held-out stdlib files of ``scripts/train_pair.py``
   (same seeded file split, same non-overlapping windows for both models);
@@ -94,7 +94,7 @@ def acceptance(target, draft, ids: list[int], n_new: int, temp: float) -> torch.
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models-dir", type=Path, default=tp.REPO / "models")
+    ap.add_argument("--models-dir", type=Path, default=tp.REPO / "models" / "tiny")
     ap.add_argument("--seed", type=int, default=0, help="must match the training seed (split)")
     ap.add_argument("--num-prompts", type=int, default=164)
     ap.add_argument("--new-tokens", type=int, default=64)

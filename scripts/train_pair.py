@@ -1,4 +1,4 @@
-"""Train blockspec's bundled target/draft model pair offline on CPU.
+"""Train blockspec's tiny target/draft model pair (models/tiny/, for fast tests) offline on CPU.
 
 Stages (run in order by ``--stage all``):
 
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-steps", type=int)
     ap.add_argument("--draft-minutes", type=float)
     ap.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "train")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "models")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "models" / "tiny")
     ap.add_argument("--fresh", action="store_true", help="delete cached state of these stages")
     args = ap.parse_args(argv)
 

@@ -14,7 +14,8 @@ from ray import serve
 from service.config import Settings
 from service.replica import Replica
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # local Ray listens on 127.0.0.1
+# A local cluster listens on 127.0.0.1 only (0); a real cluster's pods set 1 (deploy/).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 class Gateway:
@@ -83,13 +84,28 @@ def start_ray(settings: Settings) -> None:
     if address:
         ray.init(address=address)
         return
-    for key, value in LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
+    _loopback_only()
     ray.init(
         num_cpus=settings.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
         runtime_env={"env_vars": dict(LOOPBACK_ENV)},
         _system_config={"max_direct_call_object_size": settings.ray_inline_bytes},
+    )
+
+
+def _loopback_only() -> None:
+    """Make the local cluster that ray.init is about to start listen on 127.0.0.1 only.
+
+    The processes ray.init starts (GCS, raylet, agents) inherit this environment; the job's
+    workers get LOOPBACK_ENV through its runtime_env. This process read the variable when it
+    first imported ray, possibly before this call: read it again (an explicit setting wins).
+    """
+    from ray._private import ray_constants
+
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
+        ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, ray_constants.ENABLE_RAY_CLUSTER
     )
 
 

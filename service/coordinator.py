@@ -35,8 +35,41 @@ class ReplicaFailed(RuntimeError):
     """A step failed (a worker actor died, say); this replica serves no more (UNAVAILABLE)."""
 
 
-# deliver(kind, value): kind "tokens" (list[int]), "done" (GenerationResult) or "error" (exc).
-Deliver = Callable[[str, object], None]
+# What a request's `deliver` callback receives, on the coordinator's thread: Emitted after each
+# step it took part in, then one Done or Failed.
+@dataclass
+class Emitted:
+    token_ids: list[int]  # the step's new output tokens
+
+
+@dataclass
+class Done:
+    result: GenerationResult
+
+
+@dataclass
+class Failed:
+    error: BaseException  # DeadlineExceeded or ReplicaFailed
+
+
+Event = Emitted | Done | Failed
+Deliver = Callable[[Event], None]
+
+
+# The inbox: what the request side asks of the loop thread.
+@dataclass
+class _Add:
+    request_id: str
+
+
+@dataclass
+class _Cancel:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    pass
 
 
 @dataclass
@@ -78,23 +111,26 @@ class Coordinator:
 
     # ------------------------------------------------------------ request side (any thread)
     def submit(self, request: GenerationRequest, deliver: Deliver, deadline: float | None) -> None:
-        """Queue a validated request; raises ValueError (bad field), Overloaded or
-        ReplicaFailed. `request.request_id` must be unique."""
+        """Queue a validated request; raises InvalidArgument (bad field), Overloaded or
+        ReplicaFailed. `request.request_id` must be unique among those in flight (RuntimeError
+        otherwise: a bug of ours, not the client's)."""
         if self.failure is not None:
             raise ReplicaFailed(f"replica failed: {self.failure!r}")
         self.engine.validate(request)  # pure: reads only limits
         with self._lock:
+            if request.request_id in self._jobs:  # the replica numbers its requests
+                raise RuntimeError(f"request id {request.request_id!r} is already in flight")
             if len(self._jobs) >= self.capacity:
                 self.stats.rejected += 1
                 raise Overloaded(
                     f"queue full: {len(self._jobs)} requests in flight (limit {self.capacity})"
                 )
             self._jobs[request.request_id] = _Job(request, deliver, deadline)
-        request.on_tokens = lambda tokens: deliver("tokens", tokens)
-        self._inbox.put(("add", request.request_id))
+        request.on_tokens = lambda tokens: deliver(Emitted(tokens))
+        self._inbox.put(_Add(request.request_id))
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(_Cancel(request_id))
 
     @property
     def in_flight(self) -> int:
@@ -104,34 +140,36 @@ class Coordinator:
         return self.failure is None and self._thread.is_alive()
 
     def close(self) -> None:
-        self._inbox.put(("stop", None))
+        self._inbox.put(_Stop())
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------ loop (own thread)
-    def _finish(self, request_id: str, kind: str, value: object) -> None:
+    def _finish(self, request_id: str, event: Done | Failed) -> None:
         with self._lock:
             job = self._jobs.pop(request_id, None)
         if job is not None:
-            job.deliver(kind, value)
+            job.deliver(event)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; False once asked to stop."""
         while True:
             try:
-                op, request_id = self._inbox.get(block=block, timeout=None)
+                command = self._inbox.get(block=block, timeout=None)
             except queue.Empty:
                 return True
             block = False
-            if op == "stop":
-                return False
-            job = self._jobs.get(request_id)
-            if op == "add" and job is not None:
-                self.engine.add(job.request)
-            elif op == "cancel":  # the requester has gone: nobody to deliver to
-                if self.engine.cancel(request_id):
-                    self.stats.cancelled += 1
-                with self._lock:
-                    self._jobs.pop(request_id, None)
+            match command:
+                case _Stop():
+                    return False
+                case _Add(request_id):
+                    job = self._jobs.get(request_id)
+                    if job is not None:  # None: cancelled or expired before it was added
+                        self.engine.add(job.request)
+                case _Cancel(request_id):  # the requester has gone: nobody to deliver to
+                    if self.engine.cancel(request_id):
+                        self.stats.cancelled += 1
+                    with self._lock:
+                        self._jobs.pop(request_id, None)
 
     def _expire(self) -> None:
         now = time.time()
@@ -139,7 +177,7 @@ class Coordinator:
         for rid in late:
             if self.engine.cancel(rid):
                 self.stats.cancelled += 1
-            self._finish(rid, "error", DeadlineExceeded("deadline exceeded"))
+            self._finish(rid, Failed(DeadlineExceeded("deadline exceeded")))
 
     def _run(self) -> None:
         engine = self.engine
@@ -148,19 +186,21 @@ class Coordinator:
                 self._expire()
                 if not (engine.active or engine.waiting):
                     continue
-                finished: list[GenerationResult] = engine.step()
-                step = engine.last_step
-                self.stats.steps += 1
-                self.stats.times.add(step)
-                self.stats.batch_sizes[step.batch_size] += 1
-                for result in finished:
+                step = engine.step()
+                self._record(step.times)
+                for result in step.finished:
                     self.stats.finished += 1
-                    self._finish(result.request_id, "done", result)
+                    self._finish(result.request_id, Done(result))
                 if self.on_step is not None:
-                    self.on_step(step, len(engine.waiting))
+                    self.on_step(step.times, len(engine.waiting))
         except BaseException as exc:  # a worker died or a step failed: fail everything
             self.failure = exc
             with self._lock:
                 jobs, self._jobs = self._jobs, {}
             for job in jobs.values():
-                job.deliver("error", ReplicaFailed(f"replica failed: {exc!r}"))
+                job.deliver(Failed(ReplicaFailed(f"replica failed: {exc!r}")))
+
+    def _record(self, times: StepTimes) -> None:
+        self.stats.steps += 1
+        self.stats.times.add(times)
+        self.stats.batch_sizes[times.batch_size] += 1

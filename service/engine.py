@@ -1,11 +1,12 @@
 """In-process speculative engine: continuous batching over a draft worker and a target worker.
 
-One step for the batch of active requests (shared/spec/architecture.md):
-  draft  -> K i.i.d. paths of γ tokens per request (draft worker)
-  tree   -> merge each request's paths into a flattened prefix tree
-  target -> one forward over every node of every tree (target worker)
-  verify -> per (method, K, γ) group, batched (service.verification)
-  commit -> keep the accepted path's KV entries, append tokens, retire finished requests
+One step for the batch of active requests (shared/spec/architecture.md), in three parts whose
+phases are timed separately (`StepTimes`):
+  propose: draft  -> K i.i.d. paths of γ tokens per request (draft worker)
+           tree   -> merge each request's paths into a flattened prefix tree (workers.tree)
+  verify:  target -> one forward over every node of every tree (target worker)
+           verify -> per (method, K, γ) group, batched (service.verification)
+  commit:  keep the accepted path's KV entries, append tokens, retire finished requests
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
 its own method, K, γ, sampling settings, seed (a private torch.Generator used for both drafting
@@ -32,13 +33,67 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.tree import build_tree
 from service.verification import VERIFIERS, TargetModification, verify
 from workers.draft import DraftWorker
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
+from workers.tree import DraftTree, build_tree
 
 PLAIN = "none"  # plain target decoding, no speculation
+
+
+class InvalidArgument(ValueError):
+    """A request field the caller got wrong (gRPC INVALID_ARGUMENT); the message starts with the
+    field's name. Raised by the engine's own checks and by the gateway's (service/requests.py)."""
+
+
+def check_method(
+    method: str, k: int, gamma: int, max_k: int | None = None, max_gamma: int | None = None
+) -> None:
+    """Raise InvalidArgument unless `method` can run with K = k paths of γ = gamma tokens
+    (within a deployment's max_k / max_gamma when given). Plain decoding ignores k and gamma."""
+    if method != PLAIN and method not in VERIFIERS:
+        raise InvalidArgument(
+            f"method: unknown {method!r}; expected none or one of {', '.join(VERIFIERS)}"
+        )
+    if method == PLAIN:
+        return
+    _check_range("k", k, max_k)
+    if VERIFIERS[method].single_path and k != 1:
+        raise InvalidArgument(f"k: method {method!r} verifies a single path; k must be 1")
+    _check_range("gamma", gamma, max_gamma)
+
+
+def _check_range(name: str, value: int, most: int | None) -> None:
+    if most is None and value < 1:
+        raise InvalidArgument(f"{name}: {value} must be >= 1")
+    if most is not None and not 1 <= value <= most:
+        raise InvalidArgument(f"{name}: {value} out of range [1, {most}]")
+
+
+def context_needed(prompt_tokens: int, max_new_tokens: int, method: str, gamma: int) -> int:
+    """Cache positions a request may occupy: its prompt and output, plus the last step's
+    overshoot (a step scores γ draft tokens past the last output token, and emits up to γ + 1
+    tokens whose KV stays even past a stop) and 2 for the tokens pending in the caches."""
+    return prompt_tokens + max_new_tokens + (gamma if method != PLAIN else 0) + 2
+
+
+def check_context(
+    prompt_tokens: int,
+    max_new_tokens: int,
+    method: str,
+    gamma: int,
+    max_context: int,
+    history_tokens: int = 0,
+) -> None:
+    """Raise InvalidArgument unless the request fits a context of `max_context` positions;
+    `history_tokens` of the prompt came from a session (named in the message)."""
+    if context_needed(prompt_tokens, max_new_tokens, method, gamma) > max_context:
+        where = f" ({history_tokens} from the session)" if history_tokens else ""
+        raise InvalidArgument(
+            f"prompt: {prompt_tokens} tokens{where} + max_new_tokens {max_new_tokens} + γ "
+            f"exceed the model context ({max_context})"
+        )
 
 
 @dataclass
@@ -55,33 +110,6 @@ class GenerationRequest:
     session_id: str | None = None  # park the KV under this key when finished (max_sessions > 0)
     # Called with the tokens each step appends to the output (streaming), on the engine's thread.
     on_tokens: Callable[[list[int]], None] | None = field(default=None, repr=False, compare=False)
-
-
-@dataclass
-class RequestStats:
-    target_calls: int = 0
-    accepted: int = 0  # draft tokens accepted in all
-    accepted_per_position: list[int] = field(default_factory=list)  # [γ]: steps accepting pos i
-    # Sums over the steps this request was part of (their time is shared with its batch-mates).
-    steps: StepTimes = field(default_factory=lambda: StepTimes())
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.steps.batch_size / max(self.target_calls, 1)
-
-    @property
-    def tokens_per_call(self) -> float:
-        """Block efficiency: emitted tokens per target call (accepted + 1 per call)."""
-        return (self.accepted + self.target_calls) / max(self.target_calls, 1)
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str  # "length" | "stop" (a cancelled request has no result)
-    stats: RequestStats
-    cached_tokens: int = 0  # prompt tokens whose target KV came from the session's parked slot
 
 
 @dataclass
@@ -103,6 +131,73 @@ class StepTimes:
         for name in self.PHASES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.batch_size += other.batch_size
+
+
+@dataclass
+class RequestStats:
+    target_calls: int = 0
+    accepted: int = 0  # draft tokens accepted in all
+    accepted_per_position: list[int] = field(default_factory=list)  # [γ]: steps accepting pos i
+    # Sums over the steps this request was part of (their time is shared with its batch-mates).
+    steps: StepTimes = field(default_factory=StepTimes)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.steps.batch_size / max(self.target_calls, 1)
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Block efficiency: emitted tokens per target call (accepted + 1 per call)."""
+        return (self.accepted + self.target_calls) / max(self.target_calls, 1)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop" (a cancelled request has no result)
+    stats: RequestStats
+    cached_tokens: int = 0  # prompt tokens whose target KV came from the session's parked slot
+
+
+@dataclass
+class StepResult:
+    """What one engine step did: the requests it finished and where its time went."""
+
+    finished: list[GenerationResult]
+    times: StepTimes  # this step's (all zero when there was nothing to run)
+
+
+@dataclass
+class _Proposal:
+    """One step's drafts, merged into one tree per request."""
+
+    tokens: torch.Tensor  # [n, K, γ] int64: K draft paths per request ([n, 1, 1] zeros if none)
+    probs: torch.Tensor | None  # [n, K, γ, V]: the processed draft rows they were sampled from
+    tree: DraftTree
+    drafted: bool  # the draft model ran (a batch of plain requests skips it)
+    max_gamma: int  # the batch's largest γ (1 when it is all plain)
+
+
+@dataclass
+class _Verdict:
+    """One step's verification: what each request emits."""
+
+    tokens: torch.Tensor  # [n, max γ + 1] int64: emitted tokens, -1 padded
+    num_accepted: torch.Tensor  # [n] int64: τ, accepted draft tokens
+    path: torch.Tensor  # [n] int64: the draft path whose prefix was accepted
+
+
+class _Laps:
+    """Wall-clock seconds of one step's phases, each taken when the phase ends."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self._last = now - self._last, now
 
 
 @dataclass
@@ -149,7 +244,6 @@ class SpeculativeEngine:
         self.parked: OrderedDict[str, _Parked] = OrderedDict()  # oldest first
         self.free_slots = list(range(max_batch + max_sessions - 1, max_batch - 1, -1))
         self.times = StepTimes()
-        self.last_step = StepTimes()
         self.steps = 0
         self._ids = itertools.count()
 
@@ -159,29 +253,16 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- admission
     def validate(self, req: GenerationRequest) -> None:
-        """Raise ValueError naming the field of a request the engine cannot serve."""
-        if req.method != PLAIN and req.method not in VERIFIERS:
-            raise ValueError(
-                f"method: unknown {req.method!r}; expected none or one of {', '.join(VERIFIERS)}"
-            )
+        """Raise InvalidArgument (a ValueError) naming the field of a request the engine cannot
+        serve."""
         if not req.prompt_ids:
-            raise ValueError("prompt: empty")
+            raise InvalidArgument("prompt: empty")
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-            raise ValueError(f"prompt: token ids must lie in [0, {self.vocab_size})")
+            raise InvalidArgument(f"prompt: token ids must lie in [0, {self.vocab_size})")
+        check_method(req.method, req.k, req.gamma)
         if req.max_new_tokens < 1:
-            raise ValueError("max_new_tokens: must be >= 1")
-        if req.method != PLAIN:
-            if req.gamma < 1 or req.k < 1:
-                raise ValueError("gamma and k: must be >= 1 for speculative methods")
-            if VERIFIERS[req.method].single_path and req.k != 1:
-                raise ValueError(f"k: method {req.method!r} verifies a single path, k must be 1")
-        gamma = req.gamma if req.method != PLAIN else 0
-        need = len(req.prompt_ids) + req.max_new_tokens + gamma + 2
-        if need > self.max_len:
-            raise ValueError(
-                f"prompt: {len(req.prompt_ids)} tokens + max_new_tokens + γ exceed the context "
-                f"({self.max_len})"
-            )
+            raise InvalidArgument("max_new_tokens: must be >= 1")
+        check_context(len(req.prompt_ids), req.max_new_tokens, req.method, req.gamma, self.max_len)
 
     def add(self, req: GenerationRequest) -> str:
         self.validate(req)
@@ -274,47 +355,78 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
-    def step(self) -> list[GenerationResult]:
-        """Run one speculative step for every active request; returns requests that finished."""
+    def step(self) -> StepResult:
+        """One speculative step for every active request: propose, verify, commit."""
         self._admit()
         if not self.active:
-            return []
-        t0 = time.perf_counter()
-        act = self.active
-        stepped = list(act)  # `act` shrinks as finished requests retire
-        n = len(act)
-        spec = [a for a in act if a.req.method != PLAIN]
-        g_max = max((a.req.gamma for a in spec), default=1)
-        params = [a.req.sampling for a in act]
-        gens = [a.generator for a in act]
+            return StepResult([], StepTimes())
+        batch = list(self.active)  # self.active shrinks as finished requests retire
+        laps = _Laps()
+        proposal = self._propose(batch, laps)
+        verdict = self._verify(batch, proposal, laps)
+        finished = self._commit(proposal, verdict)
+        laps.lap("commit")
+        sent_draft, sent_target = _pop_transfer(self.draft), _pop_transfer(self.target)
+        times = StepTimes(
+            draft=laps.seconds["draft"] - sent_draft,
+            tree=laps.seconds["tree"],
+            target=laps.seconds["target"] - sent_target,
+            transfer=sent_draft + sent_target,
+            verify=laps.seconds["verify"],
+            overhead=laps.seconds["commit"],
+            batch_size=len(batch),
+        )
+        for a in batch:
+            a.stats.steps.add(times)
+        self.times.add(times)
+        self.steps += 1
+        return StepResult(finished, times)
 
-        plain = torch.tensor([a.req.method == PLAIN for a in act])
-        num_paths = torch.tensor([a.req.k for a in act]).masked_fill(plain, 0)
-        depth = torch.tensor([a.req.gamma for a in act]).masked_fill(plain, 0)
+    def _propose(self, batch: list[_Active], laps: _Laps) -> _Proposal:
+        """Draft each speculative request's K paths of γ tokens and merge them into trees."""
+        n = len(batch)
+        spec = [a for a in batch if a.req.method != PLAIN]
+        plain = torch.tensor([a.req.method == PLAIN for a in batch])
+        num_paths = torch.tensor([a.req.k for a in batch]).masked_fill(plain, 0)  # [n]
+        depth = torch.tensor([a.req.gamma for a in batch]).masked_fill(plain, 0)  # [n]
         drafted = bool(spec)  # a batch of plain requests never touches the draft model
+        probs = None
         if drafted:
-            P = max(len(a.draft_pending) for a in act)
-            pending = torch.zeros(n, P, dtype=torch.int64)
-            for i, a in enumerate(act):
+            width = max(len(a.draft_pending) for a in batch)
+            pending = torch.zeros(n, width, dtype=torch.int64)
+            for i, a in enumerate(batch):
                 pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
-            counts = torch.tensor([len(a.draft_pending) for a in act])
-            x, q = self.draft.propose(
-                pending, counts, num_paths.tolist(), depth.tolist(), params, gens
+            counts = torch.tensor([len(a.draft_pending) for a in batch])
+            tokens, probs = self.draft.propose(
+                pending,
+                counts,
+                num_paths.tolist(),
+                depth.tolist(),
+                [a.req.sampling for a in batch],
+                [a.generator for a in batch],
             )
         else:
-            x = torch.zeros(n, 1, 1, dtype=torch.int64)
-        t1 = time.perf_counter()
-        root = torch.tensor([a.target_pending for a in act])
-        tree = build_tree(root, x, num_paths, depth)
-        t2 = time.perf_counter()
-        p = self.target.score(tree, params)  # [n, K, γ+1, V]
-        t3 = time.perf_counter()
+            tokens = torch.zeros(n, 1, 1, dtype=torch.int64)
+        laps.lap("draft")
+        root = torch.tensor([a.target_pending for a in batch])
+        tree = build_tree(root, tokens, num_paths, depth)
+        laps.lap("tree")
+        max_gamma = max((a.req.gamma for a in spec), default=1)
+        return _Proposal(tokens, probs, tree, drafted, max_gamma)
 
-        tokens = torch.full((n, g_max + 1), -1, dtype=torch.int64)
+    def _verify(self, batch: list[_Active], proposal: _Proposal, laps: _Laps) -> _Verdict:
+        """Score every tree with the target, then verify per (method, K, γ) group."""
+        params = [a.req.sampling for a in batch]
+        gens = [a.generator for a in batch]
+        x, q = proposal.tokens, proposal.probs
+        p = self.target.score(proposal.tree, params)  # [n, K, γ+1, V]
+        laps.lap("target")
+        n = len(batch)
+        tokens = torch.full((n, proposal.max_gamma + 1), -1, dtype=torch.int64)
         tau = torch.zeros(n, dtype=torch.int64)
         path = torch.zeros(n, dtype=torch.int64)
         groups = defaultdict(list)
-        for i, a in enumerate(act):
+        for i, a in enumerate(batch):
             groups[(a.req.method, a.req.k, a.req.gamma)].append(i)
         for (method, k, gamma), idx in groups.items():
             ix = torch.tensor(idx)
@@ -324,7 +436,7 @@ class SpeculativeEngine:
             carry = None
             if VERIFIERS[method].modifies_target:
                 carry = TargetModification.cat(
-                    [act[i].carry or TargetModification.empty(1) for i in idx]
+                    [batch[i].carry or TargetModification.empty(1) for i in idx]
                 )
             out = verify(
                 method,
@@ -339,36 +451,24 @@ class SpeculativeEngine:
             tau[ix], path[ix] = out.num_accepted, out.path
             if out.carry is not None:
                 for j, i in enumerate(idx):
-                    act[i].carry = out.carry.select([j])
-        t4 = time.perf_counter()
+                    batch[i].carry = out.carry.select([j])
+        laps.lap("verify")
+        return _Verdict(tokens, tau, path)
 
-        if drafted:
-            self.draft.commit(path, tau)
-        self.target.commit(path, tau)
-        finished = self._advance(x, tokens, tau, path, g_max, drafted)
-        t5 = time.perf_counter()
-        sent_draft, sent_target = _pop_transfer(self.draft), _pop_transfer(self.target)
-        step = StepTimes(
-            t1 - t0 - sent_draft,
-            t2 - t1,
-            t3 - t2 - sent_target,
-            sent_draft + sent_target,
-            t4 - t3,
-            t5 - t4,
-            n,
-        )
-        self.last_step = step
-        for a in stepped:
-            a.stats.steps.add(step)
-        self.times.add(step)
-        self.steps += 1
-        return finished
+    def _commit(self, proposal: _Proposal, verdict: _Verdict) -> list[GenerationResult]:
+        """Keep the accepted paths' KV entries, append the emitted tokens, retire finished
+        requests."""
+        if proposal.drafted:
+            self.draft.commit(verdict.path, verdict.num_accepted)
+        self.target.commit(verdict.path, verdict.num_accepted)
+        return self._advance(proposal, verdict)
 
-    def _advance(self, x, tokens, tau, path, g_max, drafted) -> list[GenerationResult]:
+    def _advance(self, proposal: _Proposal, verdict: _Verdict) -> list[GenerationResult]:
         """Append emitted tokens, update pending tokens and stats; retire finished requests."""
+        x, tokens, tau, path = proposal.tokens, verdict.tokens, verdict.num_accepted, verdict.path
         done: list[int] = []
         results = []
-        run = min(g_max - 1, x.shape[2])  # draft tokens per path that the draft has run
+        run = min(proposal.max_gamma - 1, x.shape[2])  # draft tokens per path the draft has run
         for i, a in enumerate(self.active):
             t = int(tau[i])
             emitted = tokens[i, : t + 1].tolist()
@@ -378,7 +478,7 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
-            if drafted:  # the draft ran the old pending tokens and `committed` path tokens
+            if proposal.drafted:  # the draft ran the old pending tokens and `committed` path tokens
                 committed = min(t, run) if a.req.method != PLAIN else 0
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
@@ -409,7 +509,7 @@ class SpeculativeEngine:
         ids = [self.add(r) for r in requests]
         results: dict[str, GenerationResult] = {}
         while self.active or self.waiting:
-            for res in self.step():
+            for res in self.step().finished:
                 results[res.request_id] = res
         return [results[i] for i in ids]
 

@@ -33,7 +33,14 @@ from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
-from service.requests import Limits, check_request, prompt_ids
+from service.requests import (
+    FinishedEvent,
+    GenerateJob,
+    Limits,
+    SpeculationStats,
+    check_request,
+    prompt_ids,
+)
 from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -76,13 +83,13 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge("blockspec_in_flight", "Requests being served", registry=registry)
 
-    def finished(self, method: str, stats: dict[str, Any], tokens: int) -> None:
+    def finished(self, method: str, stats: SpeculationStats, tokens: int) -> None:
         self.output_tokens.labels(method).inc(tokens)
-        self.target_calls.labels(method).inc(stats["target_calls"])
-        for position, count in enumerate(stats["accepted_per_position"]):
+        self.target_calls.labels(method).inc(stats.target_calls)
+        for position, count in enumerate(stats.accepted_per_position):
             self.accepted.labels(method, str(position)).inc(count)
-        if stats["target_calls"]:
-            self.block_efficiency.labels(method).observe(stats["tokens_per_call"])
+        if stats.target_calls:
+            self.block_efficiency.labels(method).observe(stats.tokens_per_call)
 
 
 class _Abort(Exception):
@@ -110,8 +117,8 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
 
 
-def _stats_message(stats: dict[str, Any]) -> pb.SpeculationStats:
-    fields = dict(stats, step_ms=pb.StepBreakdown(**stats["step_ms"]))
+def _stats_message(stats: SpeculationStats) -> pb.SpeculationStats:
+    fields = dict(vars(stats), step_ms=pb.StepBreakdown(**stats.step_ms))
     return pb.SpeculationStats(**fields)
 
 
@@ -314,61 +321,72 @@ class Generator(pb_grpc.GeneratorServicer):
         session = await self.store.get(request.session_id) if request.session_id else None
         history = session.tokens if session else []
         ids = prompt_ids(request, self.tokenizer, continues_session=bool(history))
-        payload = check_request(request, self.limits, ids, len(history))
-        payload["prompt_ids"] = history + ids
-        call.prompt_tokens = len(payload["prompt_ids"])
+        job = check_request(request, self.limits, ids, len(history))
+        job.prompt_ids = history + ids
+        call.prompt_tokens = len(job.prompt_ids)
         eos = self.tokenizer.eos_token_id
         if eos is not None and not request.ignore_eos:
-            payload["stop_token_ids"].append(eos)
+            job.stop_token_ids.append(eos)
         remaining = context.time_remaining()
-        payload["deadline"] = time.time() + remaining if remaining is not None else None
+        job.deadline = time.time() + remaining if remaining is not None else None
 
         text = _TextStream(self.tokenizer, list(request.stop))
         output: list[int] = []
         handle = self.replicas.options(stream=True, multiplexed_model_id=request.session_id or "")
-        stream = call.stream = handle.generate.remote(payload)
+        stream = call.stream = handle.generate.remote(job)
+        final: FinishedEvent | None = None
         first = True
-        async for item in stream:
-            if "finish_reason" not in item:
-                delta, ids = text.feed(item["token_ids"])
-                output += ids
-                if first:
-                    self.metrics.first_token.labels(call.method).observe(
-                        time.perf_counter() - call.start
-                    )
-                    first = False
-                if text.stopped:
-                    stream.cancel()  # the replica frees the request's KV slot
-                    yield pb.GenerateChunk(text=delta, token_ids=ids)
-                    final = {"finish_reason": "stop", "stats": None, "replica": ""}
-                    break
-                if delta or ids:
-                    yield pb.GenerateChunk(text=delta, token_ids=ids)
-            else:
-                final = item
+        async for event in stream:  # TokensEvent..., FinishedEvent
+            if isinstance(event, FinishedEvent):
+                final = event
+                continue
+            delta, ids = text.feed(event.token_ids)
+            output += ids
+            if first:
+                self.metrics.first_token.labels(call.method).observe(
+                    time.perf_counter() - call.start
+                )
+                first = False
+            if text.stopped:
+                stream.cancel()  # the replica frees the request's KV slot
+                yield pb.GenerateChunk(text=delta, token_ids=ids)
+                final = FinishedEvent("stop", stats=None, replica="")
+                break
+            if delta or ids:
+                yield pb.GenerateChunk(text=delta, token_ids=ids)
         call.finished = True
-        stats = final["stats"]
-        if stats is not None:
-            self.metrics.finished(call.method, stats, len(output))
+        if final is None:
+            raise RuntimeError("the replica's stream ended without a finish event")
+        if final.stats is not None:
+            self.metrics.finished(call.method, final.stats, len(output))
         if request.session_id:
-            await self._save_session(request, session, payload, output, final)
+            await self._save_session(request, session, job, output, final)
         yield pb.GenerateChunk(
             text=text.flush(),
-            finish_reason=FINISH[final["finish_reason"]],
-            stats=_stats_message(stats) if stats else None,
-            replica=final["replica"],
+            finish_reason=FINISH[final.finish_reason],
+            stats=_stats_message(final.stats) if final.stats else None,
+            replica=final.replica,
         )
 
-    async def _save_session(self, request, old: Session | None, payload, output, final) -> None:
+    async def _save_session(
+        self,
+        request,
+        old: Session | None,
+        job: GenerateJob,
+        output: list[int],
+        final: FinishedEvent,
+    ) -> None:
         now = time.time()
-        tokens = payload["prompt_ids"] + output
+        tokens = job.prompt_ids + output
         await self.store.put(
             Session(
                 session_id=request.session_id,
                 tokens=tokens,
-                settings={k: payload[k] for k in ("method", "k", "gamma", "temperature")},
-                replica=final["replica"] or None,
-                kv_length=len(tokens) - 1 if final["replica"] else 0,
+                settings=dict(
+                    method=job.method, k=job.k, gamma=job.gamma, temperature=job.temperature
+                ),
+                replica=final.replica or None,
+                kv_length=len(tokens) - 1 if final.replica else 0,
                 created=old.created if old else now,
                 updated=now,
                 turns=(old.turns if old else 0) + 1,

@@ -1,12 +1,13 @@
 """A replica of the service: one coordinator with its draft actor and target shard group, as a
 Ray Serve deployment (autoscaled by Serve on the number of ongoing requests).
 
-The gateway calls `generate` with a validated request (token ids; a session's history already
-prepended) and `stream=True`; it yields one message per decode step that produced tokens and a
-final one with the finish reason and the request's speculation stats. Requests of a session are
-routed with the session id as Serve's *multiplexed model id*: Serve then prefers the replica that
-last "loaded" that id, i.e. the one whose engine parked the session's KV cache. If that replica
-is gone, any other rebuilds the cache from the history the gateway sends; nothing is lost.
+The gateway calls `generate` with a checked `GenerateJob` (token ids; a session's history
+already prepended) and `stream=True`; it yields a `TokensEvent` per decode step that produced
+tokens and a final `FinishedEvent` with the finish reason and the request's speculation stats
+(service/requests.py). Requests of a session are routed with the session id as Serve's
+*multiplexed model id*: Serve then prefers the replica that last "loaded" that id, i.e. the one
+whose engine parked the session's KV cache. If that replica is gone, any other rebuilds the
+cache from the history the gateway sends; nothing is lost.
 
 Step-level metrics (step time by phase, batch size, queue depth) go to Ray's metrics agent
 (`ray.util.metrics`), which Prometheus scrapes per node.
@@ -23,9 +24,10 @@ from typing import Any
 
 from ray import serve
 
-from service.config import ReplicaConfig
-from service.coordinator import Coordinator
-from service.engine import PLAIN, GenerationRequest, SpeculativeEngine, StepTimes
+from service.config import ReplicaConfig, Resources
+from service.coordinator import Coordinator, Done, Emitted, Event, Failed
+from service.engine import PLAIN, GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
+from service.requests import FinishedEvent, GenerateJob, SpeculationStats, TokensEvent
 from service.verification import VERIFIERS
 from workers.sampling import SamplingParams
 
@@ -67,14 +69,20 @@ def _step_metrics():
 
 def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str, Any]]:
     """Engine over a draft actor and the target shard group; returns (engine, model info)."""
-    from workers.actors import start_draft, start_target
+    from workers.actors import ActorSpec, start_draft, start_target
     from workers.models import check_pair
 
     _, vocab_size, context = check_pair(cfg.draft_dir, cfg.target_dir)
     max_len = min(cfg.max_len, context)
     slots = cfg.max_batch + cfg.max_sessions
-    draft = start_draft(cfg, slots, max_len)
-    target = start_target(cfg, slots, max_len)
+
+    def actor_spec(path: str, per_actor: Resources) -> ActorSpec:
+        cpus, gpus = per_actor.num_cpus, per_actor.num_gpus
+        return ActorSpec(path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus)
+
+    draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len)
+    target_spec = actor_spec(cfg.target_dir, cfg.target_shard)
+    target = start_target(target_spec, cfg.tensor_parallel, slots, max_len)
     draft.wait_ready()  # loaded while the target shards were starting
     engine = SpeculativeEngine(
         draft, target, cfg.max_batch, max_len, vocab_size, max_sessions=cfg.max_sessions
@@ -89,19 +97,33 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     return engine, info
 
 
-def to_engine_request(payload: dict[str, Any], request_id: str) -> GenerationRequest:
-    method = payload["method"]
+def to_engine_request(job: GenerateJob, request_id: str) -> GenerationRequest:
+    plain = job.method == PLAIN
     return GenerationRequest(
-        prompt_ids=list(payload["prompt_ids"]),
-        max_new_tokens=payload["max_new_tokens"],
-        method=method,
-        k=payload["k"] if method != PLAIN else 1,
-        gamma=payload["gamma"] if method != PLAIN else 1,
-        sampling=SamplingParams(payload["temperature"], payload["top_k"], payload["top_p"]),
-        seed=payload.get("seed"),
-        stop_token_ids=tuple(payload.get("stop_token_ids", ())),
+        prompt_ids=list(job.prompt_ids),
+        max_new_tokens=job.max_new_tokens,
+        method=job.method,
+        k=1 if plain else job.k,
+        gamma=1 if plain else job.gamma,
+        sampling=SamplingParams(job.temperature, job.top_k, job.top_p),
+        seed=job.seed,
+        stop_token_ids=tuple(job.stop_token_ids),
         request_id=request_id,
-        session_id=payload.get("session_id") or None,
+        session_id=job.session_id or None,
+    )
+
+
+def speculation_stats(result: GenerationResult) -> SpeculationStats:
+    stats = result.stats
+    calls = max(stats.target_calls, 1)
+    return SpeculationStats(
+        target_calls=stats.target_calls,
+        accepted_tokens=stats.accepted,
+        tokens_per_call=stats.tokens_per_call,
+        accepted_per_position=stats.accepted_per_position,
+        cached_prompt_tokens=result.cached_tokens,
+        mean_batch_size=stats.mean_batch_size,
+        step_ms={name: 1e3 * getattr(stats.steps, name) / calls for name in StepTimes.PHASES},
     )
 
 
@@ -120,48 +142,32 @@ class Replica:
         # Marks the session as "loaded" here, so Serve routes its next request to this replica.
         return session_id
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        request = to_engine_request(payload, f"{self.id}-{next(self._ids)}")
+    async def generate(self, job: GenerateJob) -> AsyncIterator[TokensEvent | FinishedEvent]:
+        request = to_engine_request(job, f"{self.id}-{next(self._ids)}")
         if request.session_id:
             await self._route_session(request.session_id)
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()
 
-        def deliver(kind: str, value: object) -> None:  # on the coordinator's thread
-            loop.call_soon_threadsafe(inbox.put_nowait, (kind, value))
+        def deliver(event: Event) -> None:  # on the coordinator's thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
 
-        self.coordinator.submit(request, deliver, payload.get("deadline"))
+        self.coordinator.submit(request, deliver, job.deadline)
         finished = False
         try:
             while True:
-                kind, value = await inbox.get()
-                if kind == "tokens":
-                    if value:
-                        yield {"token_ids": value}
-                elif kind == "error":
-                    finished = True
-                    raise value
-                else:
-                    finished = True
-                    stats = value.stats
-                    yield {
-                        "token_ids": [],
-                        "finish_reason": value.finish_reason,
-                        "stats": dict(
-                            target_calls=stats.target_calls,
-                            accepted_tokens=stats.accepted,
-                            tokens_per_call=stats.tokens_per_call,
-                            accepted_per_position=stats.accepted_per_position,
-                            cached_prompt_tokens=value.cached_tokens,
-                            mean_batch_size=stats.mean_batch_size,
-                            step_ms={
-                                name: 1e3 * getattr(stats.steps, name) / max(stats.target_calls, 1)
-                                for name in StepTimes.PHASES
-                            },
-                        ),
-                        "replica": self.id,
-                    }
-                    return
+                match await events.get():
+                    case Emitted(token_ids):
+                        if token_ids:
+                            yield TokensEvent(token_ids)
+                    case Failed(error):
+                        finished = True
+                        raise error
+                    case Done(result):
+                        finished = True
+                        stats = speculation_stats(result)
+                        yield FinishedEvent(result.finish_reason, stats, self.id)
+                        return
         finally:
             if not finished:  # the client went away (cancelled, deadline): free its KV slot
                 self.coordinator.cancel(request.request_id)

@@ -1,22 +1,70 @@
-"""Checking a wire request against a deployment's limits: defaults filled in, bad fields named.
+"""Checking a wire request against a deployment's limits, and the messages between the gateway
+and a replica.
 
-Pure functions of (request, limits): the gateway runs them before a request reaches any replica,
-so a bad request costs nothing and disturbs nobody.
+The checks are pure functions of (request, limits): the gateway runs them before a request
+reaches any replica, so a bad request costs nothing and disturbs nobody. Method, K, γ and the
+context budget are checked by the same functions the engine uses (service/engine.py).
+
+Messages (dataclasses, pickled by Ray on the way): the gateway sends a replica one
+:class:`GenerateJob`; the replica streams back :class:`TokensEvent` per decode step that produced
+tokens, then one :class:`FinishedEvent`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from protos import blockspec_pb2 as pb
-from service.engine import PLAIN
-from service.verification import VERIFIERS
+from service.engine import InvalidArgument, check_context, check_method
 
 
-class InvalidArgument(ValueError):
-    """A request field is out of range (INVALID_ARGUMENT); the message starts with its name."""
+@dataclass
+class GenerateJob:
+    """A checked request, as the gateway sends it to a replica (defaults filled in)."""
+
+    prompt_ids: list[int]  # a session's history, then this request's prompt
+    max_new_tokens: int
+    method: str
+    k: int
+    gamma: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # the gateway adds EOS
+    session_id: str | None = None
+    deadline: float | None = None  # time.time() seconds; None: none
+
+
+@dataclass
+class TokensEvent:
+    """New output tokens of one decode step."""
+
+    token_ids: list[int]
+
+
+@dataclass
+class SpeculationStats:
+    """A finished request's speculation stats (the fields of pb.SpeculationStats)."""
+
+    target_calls: int
+    accepted_tokens: int  # draft tokens accepted, all steps
+    tokens_per_call: float  # block efficiency
+    accepted_per_position: list[int]  # [γ]: steps that accepted draft position i
+    cached_prompt_tokens: int  # prompt tokens whose KV a parked session supplied
+    mean_batch_size: float
+    step_ms: dict[str, float]  # mean wall ms per step by phase (StepTimes.PHASES)
+
+
+@dataclass
+class FinishedEvent:
+    """The end of a request's stream."""
+
+    finish_reason: str  # "length" | "stop"
+    stats: SpeculationStats | None  # None when the gateway stopped it (a stop string)
+    replica: str  # the replica that served it ("" when unknown)
 
 
 @dataclass(frozen=True)
@@ -66,27 +114,18 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer, continues_session: bool) -> l
 
 def check_request(
     req: pb.GenerateRequest, limits: Limits, prompt_ids: list[int], history_len: int = 0
-) -> dict[str, Any]:
-    """The replica's payload for `req` (prompt already tokenized into `prompt_ids`; a session's
-    `history_len` tokens come before it). Raises InvalidArgument naming the field."""
+) -> GenerateJob:
+    """The replica's job for `req` (prompt already tokenized into `prompt_ids`; a session's
+    `history_len` tokens come before it, and the caller prepends them). Raises InvalidArgument
+    naming the field."""
     if not prompt_ids:
         raise InvalidArgument("prompt: empty (set prompt or prompt_token_ids)")
     if any(not 0 <= t < limits.vocab_size for t in prompt_ids):
         raise InvalidArgument(f"prompt_token_ids: ids must lie in [0, {limits.vocab_size})")
     method = req.method or limits.default_method
-    if method != PLAIN and method not in VERIFIERS:
-        raise InvalidArgument(
-            f"method: unknown {method!r}; expected none or one of {', '.join(VERIFIERS)}"
-        )
     k = req.k or 1
     gamma = req.gamma or limits.default_gamma
-    if method != PLAIN:
-        if not 1 <= k <= limits.max_k:
-            raise InvalidArgument(f"k: {k} out of range [1, {limits.max_k}]")
-        if VERIFIERS[method].single_path and k != 1:
-            raise InvalidArgument(f"k: method {method!r} verifies a single path; k must be 1")
-        if not 1 <= gamma <= limits.max_gamma:
-            raise InvalidArgument(f"gamma: {gamma} out of range [1, {limits.max_gamma}]")
+    check_method(method, k, gamma, limits.max_k, limits.max_gamma)
     max_new = req.max_new_tokens or limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
         raise InvalidArgument(
@@ -104,15 +143,10 @@ def check_request(
         raise InvalidArgument(f"stop_token_ids: ids must lie in [0, {limits.vocab_size})")
     if any(not s for s in req.stop):
         raise InvalidArgument("stop: empty stop string")
-    context = history_len + len(prompt_ids)
-    need = context + max_new + (gamma if method != PLAIN else 0) + 2
-    if need > limits.max_context:
-        where = f" ({history_len} from the session)" if history_len else ""
-        raise InvalidArgument(
-            f"prompt: {context} tokens{where} + max_new_tokens {max_new} + γ exceed the model "
-            f"context ({limits.max_context})"
-        )
-    return dict(
+    check_context(
+        history_len + len(prompt_ids), max_new, method, gamma, limits.max_context, history_len
+    )
+    return GenerateJob(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new,
         method=method,

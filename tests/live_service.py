@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from protos import blockspec_pb2_grpc as pb_grpc
-from service.config import Settings  # first import of `service`: loopback-only Ray
+from service.config import Settings
 from tests.redis_server import free_port
 from workers.models import TINY_DRAFT, TINY_TARGET
 

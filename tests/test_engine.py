@@ -18,12 +18,12 @@ from harness import ALPHA, chi_square
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from service.engine import GenerationRequest, SpeculativeEngine
-from service.tree import build_tree
 from service.verification import METHODS, VERIFIERS
 from workers.draft import DraftWorker, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
+from workers.tree import build_tree
 
 
 def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05):
@@ -336,7 +336,7 @@ def test_plain_requests_skip_the_draft_and_catch_up_in_a_mixed_batch(pair):
     engine.add(GenerationRequest(prompt, 20, "block", 1, 4, greedy, request_id="spec"))
     results = {}
     while engine.active or engine.waiting:
-        results.update({r.request_id: r for r in engine.step()})
+        results.update({r.request_id: r for r in engine.step().finished})
     assert results["plain"].token_ids == ref and results["spec"].token_ids == ref
 
 
@@ -398,6 +398,6 @@ def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
     assert len(engine.active) == 1 and not engine.waiting
     results = []
     while engine.active:
-        results += engine.step()
+        results += engine.step().finished
     (res,) = results
     assert res.token_ids == greedy_reference(hf, [4, 5, 6], 20) == streamed

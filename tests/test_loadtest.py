@@ -11,6 +11,7 @@ import pytest
 
 from loadtest.cli import main as loadtest
 from loadtest.report import summarize
+from workers.models import TINY_TARGET
 
 pytestmark = pytest.mark.xdist_group("ray")  # uses the live service (tests/live_service.py)
 
@@ -29,7 +30,9 @@ FILES = [
 def test_sweep_writes_every_output_with_sane_values(service, tmp_path):
     address = f"127.0.0.1:{service['address']['port']}"
     out = tmp_path / "sweep"
-    args = ["--address", address, "--methods", "none", "block", "gbv", "--k", "2"]
+    # The live service runs the tiny pair: prompts in its vocabulary, not the default target's.
+    args = ["--address", address, "--tokenizer", str(TINY_TARGET)]
+    args += ["--methods", "none", "block", "gbv", "--k", "2"]
     args += ["--gamma", "3", "--concurrency", "1", "4", "--rate", "8", "--requests", "4"]
     args += ["--warmup", "1", "--max-new-tokens", "12", "--num-prompts", "8", "--out", str(out)]
     loadtest(args)
@@ -63,7 +66,8 @@ def test_sweep_writes_every_output_with_sane_values(service, tmp_path):
 def test_compare_interleaves_two_configurations_and_reports_ratios(service, tmp_path):
     address = f"127.0.0.1:{service['address']['port']}"
     out = tmp_path / "compare"
-    args = ["--address", address, "--compare", "token:1:3:1.0", "block:1:3:1.0"]
+    args = ["--address", address, "--tokenizer", str(TINY_TARGET)]
+    args += ["--compare", "token:1:3:1.0", "block:1:3:1.0"]
     args += ["--concurrency", "2", "--requests", "3", "--warmup", "0", "--max-new-tokens", "12"]
     loadtest([*args, "--out", str(out)])
     data = json.loads((out / "results.json").read_text())

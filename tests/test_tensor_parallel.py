@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from service.engine import GenerationRequest, SpeculativeEngine
-from service.tree import build_tree
 from workers.draft import DraftWorker
 from workers.llama import Llama
 from workers.models import load_model
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
 from workers.tensor_parallel import TensorParallelTarget
+from workers.tree import build_tree
 
 VOCAB, MAX_BATCH, MAX_LEN = 96, 4, 64
 TOL = 1e-4

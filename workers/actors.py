@@ -16,6 +16,7 @@ their torch.distributed group rendezvouses on rank 0's loopback store.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -23,12 +24,12 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.tree import DraftTree
 from workers.draft import DraftWorker
 from workers.models import DTYPES, load_model
 from workers.sampling import SamplingParams
 from workers.target import path_rows
-from workers.tensor_parallel import TargetShard, join_group, leave_group, loopback_store
+from workers.tensor_parallel import TargetShard, join_group, loopback_store
+from workers.tree import DraftTree
 
 DRAFT_OPS = ("prefill", "move", "propose_with_state", "commit")
 
@@ -50,8 +51,8 @@ class DraftActor:
         """Returns once the constructor (model load) has run; raises what it raised."""
 
     def call(self, op: str, args: tuple) -> tuple[Any, float]:
-        if op not in DRAFT_OPS:
-            raise ValueError(f"unknown draft op {op!r}")
+        if op not in DRAFT_OPS:  # ops come from RemoteDraft only: a wrong one is our bug
+            raise RuntimeError(f"unknown draft op {op!r}; expected one of {DRAFT_OPS}")
         fn = self.propose_with_state if op == "propose_with_state" else getattr(self.worker, op)
         start = time.perf_counter()
         out = fn(*args)
@@ -98,9 +99,6 @@ class TargetShardActor:
         out = self.shard.execute(op, args)
         # Every rank computes full logits (lm_head is replicated); only rank 0's travel back.
         return (out if self.shard.rank == 0 else None), time.perf_counter() - start
-
-    def leave(self) -> None:
-        leave_group()
 
 
 class _Remote:
@@ -177,30 +175,41 @@ class RemoteTarget(_Remote):
         return path_rows(self._wait("score_logits", tree), tree, params)
 
 
-def start_draft(cfg, slots: int, max_len: int) -> RemoteDraft:
-    """cfg: service.config.ReplicaConfig."""
-    actor = DraftActor.options(num_cpus=cfg.draft.num_cpus, num_gpus=cfg.draft.num_gpus).remote(
-        cfg.draft_dir, slots, max_len, cfg.dtype, cfg.device, cfg.torch_threads
+@dataclass(frozen=True)
+class ActorSpec:
+    """How to start the actors of one model: where it is and what each actor gets."""
+
+    path: str  # model directory
+    dtype: str  # a key of workers.models.DTYPES
+    device: str  # "cpu" or "cuda" (each actor sees its own GPU as cuda:0)
+    threads: int  # intra-op torch threads per actor
+    num_cpus: float  # Ray resources per actor
+    num_gpus: float
+
+
+def start_draft(spec: ActorSpec, slots: int, max_len: int) -> RemoteDraft:
+    actor = DraftActor.options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus).remote(
+        spec.path, slots, max_len, spec.dtype, spec.device, spec.threads
     )
     return RemoteDraft([actor])
 
 
-def start_target(cfg, slots: int, max_len: int, timeout_s: float = 300.0) -> RemoteTarget:
-    """The target split over cfg.tensor_parallel shard actors in one placement group."""
-    world = cfg.tensor_parallel
-    bundle = {"CPU": cfg.target_shard.num_cpus}
-    if cfg.target_shard.num_gpus:
-        bundle["GPU"] = cfg.target_shard.num_gpus
+def start_target(
+    spec: ActorSpec, world: int, slots: int, max_len: int, timeout_s: float = 300.0
+) -> RemoteTarget:
+    """The target split over `world` shard actors (spec's resources each) in one placement
+    group."""
+    bundle = {"CPU": spec.num_cpus}
+    if spec.num_gpus:
+        bundle["GPU"] = spec.num_gpus
     group = placement_group([bundle] * world, strategy="STRICT_PACK")
     ray.get(group.ready(), timeout=timeout_s)
     actors = [
         TargetShardActor.options(
-            num_cpus=cfg.target_shard.num_cpus,
-            num_gpus=cfg.target_shard.num_gpus,
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
-        ).remote(
-            cfg.target_dir, rank, world, slots, max_len, cfg.dtype, cfg.device, cfg.torch_threads
-        )
+        ).remote(spec.path, rank, world, slots, max_len, spec.dtype, spec.device, spec.threads)
         for rank in range(world)
     ]
     try:

@@ -227,8 +227,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-class Llama(torch.nn.Module):
-    """Causal LM forward over (shared prefix cache, per-row new tokens with a mask)."""
+class Llama:
+    """Causal LM forward over (shared prefix cache, per-row new tokens with a mask).
+
+    Not an ``nn.Module``: it holds inference-only weight tensors (fused and sharded at load),
+    not parameters, so nothing here would be registered, moved or saved by Module machinery.
+    Call it like one: ``model(tokens, positions, cache, mask)``."""
 
     def __init__(
         self,
@@ -240,7 +244,6 @@ class Llama(torch.nn.Module):
         *,
         head_vocab: torch.Tensor | None = None,  # [Vh] int64 sorted unique ids: a reduced head
     ):
-        super().__init__()
         if spec.num_heads % world or spec.num_kv_heads % world or spec.intermediate_size % world:
             raise ValueError(f"heads/kv_heads/intermediate size must divide by {world} ranks")
         self.spec, self.group, self.world = spec, group, world
@@ -377,3 +380,5 @@ class Llama(torch.nn.Module):
             full = logits.new_full((n, R, T, spec.vocab_size), -torch.inf)
             logits = full.index_copy_(-1, self.head_vocab, logits)
         return logits, torch.stack(new_k), torch.stack(new_v)
+
+    __call__ = forward

@@ -10,6 +10,9 @@ lowest id.
 Both the draft and the target rows handed to a verifier go through :func:`process`, each with
 the request's settings, and the draft samples from exactly the row it reports: otherwise the
 verifier's q-ratios are wrong and the output is not lossless.
+
+:func:`sample_from_weights` (inverse CDF with uniforms the caller drew) is the one sampler of
+the project: the draft's :func:`sample` and the verifiers (service/verification) use it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from service.verification.common import sample_from_weights
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,18 @@ def sample(
     return sample_from_weights(probs.reshape(n * r, vocab), u.to(probs.device).reshape(-1)).view(
         n, r
     )
+
+
+def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of one index per row of non-negative ``weights`` [N, V] with u [N].
+
+    Rows need not be normalised but must have positive mass. No host synchronisation.
+    """
+    cdf = weights.to(torch.float64).cumsum(-1)  # float64: no drift over large V
+    total = cdf[:, -1:]
+    # Keep the target strictly below the total: searchsorted(right=True) then returns the first
+    # index whose cdf exceeds it, which always has positive weight.
+    target = torch.minimum(
+        u.to(torch.float64).unsqueeze(-1) * total, total.nextafter(total.new_zeros(()))
+    )
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)

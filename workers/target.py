@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from service.tree import DraftTree
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
 from workers.sampling import SamplingParams, process
+from workers.tree import DraftTree
 
 
 class TargetWorker:

@@ -8,16 +8,16 @@ its arguments to every worker, then runs it itself; the all-reduces inside the f
 keep the ranks together. Only rank 0's results are used (every rank computes full logits,
 since lm_head is not sharded).
 
-The parts are separate so that the next milestone can host a rank in a Ray actor instead of a
-spawned process: :func:`join_group` (rendezvous), :class:`TargetShard` (load one rank's shard,
-run an op) and :func:`serve` (a command loop over any ``recv`` callable) know nothing about
-processes; only :class:`TensorParallelTarget` spawns.
+The parts know nothing about processes, so a rank can live in a spawned process or in a Ray
+actor (workers/actors.py): :func:`join_group` (rendezvous), :class:`TargetShard` (load one
+rank's shard, run an op) and :func:`serve` (a command loop over any ``recv`` callable); only
+:class:`TensorParallelTarget` spawns.
 
 Loopback only: the rendezvous store listens on a socket that we bind to 127.0.0.1 ourselves
 (``TCPStore``'s own server would listen on every interface), and every rank sets
 ``GLOO_SOCKET_IFNAME=lo`` / ``NCCL_SOCKET_IFNAME=lo`` before joining, so the backend's own
 connections stay on loopback too. A process belongs to one group at a time (the default one):
-one tensor-parallel target per process, which is also how a Ray actor per rank will run.
+one tensor-parallel target per process, as with one Ray actor per rank.
 
 Commands travel over a pipe per worker rather than as a collective: a worker idling between
 requests would otherwise hit the group's collective timeout.
@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from service.tree import DraftTree
 from workers.llama import LlamaSpec
 from workers.models import DTYPES, load_model
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker, path_rows
+from workers.tree import DraftTree
 
 OPS = ("prefill", "move", "score_logits", "commit")  # TargetWorker methods run on every rank
 STOP = "stop"
@@ -176,8 +176,8 @@ class TargetShard:
         self.worker = TargetWorker(model, max_batch, max_len, DTYPES[dtype], self.device)
 
     def execute(self, op: str, args: tuple) -> Any:
-        if op not in OPS:
-            raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+        if op not in OPS:  # ops come from our own proxies only: a wrong one is our bug
+            raise RuntimeError(f"unknown op {op!r}; expected one of {OPS}")
         return getattr(self.worker, op)(*args)
 
 

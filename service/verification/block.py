@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from workers.sampling import sample_from_weights
+
 from .common import (
     clipped_products,
     emit,
     last_passing_level,
     positive_part_or,
-    sample_from_weights,
     take_rows,
 )
 

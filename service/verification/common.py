@@ -1,4 +1,5 @@
-"""Shared vocabulary, input checks, randomness and sampling for every verifier.
+"""Shared vocabulary, input checks and randomness for every verifier (their sampling,
+:func:`workers.sampling.sample_from_weights`, is the workers' own).
 
 Vocabulary (one iteration of speculative decoding, spec §0):
 
@@ -18,8 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # modification.py imports this module
+    from .modification import TargetModification
 
 # Rows handed to a verifier must sum to 1 within this tolerance. float32 softmax rows sum to 1
 # within ~1e-6 and half-precision rows within ~1e-3; anything further off is not a distribution.
@@ -35,18 +40,12 @@ Generators = torch.Generator | Sequence[torch.Generator] | None
 class VerifyOutput:
     """Result of one verification call for a batch of B requests."""
 
-    tokens: (
-        torch.Tensor
-    )  # [B, γ+1] int64: emitted tokens (accepted prefix, then recovered/bonus), -1 padded
+    # [B, γ+1] int64: emitted tokens (accepted prefix, then recovered/bonus), -1 padded
+    tokens: torch.Tensor
     num_tokens: torch.Tensor  # [B] int64: τ + 1
     num_accepted: torch.Tensor  # [B] int64: τ, accepted draft tokens (position i < τ was accepted)
     path: torch.Tensor  # [B] int64: index of a draft path whose prefix was accepted
-    carry: object | None = None  # TargetModification for methods that modify the target, else None
-
-    def accepted_per_position(self, gamma: int) -> torch.Tensor:
-        """[γ] int64: how many requests had draft position i accepted (for acceptance metrics)."""
-        pos = torch.arange(gamma, device=self.num_accepted.device)
-        return (pos[None, :] < self.num_accepted[:, None]).sum(0)
+    carry: TargetModification | None = None  # for methods that modify the target, else None
 
 
 def check_inputs(
@@ -124,21 +123,6 @@ def draw_uniforms(generator: Generators, batch: int, n: int, device: torch.devic
         )
     rows = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generator]
     return torch.stack([r.to(device) for r in rows])
-
-
-def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of one index per row of non-negative ``weights`` [N, V] with u [N].
-
-    Rows need not be normalised but must have positive mass. No host synchronisation.
-    """
-    cdf = weights.to(torch.float64).cumsum(-1)  # float64: no drift over large V
-    total = cdf[:, -1:]
-    # Keep the target strictly below the total: searchsorted(right=True) then returns the first
-    # index whose cdf exceeds it, which always has positive weight.
-    target = torch.minimum(
-        u.to(torch.float64).unsqueeze(-1) * total, total.nextafter(total.new_zeros(()))
-    )
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from workers.sampling import sample_from_weights
+
 from .common import (
     emit,
     exclusive_cumsum,
     last_passing_level,
-    sample_from_weights,
     scaled_difference,
 )
 from .modification import m_new

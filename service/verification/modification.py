@@ -65,11 +65,6 @@ class TargetModification:
             torch.cat([pad(m.rows_left, 0) for m in mods]),
         )
 
-    def to(self, device: torch.device | str) -> TargetModification:
-        return TargetModification(
-            self.log_p.to(device), self.log_q.to(device), self.rows_left.to(device)
-        )
-
     def _pruned(self) -> TargetModification:
         """Drop columns that are dead for every request (keeps application cost bounded)."""
         live = (self.rows_left > 0).any(0)

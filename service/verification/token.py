@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .common import emit, positive_part_or, sample_from_weights, take_rows
+from workers.sampling import sample_from_weights
+
+from .common import emit, positive_part_or, take_rows
 
 
 def num_uniforms(k: int, gamma: int) -> int:

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from .common import emit, positive_part_or, sample_from_weights, take_rows
+from workers.sampling import sample_from_weights
+
+from .common import emit, positive_part_or, take_rows
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
 #   -> token [B]

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from workers.sampling import sample_from_weights
+
 from .block import block_verify_rows
-from .common import clipped_products, emit, sample_from_weights, take_rows
+from .common import clipped_products, emit, take_rows
 
 
 def num_uniforms(k: int, gamma: int) -> int:

@@ -5,6 +5,9 @@ Node (k, d), d = 1..γ, is the prefix of length d of path k; identical prefixes 
 owned by the first path that has it. Nodes are numbered by (depth, owner path), padded to
 the batch's largest tree. The target scores every node in one forward pass: node i attends to
 node j iff j is an ancestor of i or i itself.
+
+The engine (service/engine.py) builds the trees; the target workers (target.py, actors.py,
+tensor_parallel.py) consume them, so they live here, below both.
 """
 
 from __future__ import annotations
