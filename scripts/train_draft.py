@@ -1,0 +1,441 @@
+"""Train the default draft for SmolLM2-135M-Instruct on this CPU, distilled from the target.
+
+Why distil from the target's *own answers*: speculative decoding only ever asks the draft about
+contexts the target itself writes (a chat prompt, then the target's answer so far), and the
+acceptance rate is sum_x min(p, q) on exactly those contexts. So the training set is the
+target's sampled answers (T = 1) to chat-formatted code prompts, and the loss at each answer
+position is the cross-entropy to the target's next-token distribution there (its top-k
+probabilities, recorded while sampling: the teacher forward comes for free).
+
+Prompts: public functions of the CPython standard library (signature + docstring, "complete
+this function") and their one-line summaries ("write a function that ..."), never HumanEval,
+which is the held-out evaluation set (``loadtest.prompts``).
+
+The draft: the target's input embedding (frozen), 2 Llama layers initialised from the target's
+first two layers, the final norm, and the target's tied output head restricted to the
+``--head-vocab`` tokens the target emits most often (FR-Spec, ACL 2025). Tokens outside that
+set get q = 0, which verification handles exactly (lossless); the head costs 1/6 of the full
+one. Only the layers and the norm are trained, and only they are committed.
+
+Stages (``--stage all`` runs them in order; each is resumable and time-boxed):
+1. ``generate``: sample answers with the target (bf16 on CPU: AMX makes batches cheap).
+2. ``train``: distil; 3. ``export``: write ``models/smollm2-draft/``.
+
+    .venv/bin/python scripts/train_draft.py --stage all
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+import sys  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+
+from loadtest.prompts import chat_messages  # noqa: E402
+from workers.models import DEFAULT_TARGET, SMOLLM2_DRAFT_WEIGHTS  # noqa: E402
+
+TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass at T = 1)
+EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
+
+
+def stdlib_prompts(seed: int) -> list[str]:
+    """User messages from the stdlib's public functions, shuffled with `seed`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for path in sorted(root.rglob("*.py")):
+        if EXCLUDED_DIRS & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) > 1200:
+                continue
+            args = ast.unparse(node.args)
+            if args.startswith("self"):
+                args = args[4:].lstrip(", ")
+            code = f'def {node.name}({args}):\n    """{doc}\n    """\n'
+            summary = doc.strip().split("\n\n")[0].replace("\n", " ")
+            prompts.append(chat_messages(code))
+            if 20 < len(summary) < 300:
+                prompts.append(f"Write a Python function `{node.name}` that does this: {summary}")
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def generate(args) -> None:
+    """Sample the target's answers; record its top-k next-token log-probs at every position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    out = args.work / "answers"
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
+    prompts = stdlib_prompts(args.seed)[: args.prompts]
+    ids = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in prompts
+    ]
+    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    ids = [x for x in ids if len(x) <= args.max_prompt]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+    batches = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
+    random.Random(args.seed).shuffle(batches)
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):  # scores [B, V]: the raw next-token logits
+            lp, ix = scores.float().log_softmax(-1).topk(TOPK, dim=-1)
+            self.steps.append((lp.half(), ix.int()))
+            return scores
+
+    t0, made = time.time(), 0
+    for b, batch in enumerate(batches):
+        shard = out / f"{b:05d}.pt"
+        if shard.exists():
+            continue
+        if time.time() - t0 > args.gen_minutes * 60:
+            break
+        enc = tok.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
+        rec = Record()
+        rec.steps = []
+        torch.manual_seed(args.seed * 100_003 + b)
+        with torch.no_grad():
+            seqs = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new,
+                logits_processor=[rec],
+                pad_token_id=tok.pad_token_id,
+            )
+        P = enc["input_ids"].shape[1]
+        lp = torch.stack([s[0] for s in rec.steps], 1)  # [B, G, TOPK]
+        ix = torch.stack([s[1] for s in rec.steps], 1)
+        samples = []
+        for r, i in enumerate(batch):
+            gen = seqs[r, P:]
+            stop = (gen == tok.eos_token_id).nonzero()
+            n = int(stop[0]) + 1 if len(stop) else gen.shape[0]
+            samples.append(
+                dict(
+                    prompt=torch.tensor(ids[i]),
+                    answer=gen[:n].clone(),
+                    logp=lp[r, :n].clone(),
+                    index=ix[r, :n].clone(),
+                )
+            )
+            made += n
+        torch.save(samples, shard)
+        rate = made / (time.time() - t0)
+        print(f"batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
+
+
+def load_answers(work: Path) -> list[dict]:
+    return [s for f in sorted((work / "answers").glob("*.pt")) for s in torch.load(f)]
+
+
+def head_vocab(samples: list[dict], size: int, eos: int) -> torch.Tensor:
+    """The `size` tokens with the most teacher probability mass over all answer positions."""
+    mass = torch.zeros(49152 * 2, dtype=torch.float64)
+    for s in samples:
+        mass.index_add_(0, s["index"].flatten().long(), s["logp"].float().exp().flatten().double())
+    mass[eos] = math.inf
+    return mass.topk(size).indices.sort().values
+
+
+class Draft(torch.nn.Module):
+    """Frozen embedding -> trained Llama layers -> norm -> frozen head over the kept vocabulary."""
+
+    def __init__(self, target, layers: list[int], vocab: torch.Tensor):
+        super().__init__()
+        import copy
+
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": len(layers)})
+        cfg.torch_dtype = None
+        self.hf = LlamaForCausalLM(cfg)
+        self.hf.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.float())
+        for mine, src in zip(self.hf.model.layers, layers, strict=True):
+            mine.load_state_dict(copy.deepcopy(target.model.layers[src].float().state_dict()))
+        self.hf.model.norm.load_state_dict(target.model.norm.float().state_dict())
+        self.hf.model.embed_tokens.weight.requires_grad_(False)
+        self.register_buffer("vocab", vocab)
+        self.register_buffer(
+            "head", target.model.embed_tokens.weight.detach().float()[vocab].clone()
+        )
+
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = self.hf.model(input_ids=ids, attention_mask=attn).last_hidden_state
+        return h @ self.head.T  # [B, T, V_kept]
+
+
+def batches_of(samples, batch_tokens: int, rng: random.Random):
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    batch, size = [], 0
+    for i in order:
+        n = len(samples[i]["prompt"]) + len(samples[i]["answer"])
+        if batch and (size + n > batch_tokens):
+            yield batch
+            batch, size = [], 0
+        batch.append(samples[i])
+        size += n
+    if batch:
+        yield batch
+
+
+def collate(batch, vocab_pos: torch.Tensor, pad: int):
+    """Right-padded ids, and per answer position the teacher's log-probs on the kept vocab."""
+    T = max(len(s["prompt"]) + len(s["answer"]) for s in batch)
+    ids = torch.full((len(batch), T), pad, dtype=torch.long)
+    attn = torch.zeros(len(batch), T, dtype=torch.long)
+    rows, cols, lp, ix = [], [], [], []
+    for b, s in enumerate(batch):
+        seq = torch.cat([s["prompt"], s["answer"]])
+        ids[b, : len(seq)] = seq
+        attn[b, : len(seq)] = 1
+        P, G = len(s["prompt"]), len(s["answer"])
+        # position P-1+j predicts answer token j; the teacher's row was recorded there
+        rows.append(torch.full((G,), b))
+        cols.append(torch.arange(P - 1, P - 1 + G))
+        lp.append(s["logp"].float())
+        ix.append(vocab_pos[s["index"].long()])  # -1: outside the kept vocabulary
+    return ids, attn, torch.cat(rows), torch.cat(cols), torch.cat(lp), torch.cat(ix)
+
+
+def distill_loss(logits, rows, cols, lp, ix):
+    """Cross-entropy to the teacher's top-k probabilities (mass outside the kept vocab can't be
+    matched: q = 0 there), and the acceptance rate sum_x min(p, q) on the top-k."""
+    logq = logits[rows, cols].float().log_softmax(-1)  # [N, V_kept]
+    p = lp.exp() * (ix >= 0)
+    q = logq.gather(1, ix.clamp_min(0)).exp() * (ix >= 0)
+    ce = -(p * logq.gather(1, ix.clamp_min(0))).sum(-1).mean()
+    return ce, torch.minimum(p, q).sum(-1).mean()
+
+
+def train(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    samples = load_answers(args.work)
+    rng = random.Random(args.seed)
+    rng.shuffle(samples)
+    n_val = max(8, len(samples) // 40)
+    val, tr = samples[:n_val], samples[n_val:]
+    vocab = head_vocab(tr, args.head_vocab, tok.eos_token_id)
+    vocab_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    vocab_pos[vocab] = torch.arange(len(vocab))
+    tokens = sum(len(s["answer"]) for s in tr)
+    covered = sum(
+        float((s["logp"].float().exp() * (vocab_pos[s["index"].long()] >= 0)).sum()) for s in tr
+    )
+    print(
+        f"{len(tr)} answers, {tokens} tokens; head keeps {len(vocab)} tokens holding "
+        f"{covered / tokens:.3f} of the teacher's top-{TOPK} mass",
+        flush=True,
+    )
+    layers = [int(x) for x in args.init_layers.split(",")]
+    draft = Draft(target, layers, vocab)
+    del target
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+    def evaluate():
+        draft.eval()
+        ce = acc = 0.0
+        with torch.no_grad():
+            for batch in batches_of(val, args.batch_tokens, random.Random(0)):
+                ids, attn, *rest = collate(batch, vocab_pos, tok.pad_token_id)
+                c, a = distill_loss(draft(ids, attn), *rest)
+                ce, acc = ce + c.item() * len(batch), acc + a.item() * len(batch)
+        draft.train()
+        return ce / len(val), acc / len(val)
+
+    print("init: val ce {:.3f}, val alpha {:.3f}".format(*evaluate()), flush=True)
+    t0, step, total = time.time(), 0, None
+    log = []
+    for epoch in range(args.epochs):
+        for batch in batches_of(tr, args.batch_tokens, random.Random(args.seed + epoch)):
+            elapsed = time.time() - t0
+            if total is None and step == 20:  # time-box: fix the step count from the pace
+                per_step = elapsed / 20
+                total = int(args.train_minutes * 60 / per_step)
+                print(f"{per_step:.2f} s/step -> {total} steps", flush=True)
+            if total is not None and step >= total:
+                break
+            horizon = total or 10**9
+            lr = (
+                args.lr
+                * min(1.0, (step + 1) / 20)
+                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
+            )
+            for g in opt.param_groups:
+                g["lr"] = lr
+            ids, attn, *rest = collate(batch, vocab_pos, tok.pad_token_id)
+            ce, acc = distill_loss(draft(ids, attn), *rest)
+            opt.zero_grad()
+            ce.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            if step % 50 == 0:
+                print(
+                    f"step {step} epoch {epoch} ce {ce.item():.3f} alpha {acc.item():.3f} "
+                    f"lr {lr:.2e} {time.time() - t0:.0f}s",
+                    flush=True,
+                )
+            if step % 400 == 0:
+                vce, vacc = evaluate()
+                log.append(dict(step=step, val_ce=vce, val_alpha=vacc))
+                print(f"  val ce {vce:.3f} alpha(top-k) {vacc:.3f}", flush=True)
+        if total is not None and step >= total:
+            break
+    vce, vacc = evaluate()
+    log.append(dict(step=step, val_ce=vce, val_alpha=vacc))
+    print(f"final: val ce {vce:.3f} alpha(top-k) {vacc:.3f}", flush=True)
+    meta = dict(
+        steps=step,
+        minutes=(time.time() - t0) / 60,
+        answers=len(tr),
+        answer_tokens=tokens,
+        head_vocab=len(vocab),
+        head_mass=covered / tokens,
+        init_layers=layers,
+        args={k: str(v) for k, v in vars(args).items()},
+        log=log,
+    )
+    torch.save(dict(state=draft.state_dict(), meta=meta), args.work / "draft.pt")
+
+
+def export(args) -> None:
+    """Commit only what the draft trained (layers, norm) in bf16, its config and kept vocab."""
+    from safetensors.torch import save_file
+
+    ckpt = torch.load(args.work / "draft.pt")
+    state = {
+        k.removeprefix("hf."): v.to(torch.bfloat16).contiguous()
+        for k, v in ckpt["state"].items()
+        if k.startswith("hf.model.") and "embed_tokens" not in k
+    }
+    out = SMOLLM2_DRAFT_WEIGHTS
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(args.target)
+    cfg.num_hidden_layers = len(ckpt["meta"]["init_layers"])
+    cfg.save_pretrained(out)
+    vocab = ckpt["state"]["vocab"].tolist()
+    (out / "draft_vocab.json").write_text(json.dumps(vocab))
+    (out / "train_meta.json").write_text(json.dumps(ckpt["meta"], indent=1))
+    print(f"wrote {out}")
+
+
+def evaluate_pair(args) -> None:
+    """α on held-out prompts: the target answers the first `--eval-prompts` HumanEval problems
+    (chat template, T = 1, the engine's plain decoding, fp32); then, teacher-forced on those
+    answers, α = mean over answer positions of sum_x min(p, q) with the served draft (kept-vocab
+    head) and target, in fp32 and in bf16, and the total-variation distance between the fp32
+    and bf16 targets (what serving in bf16 changes). Writes models/smollm2-draft/eval.json."""
+    from loadtest.prompts import prompt_ids
+    from service.engine import GenerationRequest, build_engine
+    from workers.llama import KVCache
+    from workers.models import DEFAULT_DRAFT, load_model
+
+    engine, tok = build_engine(str(DEFAULT_DRAFT), str(args.target), max_batch=8, max_len=1024)
+    prompts = prompt_ids(tok, "humaneval", args.eval_prompts, 1024 - args.eval_tokens - 8)
+    reqs = [GenerationRequest(p, args.eval_tokens, "none", seed=i) for i, p in enumerate(prompts)]
+    answers = [r.token_ids for r in engine.generate(reqs)]
+    models = {
+        (role, dtype): load_model(path, dtype).build()
+        for role, path in (("target", args.target), ("draft", DEFAULT_DRAFT))
+        for dtype in ("float32", "bfloat16")
+    }
+    sums: dict[str, list[torch.Tensor]] = {"fp32": [], "bf16": [], "tv": []}
+    for prompt, answer in zip(prompts, answers, strict=True):
+        seq, T = torch.tensor(prompt + answer), len(prompt) + len(answer)
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+        rows = {}
+        for key, model in models.items():
+            cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
+            logits, _, _ = model(seq[None, None], torch.arange(T)[None, None], cache, mask)
+            rows[key] = logits[0, 0, len(prompt) - 1 : T - 1].softmax(-1)  # [answer, V]
+        for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+            overlap = torch.minimum(rows["target", dtype], rows["draft", dtype])
+            sums[name].append(overlap.sum(-1))
+        tv = (rows["target", "float32"] - rows["target", "bfloat16"]).abs().sum(-1) / 2
+        sums["tv"].append(tv)
+    stats = {name: torch.cat(v) for name, v in sums.items()}
+    result = dict(
+        prompts=len(prompts),
+        answer_tokens=len(stats["fp32"]),
+        alpha_T1_fp32=float(stats["fp32"].mean()),
+        alpha_T1_bf16=float(stats["bf16"].mean()),
+        alpha_sem=float(stats["fp32"].std() / len(stats["fp32"]) ** 0.5),
+        target_tv_fp32_vs_bf16_mean=float(stats["tv"].mean()),
+        target_tv_fp32_vs_bf16_p99=float(stats["tv"].quantile(0.99)),
+        command="python scripts/train_draft.py --stage eval",
+    )
+    print(json.dumps(result, indent=1))
+    (SMOLLM2_DRAFT_WEIGHTS / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--stage", choices=["generate", "train", "export", "eval", "all"], default="all"
+    )
+    ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    ap.add_argument("--work", type=Path, default=Path.home() / ".cache/blockspec/draft-train")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=6000)
+    ap.add_argument("--max-prompt", type=int, default=320)
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--gen-minutes", type=float, default=35)
+    ap.add_argument("--head-vocab", type=int, default=8192)
+    ap.add_argument("--init-layers", default="0,1")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--train-minutes", type=float, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-prompts", type=int, default=40)
+    ap.add_argument("--eval-tokens", type=int, default=128)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for stage in ("generate", "train", "export"):
+        if args.stage in (stage, "all"):
+            globals()[stage](args)
+    if args.stage == "eval":  # after setup.sh has assembled the exported draft
+        evaluate_pair(args)
+
+
+if __name__ == "__main__":
+    main()
