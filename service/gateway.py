@@ -245,7 +245,7 @@ class Generator(pb_grpc.GeneratorServicer):
             default_method=i["default_method"],
             default_gamma=i["default_gamma"],
             tensor_parallel=i["tensor_parallel"],
-            chat_template=self.tokenizer.chat_template or "",
+            chat_template=_default_template(self.tokenizer.chat_template),
         )
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
@@ -392,6 +392,13 @@ class Generator(pb_grpc.GeneratorServicer):
                 turns=(old.turns if old else 0) + 1,
             )
         )
+
+
+def _default_template(template: str | dict | None) -> str:
+    """A tokenizer's chat template: one Jinja string, or named ones (the one named default)."""
+    if isinstance(template, dict):
+        return template.get("default", "")
+    return template or ""
 
 
 class GatewayServer:

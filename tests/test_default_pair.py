@@ -67,6 +67,11 @@ def test_greedy_chat_answer_equals_hugging_face(tokenizer):
 
 
 def test_messages_render_with_the_chat_template(tokenizer):
+    from service.gateway import _default_template
+
+    # What Info.chat_template sends: the template clients render later session turns with.
+    assert "<|im_start|>" in _default_template(tokenizer.chat_template)
+    assert _default_template({"default": "t", "tool_use": "u"}) == "t"
     req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=PROMPT)])
     assert prompt_ids(req, tokenizer, continues_session=False) == chat_ids(tokenizer, PROMPT)
     text = tokenizer.decode(prompt_ids(req, tokenizer, continues_session=False))
