@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workers.models import render_chat, user_turn
 
-def chat_messages(code: str) -> str:
+
+def complete_function(code: str) -> str:
     """The user message that asks a chat model to complete a function (signature + docstring):
     the held-out HumanEval prompts and the draft's training prompts use this one form."""
     return f"Complete this Python function.\n\n```python\n{code}```"
@@ -26,15 +28,9 @@ def prompt_ids(tokenizer, source: str, count: int, room: int) -> list[list[int]]
         problems = read_problems()
         texts = [problems[k]["prompt"] for k in sorted(problems)]
         if tokenizer.chat_template:
-            return [chat_ids(tokenizer, chat_messages(t))[-room:] for t in texts[:count]]
+            turns = (user_turn(complete_function(t)) for t in texts[:count])
+            return [render_chat(tokenizer, chat)[-room:] for chat in turns]
     else:
         lines = Path(source).read_text().splitlines()
         texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     return [tokenizer(t)["input_ids"][-room:] for t in texts[:count]]
-
-
-def chat_ids(tokenizer, user: str) -> list[int]:
-    """One user turn in the tokenizer's chat template, ending with the assistant's prompt."""
-    turns = [{"role": "user", "content": user}]
-    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -46,8 +46,13 @@ import sys  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
-from loadtest.prompts import chat_messages  # noqa: E402
-from workers.models import DEFAULT_TARGET, SMOLLM2_DRAFT_WEIGHTS  # noqa: E402
+from loadtest.prompts import complete_function  # noqa: E402
+from workers.models import (  # noqa: E402
+    DEFAULT_TARGET,
+    SMOLLM2_DRAFT_WEIGHTS,
+    render_chat,
+    user_turn,
+)
 
 TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass at T = 1)
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
@@ -76,7 +81,7 @@ def stdlib_prompts(seed: int) -> list[str]:
                 args = args[4:].lstrip(", ")
             code = f'def {node.name}({args}):\n    """{doc}\n    """\n'
             summary = doc.strip().split("\n\n")[0].replace("\n", " ")
-            prompts.append(chat_messages(code))
+            prompts.append(complete_function(code))
             if 20 < len(summary) < 300:
                 prompts.append(f"Write a Python function `{node.name}` that does this: {summary}")
     random.Random(seed).shuffle(prompts)
@@ -93,11 +98,7 @@ def generate(args) -> None:
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
     prompts = stdlib_prompts(args.seed)[: args.prompts]
-    ids = [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in prompts
-    ]
-    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    ids = [render_chat(tok, user_turn(p)) for p in prompts]
     ids = [x for x in ids if len(x) <= args.max_prompt]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
     batches = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
@@ -157,9 +158,9 @@ def load_answers(work: Path) -> list[dict]:
     return [s for f in sorted((work / "answers").glob("*.pt")) for s in torch.load(f)]
 
 
-def head_vocab(samples: list[dict], size: int, eos: int) -> torch.Tensor:
+def head_vocab(samples: list[dict], size: int, vocab_size: int, eos: int) -> torch.Tensor:
     """The `size` tokens with the most teacher probability mass over all answer positions."""
-    mass = torch.zeros(49152 * 2, dtype=torch.float64)
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
     for s in samples:
         mass.index_add_(0, s["index"].flatten().long(), s["logp"].float().exp().flatten().double())
     mass[eos] = math.inf
@@ -248,7 +249,7 @@ def train(args) -> None:
     rng.shuffle(samples)
     n_val = max(8, len(samples) // 40)
     val, tr = samples[:n_val], samples[n_val:]
-    vocab = head_vocab(tr, args.head_vocab, tok.eos_token_id)
+    vocab = head_vocab(tr, args.head_vocab, target.config.vocab_size, tok.eos_token_id)
     vocab_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     vocab_pos[vocab] = torch.arange(len(vocab))
     tokens = sum(len(s["answer"]) for s in tr)

@@ -64,9 +64,8 @@ def demo(trials: int, seed: int) -> None:
 
 
 def generate_local(args) -> None:
-    from loadtest.prompts import chat_ids
     from service.engine import GenerationRequest, build_engine
-    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat, user_turn
     from workers.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -75,7 +74,10 @@ def generate_local(args) -> None:
     engine, tokenizer = build_engine(
         draft, target, max_batch=1, max_len=args.max_len, tensor_parallel=args.tp
     )
-    ids = chat_ids(tokenizer, args.prompt) if args.chat else tokenizer(args.prompt)["input_ids"]
+    if args.chat:
+        ids = render_chat(tokenizer, user_turn(args.prompt))
+    else:
+        ids = tokenizer(args.prompt)["input_ids"]
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     req = GenerationRequest(
         prompt_ids=ids,

@@ -318,9 +318,9 @@ class Generator(pb_grpc.GeneratorServicer):
         # limit can: it counts a request as queued only after it has checked the limit).
         if self.in_flight > self.max_in_flight:
             raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
+        ids = prompt_ids(request, self.tokenizer)  # before any await on the store
         session = await self.store.get(request.session_id) if request.session_id else None
         history = session.tokens if session else []
-        ids = prompt_ids(request, self.tokenizer, continues_session=bool(history))
         job = check_request(request, self.limits, ids, len(history))
         job.prompt_ids = history + ids
         call.prompt_tokens = len(job.prompt_ids)

@@ -18,6 +18,7 @@ from typing import Any
 
 from protos import blockspec_pb2 as pb
 from service.engine import InvalidArgument, check_context, check_method
+from workers.models import render_chat
 
 
 @dataclass
@@ -83,9 +84,10 @@ class Limits:
         return Limits(**{name: info[name] for name in Limits.__dataclass_fields__})
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer, continues_session: bool) -> list[int]:
+def prompt_ids(req: pb.GenerateRequest, tokenizer) -> list[int]:
     """The request's prompt as token ids: exactly one of prompt / prompt_token_ids / messages
-    (rendered with the tokenizer's chat template, ending in the assistant's generation prompt)."""
+    (rendered with the tokenizer's chat template, ending in the assistant's generation prompt).
+    Needs no session: the gateway runs it before it reads the session store."""
     given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(req, f)]
     if len(given) > 1:
         raise InvalidArgument(f"{given[0]}: set one of prompt, prompt_token_ids, messages")
@@ -95,21 +97,14 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer, continues_session: bool) -> l
         return tokenizer(req.prompt)["input_ids"]
     if not tokenizer.chat_template:
         raise InvalidArgument("messages: the target model has no chat template; send a prompt")
-    if continues_session:
-        # A template renders a whole conversation (some add a system turn when the first message
-        # is not one), so new turns cannot be rendered alone: the session holds tokens, not turns.
-        raise InvalidArgument(
-            "messages: this session already has turns; send the next turn as prompt text "
-            "(render it with Info.chat_template)"
-        )
     if any(not m.role for m in req.messages):
         raise InvalidArgument("messages: every message needs a role")
-    turns = [{"role": m.role, "content": m.content} for m in req.messages]
     try:
-        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        return render_chat(
+            tokenizer, [{"role": m.role, "content": m.content} for m in req.messages]
+        )
     except Exception as err:  # the template's own checks (jinja raise_exception)
         raise InvalidArgument(f"messages: the chat template refused them: {err}") from None
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def check_request(
@@ -119,7 +114,14 @@ def check_request(
     `history_len` tokens come before it, and the caller prepends them). Raises InvalidArgument
     naming the field."""
     if not prompt_ids:
-        raise InvalidArgument("prompt: empty (set prompt or prompt_token_ids)")
+        raise InvalidArgument("prompt: empty (set prompt, prompt_token_ids or messages)")
+    if req.messages and history_len:
+        # A template renders a whole conversation (some add a system turn when the first message
+        # is not one), so new turns cannot be rendered alone: the session holds tokens, not turns.
+        raise InvalidArgument(
+            "messages: this session already has turns; send the next turn as prompt text "
+            "(render it with Info.chat_template)"
+        )
     if any(not 0 <= t < limits.vocab_size for t in prompt_ids):
         raise InvalidArgument(f"prompt_token_ids: ids must lie in [0, {limits.vocab_size})")
     method = req.method or limits.default_method

@@ -12,11 +12,17 @@ import json
 import pytest
 import torch
 
-from loadtest.prompts import chat_ids
 from protos import blockspec_pb2 as pb
 from service.engine import GenerationRequest, build_engine
-from service.requests import InvalidArgument, prompt_ids
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, check_pair, load_model
+from service.requests import InvalidArgument, Limits, check_request, prompt_ids
+from workers.models import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    check_pair,
+    load_model,
+    render_chat,
+    user_turn,
+)
 from workers.sampling import SamplingParams
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -48,7 +54,7 @@ def test_greedy_chat_answer_equals_hugging_face(tokenizer):
     `generate` writes for the same chat prompt (T = 0: every method reproduces the target)."""
     from transformers import AutoModelForCausalLM
 
-    ids = chat_ids(tokenizer, PROMPT)
+    ids = render_chat(tokenizer, user_turn(PROMPT))
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, local_files_only=True).eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
@@ -73,15 +79,18 @@ def test_messages_render_with_the_chat_template(tokenizer):
     assert "<|im_start|>" in _default_template(tokenizer.chat_template)
     assert _default_template({"default": "t", "tool_use": "u"}) == "t"
     req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=PROMPT)])
-    assert prompt_ids(req, tokenizer, continues_session=False) == chat_ids(tokenizer, PROMPT)
-    text = tokenizer.decode(prompt_ids(req, tokenizer, continues_session=False))
+    ids = prompt_ids(req, tokenizer)
+    assert ids == render_chat(tokenizer, user_turn(PROMPT))
+    text = tokenizer.decode(ids)
     assert text.endswith("<|im_start|>assistant\n") and PROMPT in text
+    limits = Limits(49152, 8192, 512, 4, 16, "block", 4, 128)
+    assert check_request(req, limits, ids).prompt_ids == ids  # a session's first turn
     with pytest.raises(InvalidArgument, match=r"^messages: this session already has turns"):
-        prompt_ids(req, tokenizer, continues_session=True)
+        check_request(req, limits, ids, history_len=30)
     with pytest.raises(InvalidArgument, match=r"^prompt: set one of"):
-        prompt_ids(pb.GenerateRequest(prompt="x", messages=req.messages), tokenizer, False)
+        prompt_ids(pb.GenerateRequest(prompt="x", messages=req.messages), tokenizer)
     with pytest.raises(InvalidArgument, match=r"^messages: every message needs a role"):
-        prompt_ids(pb.GenerateRequest(messages=[pb.ChatMessage(content="x")]), tokenizer, False)
+        prompt_ids(pb.GenerateRequest(messages=[pb.ChatMessage(content="x")]), tokenizer)
 
 
 def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):

@@ -98,6 +98,17 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     return LoadedModel(spec, state, str(path), head_vocab)
 
 
+def render_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat `turns` ({"role", "content"} each) in the tokenizer's chat template,
+    ending with the assistant's generation prompt. (transformers 5 returns a BatchEncoding.)"""
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def user_turn(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
 def check_pair(draft: str | Path, target: str | Path):
     """From the configs and tokenizers alone (no weights): refuse a pair whose vocabularies
     differ. Returns (target tokenizer, vocab size, the shorter of the two trained contexts)."""
