@@ -77,20 +77,22 @@ class SpeculationStats(_message.Message):
     def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., step_ms: _Optional[_Union[StepBreakdown, _Mapping]] = ...) -> None: ...
 
 class StepBreakdown(_message.Message):
-    __slots__ = ("draft", "tree", "target", "transfer", "verify", "overhead")
+    __slots__ = ("draft", "tree", "target", "transfer", "verify", "overhead", "prefill")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     draft: float
     tree: float
     target: float
     transfer: float
     verify: float
     overhead: float
-    def __init__(self, draft: _Optional[float] = ..., tree: _Optional[float] = ..., target: _Optional[float] = ..., transfer: _Optional[float] = ..., verify: _Optional[float] = ..., overhead: _Optional[float] = ...) -> None: ...
+    prefill: float
+    def __init__(self, draft: _Optional[float] = ..., tree: _Optional[float] = ..., target: _Optional[float] = ..., transfer: _Optional[float] = ..., verify: _Optional[float] = ..., overhead: _Optional[float] = ..., prefill: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "prompt_tokens", "session_id", "replica")

@@ -106,10 +106,10 @@ class Settings(BaseSettings):
     ray_address: str | None = None  # join this cluster; None: RAY_ADDRESS or a local cluster
     ray_num_cpus: int | None = None  # logical CPUs of a local cluster (None: the machine's)
     # Local cluster: actor results up to this size travel inline in the task reply instead of
-    # through the shared-memory object store (Ray's default: 100 KiB). The draft's rows and the
-    # target's logits are 0.1-10 MB per step; inlining them raised service tok/s 10-12%
-    # (docs/service_benchmark.md). Ray also caps a reply's inlined bytes at its
-    # `task_rpc_inlined_bytes_limit` (10 MiB), hence 8 MiB. A joined cluster keeps its own.
+    # through the shared-memory object store (Ray's default: 100 KiB). The draft actor puts rows
+    # over 256 KiB in the store itself (workers/actors.py), so this decides only for smaller
+    # steps, where inline is faster (docs/service_benchmark.md). Ray also caps a reply's inlined
+    # bytes at `task_rpc_inlined_bytes_limit` (10 MiB). A joined cluster keeps its own.
     ray_inline_bytes: int = Field(8 << 20, ge=0)
     app_name: str = "blockspec"
     drain_timeout_s: float = Field(30.0, ge=0)  # on shutdown: finish in-flight requests

@@ -24,6 +24,7 @@ longest cached prefix that still matches; KV of tokens generated past a stop is 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -37,7 +38,7 @@ from service.verification import VERIFIERS, TargetModification, verify
 from workers.draft import DraftWorker
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
-from workers.tree import DraftTree, build_tree
+from workers.tree import build_tree
 
 PLAIN = "none"  # plain target decoding, no speculation
 
@@ -114,9 +115,12 @@ class GenerationRequest:
 
 @dataclass
 class StepTimes:
-    """Wall-clock seconds of engine steps by phase; overhead = bookkeeping and commits;
-    transfer = time remote workers' calls took beyond their own compute (zero in-process)."""
+    """Wall-clock seconds of engine steps by phase. prefill = joining requests' prompts and KV
+    slot moves (with Ray actors: the compute of every call posted since the last step);
+    overhead = bookkeeping and the draft's commit; transfer = what the remote workers' calls
+    took beyond their own compute (zero in-process)."""
 
+    prefill: float = 0.0
     draft: float = 0.0
     tree: float = 0.0
     target: float = 0.0
@@ -125,7 +129,7 @@ class StepTimes:
     overhead: float = 0.0
     batch_size: int = 0
 
-    PHASES = ("draft", "tree", "target", "transfer", "verify", "overhead")
+    PHASES = ("prefill", "draft", "tree", "target", "transfer", "verify", "overhead")
 
     def add(self, other: StepTimes) -> None:
         for name in self.PHASES:
@@ -169,27 +173,80 @@ class StepResult:
 
 
 @dataclass
-class _Proposal:
-    """One step's drafts, merged into one tree per request."""
+class StepPlan:
+    """What one step asks of the workers, built from the batch. Holds no generators: in the
+    service it travels to the target actor, which verifies next to its rows."""
 
-    tokens: torch.Tensor  # [n, K, γ] int64: K draft paths per request ([n, 1, 1] zeros if none)
-    probs: torch.Tensor | None  # [n, K, γ, V]: the processed draft rows they were sampled from
-    tree: DraftTree
-    drafted: bool  # the draft model ran (a batch of plain requests skips it)
+    pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
+    pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
+    num_paths: list[int]  # [n]: each request's K (0: plain)
+    depth: list[int]  # [n]: each request's γ (0: plain)
+    roots: torch.Tensor  # [n] int64: each tree's root, the last emitted token
+    params: list[SamplingParams]
+    groups: list[tuple[str, int, int, list[int]]]  # (method, K, γ, rows), verified together
+    carries: list[TargetModification | None]  # [n]: carried records (greedy_block, spectr_gbv)
     max_gamma: int  # the batch's largest γ (1 when it is all plain)
+
+    @property
+    def drafted(self) -> bool:
+        """The draft model runs (a batch of plain requests skips it)."""
+        return self.pending is not None
 
 
 @dataclass
-class _Verdict:
+class Verdict:
     """One step's verification: what each request emits."""
 
     tokens: torch.Tensor  # [n, max γ + 1] int64: emitted tokens, -1 padded
     num_accepted: torch.Tensor  # [n] int64: τ, accepted draft tokens
     path: torch.Tensor  # [n] int64: the draft path whose prefix was accepted
+    carries: list[TargetModification | None]  # [n]: records for the request's next step
+
+
+def verify_step(
+    plan: StepPlan,
+    x: torch.Tensor,  # [n, K, γ] int64: draft tokens ([n, 1, 1] zeros when nothing drafted)
+    q: torch.Tensor | None,  # [n, K, γ, V]: the processed draft rows x was sampled from
+    p: torch.Tensor,  # [n, K, γ+1, V]: processed target rows along every path
+    generators: list[torch.Generator],  # [n]
+) -> Verdict:
+    """Verify every (method, K, γ) group of the batch; plain requests sample the root row.
+
+    Pure, so it runs wherever p is: in the engine's process, or on the target's rank 0 actor
+    (workers/actors.py), which then commits the accepted paths itself."""
+    n = p.shape[0]
+    tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)
+    tau = torch.zeros(n, dtype=torch.int64)
+    path = torch.zeros(n, dtype=torch.int64)
+    carries = list(plan.carries)
+    for method, k, gamma, idx in plan.groups:
+        ix = torch.tensor(idx)
+        gens = [generators[i] for i in idx]
+        if method == PLAIN:
+            tokens[ix, 0] = sample(p[ix, :1, 0], gens)[:, 0]
+            continue
+        carry = None
+        if VERIFIERS[method].modifies_target:
+            carry = TargetModification.cat([carries[i] or TargetModification.empty(1) for i in idx])
+        out = verify(
+            method,
+            x[ix, :k, :gamma],
+            q[ix, :k, :gamma],
+            p[ix, :k, : gamma + 1],
+            gens,
+            carry=carry,
+            validate=False,  # rows come from our own processing
+        )
+        tokens[ix, : gamma + 1] = out.tokens
+        tau[ix], path[ix] = out.num_accepted, out.path
+        if out.carry is not None:
+            for j, i in enumerate(idx):
+                carries[i] = out.carry.select([j])
+    return Verdict(tokens, tau, path, carries)
 
 
 class _Laps:
-    """Wall-clock seconds of one step's phases, each taken when the phase ends."""
+    """Wall-clock seconds of one step's phases: each lap adds the time since the last one."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -197,7 +254,8 @@ class _Laps:
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.seconds[phase], self._last = now - self._last, now
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 @dataclass
@@ -356,119 +414,97 @@ class SpeculativeEngine:
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
     def step(self) -> StepResult:
-        """One speculative step for every active request: propose, verify, commit."""
+        """One speculative step for every active request: plan, speculate, commit."""
+        admitting = time.perf_counter()
         self._admit()
         if not self.active:
             return StepResult([], StepTimes())
         batch = list(self.active)  # self.active shrinks as finished requests retire
-        laps = _Laps()
-        proposal = self._propose(batch, laps)
-        verdict = self._verify(batch, proposal, laps)
-        finished = self._commit(proposal, verdict)
-        laps.lap("commit")
-        sent_draft, sent_target = _pop_transfer(self.draft), _pop_transfer(self.target)
-        times = StepTimes(
-            draft=laps.seconds["draft"] - sent_draft,
-            tree=laps.seconds["tree"],
-            target=laps.seconds["target"] - sent_target,
-            transfer=sent_draft + sent_target,
-            verify=laps.seconds["verify"],
-            overhead=laps.seconds["commit"],
-            batch_size=len(batch),
-        )
+        start = time.perf_counter()
+        prefill = start - admitting
+        plan = self._plan(batch)
+        planned = time.perf_counter()
+        x, verdict, seconds = self._speculate(plan, [a.generator for a in batch])
+        speculated = time.perf_counter()
+        for a, carry in zip(batch, verdict.carries, strict=True):
+            a.carry = carry
+        if plan.drafted:  # the target committed its accepted paths itself
+            self.draft.commit(verdict.path, verdict.num_accepted)
+        finished = self._advance(plan, x, verdict)
+        seconds["overhead"] = planned - start + time.perf_counter() - speculated
+        seconds["prefill"] = seconds.get("prefill", 0.0) + prefill  # remote: posted calls
+        times = StepTimes(**seconds, batch_size=len(batch))
         for a in batch:
             a.stats.steps.add(times)
         self.times.add(times)
         self.steps += 1
         return StepResult(finished, times)
 
-    def _propose(self, batch: list[_Active], laps: _Laps) -> _Proposal:
-        """Draft each speculative request's K paths of γ tokens and merge them into trees."""
+    def _plan(self, batch: list[_Active]) -> StepPlan:
         n = len(batch)
-        spec = [a for a in batch if a.req.method != PLAIN]
-        plain = torch.tensor([a.req.method == PLAIN for a in batch])
-        num_paths = torch.tensor([a.req.k for a in batch]).masked_fill(plain, 0)  # [n]
-        depth = torch.tensor([a.req.gamma for a in batch]).masked_fill(plain, 0)  # [n]
-        drafted = bool(spec)  # a batch of plain requests never touches the draft model
-        probs = None
-        if drafted:
-            width = max(len(a.draft_pending) for a in batch)
-            pending = torch.zeros(n, width, dtype=torch.int64)
+        plain = [a.req.method == PLAIN for a in batch]
+        pending = None
+        counts = torch.tensor([len(a.draft_pending) for a in batch])
+        if not all(plain):  # a batch of plain requests never touches the draft model
+            pending = torch.zeros(n, int(counts.max()), dtype=torch.int64)
             for i, a in enumerate(batch):
                 pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
-            counts = torch.tensor([len(a.draft_pending) for a in batch])
-            tokens, probs = self.draft.propose(
-                pending,
-                counts,
-                num_paths.tolist(),
-                depth.tolist(),
-                [a.req.sampling for a in batch],
-                [a.generator for a in batch],
-            )
-        else:
-            tokens = torch.zeros(n, 1, 1, dtype=torch.int64)
-        laps.lap("draft")
-        root = torch.tensor([a.target_pending for a in batch])
-        tree = build_tree(root, tokens, num_paths, depth)
-        laps.lap("tree")
-        max_gamma = max((a.req.gamma for a in spec), default=1)
-        return _Proposal(tokens, probs, tree, drafted, max_gamma)
-
-    def _verify(self, batch: list[_Active], proposal: _Proposal, laps: _Laps) -> _Verdict:
-        """Score every tree with the target, then verify per (method, K, γ) group."""
-        params = [a.req.sampling for a in batch]
-        gens = [a.generator for a in batch]
-        x, q = proposal.tokens, proposal.probs
-        p = self.target.score(proposal.tree, params)  # [n, K, γ+1, V]
-        laps.lap("target")
-        n = len(batch)
-        tokens = torch.full((n, proposal.max_gamma + 1), -1, dtype=torch.int64)
-        tau = torch.zeros(n, dtype=torch.int64)
-        path = torch.zeros(n, dtype=torch.int64)
         groups = defaultdict(list)
         for i, a in enumerate(batch):
             groups[(a.req.method, a.req.k, a.req.gamma)].append(i)
-        for (method, k, gamma), idx in groups.items():
-            ix = torch.tensor(idx)
-            if method == PLAIN:
-                tokens[ix, 0] = sample(p[ix, :1, 0], [gens[i] for i in idx])[:, 0]
-                continue
-            carry = None
-            if VERIFIERS[method].modifies_target:
-                carry = TargetModification.cat(
-                    [batch[i].carry or TargetModification.empty(1) for i in idx]
-                )
-            out = verify(
-                method,
-                x[ix, :k, :gamma],
-                q[ix, :k, :gamma],
-                p[ix, :k, : gamma + 1],
-                [gens[i] for i in idx],
-                carry=carry,
-                validate=False,  # rows come from our own processing
-            )
-            tokens[ix, : gamma + 1] = out.tokens
-            tau[ix], path[ix] = out.num_accepted, out.path
-            if out.carry is not None:
-                for j, i in enumerate(idx):
-                    batch[i].carry = out.carry.select([j])
+        return StepPlan(
+            pending=pending,
+            pending_count=counts,
+            num_paths=[0 if pl else a.req.k for a, pl in zip(batch, plain, strict=True)],
+            depth=[0 if pl else a.req.gamma for a, pl in zip(batch, plain, strict=True)],
+            roots=torch.tensor([a.target_pending for a in batch]),
+            params=[a.req.sampling for a in batch],
+            groups=[(*key, idx) for key, idx in groups.items()],
+            carries=[a.carry for a in batch],
+            max_gamma=max((a.req.gamma for a in batch if a.req.method != PLAIN), default=1),
+        )
+
+    def _speculate(
+        self, plan: StepPlan, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+        """Draft, build the trees, score them, verify, and commit the target's accepted paths.
+
+        Returns the draft tokens [n, K, γ], the verdict and the seconds per phase."""
+        remote = getattr(self.target, "speculate", None)
+        if remote is not None:  # Ray actors (workers/actors.py): one chained call per step
+            draft_args = None
+            if plan.drafted:
+                draft_args = (plan.pending, plan.pending_count, plan.num_paths, plan.depth)
+            verify_here = functools.partial(verify_step, plan)
+            return remote(
+                self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
+                generators, verify_here,
+            )  # fmt: skip
+        laps = _Laps()
+        n, q = len(generators), None
+        x = torch.zeros(n, 1, 1, dtype=torch.int64)
+        if plan.drafted:
+            x, q = self.draft.propose(
+                plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
+                generators,
+            )  # fmt: skip
+        laps.lap("draft")
+        tree = build_tree(plan.roots, x, torch.tensor(plan.num_paths), torch.tensor(plan.depth))
+        laps.lap("tree")
+        p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
+        laps.lap("target")
+        verdict = verify_step(plan, x, q, p, generators)
         laps.lap("verify")
-        return _Verdict(tokens, tau, path)
-
-    def _commit(self, proposal: _Proposal, verdict: _Verdict) -> list[GenerationResult]:
-        """Keep the accepted paths' KV entries, append the emitted tokens, retire finished
-        requests."""
-        if proposal.drafted:
-            self.draft.commit(verdict.path, verdict.num_accepted)
         self.target.commit(verdict.path, verdict.num_accepted)
-        return self._advance(proposal, verdict)
+        laps.lap("target")  # the commit is the target's work too
+        return x, verdict, dict(laps.seconds, transfer=0.0)
 
-    def _advance(self, proposal: _Proposal, verdict: _Verdict) -> list[GenerationResult]:
+    def _advance(self, plan: StepPlan, x: torch.Tensor, verdict: Verdict) -> list[GenerationResult]:
         """Append emitted tokens, update pending tokens and stats; retire finished requests."""
-        x, tokens, tau, path = proposal.tokens, verdict.tokens, verdict.num_accepted, verdict.path
+        tokens, tau, path = verdict.tokens, verdict.num_accepted, verdict.path
         done: list[int] = []
         results = []
-        run = min(proposal.max_gamma - 1, x.shape[2])  # draft tokens per path the draft has run
+        run = min(plan.max_gamma - 1, x.shape[2])  # draft tokens per path the draft has run
         for i, a in enumerate(self.active):
             t = int(tau[i])
             emitted = tokens[i, : t + 1].tolist()
@@ -478,7 +514,7 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
-            if proposal.drafted:  # the draft ran the old pending tokens and `committed` path tokens
+            if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens
                 committed = min(t, run) if a.req.method != PLAIN else 0
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
@@ -512,12 +548,6 @@ class SpeculativeEngine:
             for res in self.step().finished:
                 results[res.request_id] = res
         return [results[i] for i in ids]
-
-
-def _pop_transfer(worker) -> float:
-    """Transfer seconds a remote worker proxy (workers.actors) spent since last asked."""
-    pop = getattr(worker, "pop_transfer_s", None)
-    return pop() if pop is not None else 0.0
 
 
 def build_engine(

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -492,6 +493,48 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
         remote = [r.token_ids for r in engine.generate(requests())]
         assert remote == [r.token_ids for r in local.generate(requests())]
         assert engine.times.transfer > 0  # actor calls cost something beyond their compute
+    finally:
+        for actor in engine.draft.actors + engine.target.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(engine.target.placement_group)
+
+
+def test_ray_actor_path_samples_exactly_like_the_in_process_engine(service, tmp_path):
+    """The chained actor step (draft actor -> target rank 0, which verifies and commits) with a
+    reduced-head draft (its rows travel on the head's ids and are widened on the target) gives
+    every request of a sampled, seeded mixed batch the tokens the in-process engine gives it:
+    same code, same shapes, so the same bits."""
+    import json
+    import shutil
+
+    import ray
+
+    from service.config import ReplicaConfig
+    from service.replica import build_remote_engine
+    from tests.test_engine import MIXED
+
+    draft = tmp_path / "draft"
+    shutil.copytree(TINY_PAIR["draft_dir"], draft)
+    kept = sorted(torch.randperm(8192, generator=torch.Generator().manual_seed(5))[:6000].tolist())
+    (draft / "draft_vocab.json").write_text(json.dumps(kept))
+    cfg = ReplicaConfig(
+        draft_dir=str(draft), target_dir=TINY_PAIR["target_dir"], max_batch=len(MIXED)
+    )
+    engine, _ = build_remote_engine(cfg)
+    local, tokenizer = build_engine(cfg.draft_dir, cfg.target_dir, len(MIXED))
+
+    def requests():
+        prompts = [tokenizer(f"def f{i}(x):")["input_ids"] for i in range(len(MIXED))]
+        params = SamplingParams(1.0)
+        return [
+            GenerationRequest(prompt, 24, method, k, gamma, params, seed=70 + i)
+            for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
+        ]
+
+    try:
+        remote = [r.token_ids for r in engine.generate(requests())]
+        assert remote == [r.token_ids for r in local.generate(requests())]
+        assert engine.times.transfer > 0 and engine.times.prefill > 0
     finally:
         for actor in engine.draft.actors + engine.target.actors:
             ray.kill(actor)
