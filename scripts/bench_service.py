@@ -1,13 +1,14 @@
 """What the distributed path costs: the service (gRPC → gateway → Serve → coordinator → Ray
 actors) against the in-process engine, on the same requests, in one run.
 
-    .venv/bin/python scripts/bench_service.py [--requests 16] [--new-tokens 64] \
-        [--method block] [--gamma 4] [--out docs/service_benchmark]
+    .venv/bin/python scripts/bench_service.py [--pairs tiny default] [--batch 1 8] \
+        [--requests 16] [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
+        [--out docs/service_benchmark]
 
-Reports, at batch 1 (one request at a time) and batch 8 (8 concurrent clients):
-per-request latency, tokens/s, per-step time and its breakdown (draft / tree / target /
-transfer / verify / overhead). Also the bare gRPC round trip (Info), a 1-token request, and a
-session's second turn on its warm KV cache versus the same context prefilled cold.
+Reports, per model pair and batch size (concurrent clients, closed loop): per-request latency,
+tokens/s, the service / engine ratio, per-step time and its breakdown (draft / tree / target /
+transfer / verify / overhead). Also the bare gRPC round trip (Info) and a session's second turn
+on its warm KV cache versus the same context prefilled cold.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from loadtest.prompts import prompt_ids
 from service.config import Settings
 from service.engine import GenerationRequest, StepTimes, build_engine
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
 
 PHASES = StepTimes.PHASES
@@ -128,31 +130,34 @@ def session_reuse(stub, tokenizer, ids) -> dict:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--method", default="block")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--out", default="docs/service_benchmark")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+PAIRS = {
+    "tiny": (str(TINY_DRAFT), str(TINY_TARGET)),
+    "default": (str(DEFAULT_DRAFT), str(DEFAULT_TARGET)),
+}
+
+
+def bench_pair(args, name: str) -> dict:
+    """Engine and service side by side on one model pair, at every batch size."""
     from ray import serve
 
     from protos import blockspec_pb2 as pb
     from protos import blockspec_pb2_grpc as pb_grpc
     from service.app import run
 
-    settings = Settings(port=0, metrics_port=0, replica=dict(max_batch=8, max_queued=8))
-    args.draft, args.target = settings.replica.draft_dir, settings.replica.target_dir
-    engines = {batch: build_engine(args.draft, args.target, batch) for batch in (1, 8)}
-    tokenizer = engines[1][1]
-    ids = prompt_ids(tokenizer, "humaneval", args.requests, room=200)
-
+    draft, target = PAIRS[name]
+    most = max(args.batch)
+    replica_cfg = dict(
+        draft_dir=draft, target_dir=target, dtype=args.dtype, max_batch=most, max_queued=most
+    )
+    settings = Settings(port=0, metrics_port=0, replica=replica_cfg)
     rows = {}
-    for batch in (1, 8):
-        rows[f"engine_b{batch}"] = in_process(args, engines[batch][0], ids)
-        print(f"in-process batch {batch}: {rows[f'engine_b{batch}']}", flush=True)
+    tokenizer = ids = None
+    for batch in args.batch:
+        engine, tokenizer = build_engine(draft, target, batch, dtype=args.dtype)
+        ids = ids or prompt_ids(tokenizer, "humaneval", args.requests, room=200)
+        rows[f"engine_b{batch}"] = in_process(args, engine, ids)
+        print(f"{name} in-process batch {batch}: {rows[f'engine_b{batch}']}", flush=True)
+        del engine
 
     start = time.perf_counter()
     gateway = run(settings, name="bench")
@@ -161,77 +166,82 @@ def main() -> None:
     replica = serve.get_deployment_handle("Replica", "bench")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.GeneratorStub(channel)
-    for batch in (1, 8):
+    for batch in args.batch:
         rows[f"service_b{batch}"] = through_service(args, ids, stub, replica, batch)
-        print(f"service batch {batch}: {rows[f'service_b{batch}']}", flush=True)
+        print(f"{name} service batch {batch}: {rows[f'service_b{batch}']}", flush=True)
 
     info_ms = []
     for _ in range(50):
         t = time.perf_counter()
         stub.Info(pb.InfoRequest())
         info_ms.append(1e3 * (time.perf_counter() - t))
-    one_ms = []
-    for i in range(20):
-        t = time.perf_counter()
-        one = pb.GenerateRequest(
-            prompt_token_ids=ids[i % len(ids)], max_new_tokens=1, method=args.method
-        )
-        if args.method != "none":
-            one.gamma = args.gamma
-        stub.Generate(one)
-        one_ms.append(1e3 * (time.perf_counter() - t))
-    engine = engines[1][0]
-    local_one = []
-    for i in range(20):
-        t = time.perf_counter()
-        engine.generate([GenerationRequest(ids[i % len(ids)], 1, args.method, 1, args.gamma)])
-        local_one.append(1e3 * (time.perf_counter() - t))
     session = session_reuse(stub, tokenizer, ids[0])
     channel.close()
     serve.shutdown()
+    return dict(
+        rows=rows,
+        startup_s=startup,
+        info_rpc_ms=statistics.median(info_ms),
+        session=session,
+    )
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["tiny", "default"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--method", default="block")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default="docs/service_benchmark")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pairs = {name: bench_pair(args, name) for name in args.pairs}
     meta = dict(
         requests=args.requests,
         new_tokens=args.new_tokens,
         method=args.method,
         gamma=args.gamma,
-        startup_s=startup,
-        info_rpc_ms=statistics.median(info_ms),
-        one_token_service_ms=statistics.median(one_ms),
-        one_token_engine_ms=statistics.median(local_one),
-        session=session,
+        dtype=args.dtype,
         torch=torch.__version__,
         machine=platform.machine(),
     )
-    Path(args.out + ".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    Path(args.out + ".json").write_text(json.dumps(dict(meta, pairs=pairs), indent=1))
     lines = [
         f"Command: `python scripts/bench_service.py {' '.join(sys.argv[1:])}`  ",
         f"{args.requests} HumanEval prompts (last 200 tokens) × {args.new_tokens} new tokens, "
-        f"method {args.method}, γ = {args.gamma}, T = 1; torch {torch.__version__}, "
-        "1 thread per process; service startup (Ray + Serve + actors) "
-        f"{startup:.0f} s.",
+        f"method {args.method}, γ = {args.gamma}, T = 1, {args.dtype}; torch "
+        f"{torch.__version__}, 1 thread per process; batch = concurrent clients (closed loop).",
         "",
-        "| path | batch | tok/s | median request s | step ms | " + " | ".join(PHASES) + " |",
-        "|" + "---|" * (5 + len(PHASES)),
+        "| pair | path | batch | tok/s | service / engine | median request s | step ms | "
+        + " | ".join(PHASES)
+        + " | transfer share |",
+        "|" + "---|" * (8 + len(PHASES)),
     ]
-    for batch in (1, 8):
-        for path in ("engine", "service"):
-            r = rows[f"{path}_b{batch}"]
-            lines.append(
-                f"| {path} | {batch} | {r['tokens_per_s']:.1f} | {r['latency_s']:.2f} | "
-                f"{r['step_ms']:.1f} | "
-                + " | ".join(f"{r['phase_ms'][p]:.1f}" for p in PHASES)
-                + " |"
-            )
-    lines += [
-        "",
-        f"- gRPC round trip to the gateway (Info): median {meta['info_rpc_ms']:.2f} ms.",
-        f"- 1-token request: service {meta['one_token_service_ms']:.1f} ms, in-process "
-        f"engine {meta['one_token_engine_ms']:.1f} ms (median of 20).",
-        f"- Session turn on a warm KV cache: {session['warm_ms']:.0f} ms "
-        f"({session['cached_prompt_tokens']} of {session['context_tokens']} context tokens "
-        f"cached) vs the same context cold: {session['cold_ms']:.0f} ms (median of 5).",
-    ]
+    for name, result in pairs.items():
+        for batch in args.batch:
+            engine = result["rows"][f"engine_b{batch}"]
+            for path in ("engine", "service"):
+                r = result["rows"][f"{path}_b{batch}"]
+                ratio = r["tokens_per_s"] / engine["tokens_per_s"]
+                lines.append(
+                    f"| {name} | {path} | {batch} | {r['tokens_per_s']:.1f} | {ratio:.2f}× | "
+                    f"{r['latency_s']:.2f} | {r['step_ms']:.1f} | "
+                    + " | ".join(f"{r['phase_ms'][p]:.1f}" for p in PHASES)
+                    + f" | {r['phase_ms']['transfer'] / r['step_ms']:.0%} |"
+                )
+    lines.append("")
+    for name, result in pairs.items():
+        session = result["session"]
+        lines.append(
+            f"- {name}: service startup (Ray + Serve + actors) {result['startup_s']:.0f} s; "
+            f"gRPC round trip to the gateway (Info) {result['info_rpc_ms']:.2f} ms; session "
+            f"turn on a warm KV cache {session['warm_ms']:.0f} ms "
+            f"({session['cached_prompt_tokens']} of {session['context_tokens']} context tokens "
+            f"cached) vs the same context cold {session['cold_ms']:.0f} ms (median of 5)."
+        )
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
