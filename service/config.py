@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -37,6 +37,17 @@ class Resources(BaseModel):
 
     num_cpus: float = Field(0.25, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # Custom Ray resources the actor needs: places it on the nodes that offer them (start a
+    # node with `ray start --resources='{"draft_node": 1}'`, then ask {"draft_node": 0.01}).
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _positive(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = [name for name, amount in value.items() if amount <= 0]
+        if bad:
+            raise ValueError(f"resources: amounts must be > 0 ({', '.join(bad)})")
+        return value
 
 
 class ReplicaConfig(BaseModel):

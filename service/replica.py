@@ -77,8 +77,8 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     slots = cfg.max_batch + cfg.max_sessions
 
     def actor_spec(path: str, per_actor: Resources) -> ActorSpec:
-        cpus, gpus = per_actor.num_cpus, per_actor.num_gpus
-        return ActorSpec(path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus)
+        cpus, gpus, custom = per_actor.num_cpus, per_actor.num_gpus, per_actor.resources
+        return ActorSpec(path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus, custom)
 
     draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len)
     target_spec = actor_spec(cfg.target_dir, cfg.target_shard)

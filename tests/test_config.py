@@ -43,6 +43,8 @@ def test_typos_and_bad_values_are_refused(tmp_path, monkeypatch):
         Settings(autoscaling={"min_replicas": 3, "max_replicas": 2})
     with pytest.raises(pydantic.ValidationError, match="look_back_period_s"):
         Settings(autoscaling={"metrics_interval_s": 10, "look_back_period_s": 5})
+    with pytest.raises(pydantic.ValidationError, match=r"resources: amounts must be > 0 \(gpu_a\)"):
+        Settings(replica={"draft": {"resources": {"gpu_a": 0, "node_b": 0.01}}})
     monkeypatch.setenv("BLOCKSPEC_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match="no such file"):
         Settings()

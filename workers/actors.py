@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -324,12 +324,13 @@ class ActorSpec:
     threads: int  # intra-op torch threads per actor
     num_cpus: float  # Ray resources per actor
     num_gpus: float
+    resources: dict[str, float] = field(default_factory=dict)  # custom ones: where it may run
 
 
 def start_draft(spec: ActorSpec, slots: int, max_len: int) -> RemoteDraft:
-    actor = DraftActor.options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus).remote(
-        spec.path, slots, max_len, spec.dtype, spec.device, spec.threads
-    )
+    actor = DraftActor.options(
+        num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources
+    ).remote(spec.path, slots, max_len, spec.dtype, spec.device, spec.threads)
     return RemoteDraft([actor])
 
 
@@ -338,7 +339,7 @@ def start_target(
 ) -> RemoteTarget:
     """The target split over `world` shard actors (spec's resources each) in one placement
     group."""
-    bundle = {"CPU": spec.num_cpus}
+    bundle = {"CPU": spec.num_cpus, **spec.resources}
     if spec.num_gpus:
         bundle["GPU"] = spec.num_gpus
     group = placement_group([bundle] * world, strategy="STRICT_PACK")
@@ -347,6 +348,7 @@ def start_target(
         TargetShardActor.options(
             num_cpus=spec.num_cpus,
             num_gpus=spec.num_gpus,
+            resources=spec.resources,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
         ).remote(spec.path, rank, world, slots, max_len, spec.dtype, spec.device, spec.threads)
         for rank in range(world)

@@ -1,0 +1,73 @@
+"""Run by tests/test_multinode.py in a fresh interpreter (a process joins one Ray cluster):
+a simulated two-node cluster on 127.0.0.1, the draft placed on one node and the target's two
+shards on the other through custom resources from the settings, then everything on one node;
+prints both runs' seeded outputs and where each actor ran, as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from service.config import ReplicaConfig
+from service.engine import GenerationRequest
+from service.replica import build_remote_engine
+from tests.test_engine import MIXED
+from workers.models import TINY_DRAFT, TINY_TARGET
+from workers.sampling import SamplingParams
+
+LOOPBACK = dict(node_ip_address="127.0.0.1", num_cpus=2)
+
+
+def node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def run(draft_node: str, target_node: str, prompts: list[list[int]]) -> dict:
+    cfg = ReplicaConfig(
+        draft_dir=str(TINY_DRAFT),
+        target_dir=str(TINY_TARGET),
+        max_batch=len(MIXED),
+        tensor_parallel=2,
+        draft=dict(resources={draft_node: 0.01}),
+        target_shard=dict(resources={target_node: 0.01}),
+    )
+    engine, _ = build_remote_engine(cfg)
+    requests = [
+        GenerationRequest(prompt, 16, method, k, gamma, SamplingParams(1.0), seed=90 + i)
+        for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
+    ]
+    try:
+        return dict(
+            tokens=[r.token_ids for r in engine.generate(requests)],
+            draft_node=node_of(engine.draft.actors[0]),
+            target_nodes=[node_of(a) for a in engine.target.actors],
+        )
+    finally:
+        for actor in engine.draft.actors + engine.target.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(engine.target.placement_group)
+
+
+def main() -> None:
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":  # read when ray is imported
+        raise SystemExit("run with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (loopback only)")
+    torch.set_num_threads(1)
+    cluster = Cluster(initialize_head=True, head_node_args=dict(LOOPBACK, resources={"a": 1}))
+    cluster.add_node(**LOOPBACK, resources={"b": 1})
+    ray.init(address=cluster.address)
+    try:
+        nodes = {n["NodeID"]: sorted(set(n["Resources"]) & {"a", "b"}) for n in ray.nodes()}
+        prompts = [[1 + i, 40 + 3 * i, 7, 100 + i] for i in range(len(MIXED))]
+        split, together = run("a", "b", prompts), run("b", "b", prompts)
+        print(json.dumps(dict(nodes=nodes, split=split, together=together)))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
