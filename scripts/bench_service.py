@@ -3,7 +3,7 @@ actors) against the in-process engine, on the same requests, in one run.
 
     .venv/bin/python scripts/bench_service.py [--pairs tiny default] [--batch 1 8] \
         [--requests 16] [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
-        [--out docs/service_benchmark]
+        [--out docs/service_benchmark]    # writes <out>.json and <out>.table.md
 
 Reports, per model pair and batch size (concurrent clients, closed loop): per-request latency,
 tokens/s, the service / engine ratio, per-step time and its breakdown (draft / tree / target /
@@ -242,7 +242,7 @@ def main() -> None:
             f"({session['cached_prompt_tokens']} of {session['context_tokens']} context tokens "
             f"cached) vs the same context cold {session['cold_ms']:.0f} ms (median of 5)."
         )
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    Path(args.out + ".table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
