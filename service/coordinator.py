@@ -14,6 +14,7 @@ latency grow without bound.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
+from workers.actors import WorkerLost
+
+log = logging.getLogger(__name__)
+
+# Worker actors lost in a row (no step succeeding in between) before the replica gives up.
+MAX_RECOVERIES = 3
 
 
 class Overloaded(Exception):
@@ -32,7 +39,8 @@ class DeadlineExceeded(Exception):
 
 
 class ReplicaFailed(RuntimeError):
-    """A step failed (a worker actor died, say); this replica serves no more (UNAVAILABLE)."""
+    """A step failed (worker actors that could not be brought back, say); this replica serves
+    no more (UNAVAILABLE)."""
 
 
 # What a request's `deliver` callback receives, on the coordinator's thread: Emitted after each
@@ -89,6 +97,7 @@ class CoordinatorStats:
     finished: int = 0
     cancelled: int = 0
     rejected: int = 0
+    recoveries: int = 0  # times the worker actors were restarted after one died
 
 
 class Coordinator:
@@ -186,7 +195,7 @@ class Coordinator:
                 self._expire()
                 if not (engine.active or engine.waiting):
                     continue
-                step = engine.step()
+                step = self._step()
                 self._record(step.times)
                 for result in step.finished:
                     self.stats.finished += 1
@@ -199,6 +208,20 @@ class Coordinator:
                 jobs, self._jobs = self._jobs, {}
             for job in jobs.values():
                 job.deliver(Failed(ReplicaFailed(f"replica failed: {exc!r}")))
+
+    def _step(self):
+        """One engine step; when a worker actor dies, restart the workers, rebuild their caches
+        and redo the step (requests see a delay, not an error, and the same tokens)."""
+        for attempt in range(1, MAX_RECOVERIES + 1):
+            try:
+                return self.engine.step()
+            except WorkerLost as exc:
+                log.warning("worker lost (%s); restarting (attempt %d)", exc, attempt)
+                start = time.perf_counter()
+                self.engine.recover()
+                self.stats.recoveries += 1
+                log.warning("workers back after %.1f s", time.perf_counter() - start)
+        return self.engine.step()  # a failure now fails the replica
 
     def _record(self, times: StepTimes) -> None:
         self.stats.steps += 1

@@ -411,6 +411,34 @@ class SpeculativeEngine:
             self.active[index] = self.active[last]
         self.active.pop()
 
+    def recover(self) -> None:
+        """Restart the remote workers' dead actors and rebuild both caches (after `WorkerLost`).
+
+        Both caches are rebuilt, a survivor's too: the failed step may have run on it (the
+        draft appends its pending tokens when it proposes). Every active request is prefilled
+        again from its own tokens (prompt + output, minus the tokens each cache holds as
+        pending); parked sessions are dropped, so a session's next request prefills from the
+        history it carries. The failed step changed no request state (generator states and
+        carries are set only when it returns), so the next step redoes it with the same draws."""
+        dead = [worker for worker in (self.draft, self.target) if not worker.alive()]
+        for worker in dead:  # both reload at once
+            worker.restart()
+        for worker in dead:
+            worker.wait_ready()
+        self.free_slots += [parked.slot for parked in self.parked.values()]
+        self.parked.clear()
+        if not self.active:
+            return
+        tokens = [a.req.prompt_ids + a.output for a in self.active]
+        self.draft.prefill(
+            0,
+            [
+                torch.tensor(t[: len(t) - len(a.draft_pending)], dtype=torch.int64)
+                for t, a in zip(tokens, self.active, strict=True)
+            ],
+        )
+        self.target.prefill(0, [torch.tensor(t[:-1], dtype=torch.int64) for t in tokens])
+
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
     def step(self) -> StepResult:

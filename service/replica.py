@@ -206,6 +206,7 @@ class Replica:
             finished=s.finished,
             cancelled=s.cancelled,
             rejected=s.rejected,
+            recoveries=s.recoveries,
             in_flight=in_flight,
             active=active,
             parked_sessions=list(engine.parked),

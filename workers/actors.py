@@ -232,13 +232,39 @@ class TargetShardActor:
         return full.index_copy_(-1, self._draft_vocab, q)
 
 
+class WorkerLost(RuntimeError):
+    """An actor of the step died (its process was killed, its node lost). The proxies can
+    `restart` their actors; the caches are gone with them (the engine rebuilds them)."""
+
+
 class _Remote:
     """Pipelined calls to one or more actors that run the same ops in lockstep."""
 
-    def __init__(self, actors: list):
+    def __init__(self, launch: Callable[[], list]):
         use_numpy_wire()
-        self.actors = actors
+        self._launch = launch  # starts the actors
+        self.actors = launch()
         self._unwaited: list[ray.ObjectRef] = []
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every actor has loaded its model (raises a load failure)."""
+        ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """Whether every actor of the group answers (between steps: they are idle)."""
+        try:
+            self.wait_ready(timeout_s)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def restart(self) -> None:
+        """Replace every actor of the group with a fresh one: models reloaded, caches empty
+        (`wait_ready` waits for the load)."""
+        for actor in self.actors:
+            ray.kill(actor)  # a survivor of a tensor-parallel group cannot rejoin a new one
+        self._unwaited = []
+        self.actors = self._launch()
 
     def _post(self, op: str, *args) -> None:
         payload = ray.put(args) if len(self.actors) > 1 else args  # serialized once for all
@@ -248,12 +274,8 @@ class _Remote:
         """Raise what an unwaited call raised (they have run once a later call returned);
         returns the seconds they computed (on each actor of a lockstep group: the slowest)."""
         earlier, self._unwaited = self._unwaited, []
-        seconds = [s for _, s in ray.get(earlier)]
+        seconds = [s for _, s in _gather(earlier)]
         return sum(seconds) / len(self.actors)
-
-    def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every actor has loaded its model (raises a load failure)."""
-        ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
@@ -275,9 +297,13 @@ class RemoteDraft(_Remote):
 
 class RemoteTarget(_Remote):
     def use_draft_vocab(self, draft: RemoteDraft) -> None:
-        """Tell rank 0 which ids the draft's rows arrive on (once, at start)."""
-        head_vocab = ray.get(draft.actors[0].head_vocab.remote())
-        ray.get(self.actors[0].use_draft_vocab.remote(head_vocab))
+        """Tell rank 0 which ids the draft's rows arrive on (at start and after a restart)."""
+        self._draft_vocab = ray.get(draft.actors[0].head_vocab.remote())
+        ray.get(self.actors[0].use_draft_vocab.remote(self._draft_vocab))
+
+    def restart(self) -> None:
+        super().restart()
+        self.actors[0].use_draft_vocab.remote(self._draft_vocab)  # runs before any step
 
     def speculate(
         self,
@@ -304,8 +330,15 @@ class RemoteTarget(_Remote):
         for rank, actor in enumerate(self.actors):
             own = (states, verify) if rank == 0 else (None, None)  # only rank 0 verifies
             refs.append(actor.speculate.remote(roots, num_paths, depth, params, drafted, *own))
-        posted = draft._check_posted() + self._check_posted()  # prefills, moves, commits
-        x, verdict, states, seconds = ray.get(refs)[0]
+        try:
+            posted = draft._check_posted() + self._check_posted()  # prefills, moves, commits
+            x, verdict, states, seconds = _gather(refs)[0]
+        except ray.exceptions.RayActorError as exc:  # the generators were left as they were
+            raise WorkerLost(str(exc)) from exc
+        except ray.exceptions.RayTaskError as exc:  # a shard's collective broke: a peer died?
+            if draft.alive() and self.alive():
+                raise  # the step itself failed
+            raise WorkerLost(f"a peer of a failed call died: {exc}") from exc
         seconds["prefill"] = posted
         for g, state in zip(generators, states, strict=True):
             g.set_state(state)
@@ -327,43 +360,64 @@ class ActorSpec:
     resources: dict[str, float] = field(default_factory=dict)  # custom ones: where it may run
 
 
+def _gather(refs: list[ray.ObjectRef]) -> list:
+    """ray.get, but a failed call raises at once: when one shard of a tensor-parallel group
+    dies, its peers wait in a collective that would never finish."""
+    pending = list(refs)
+    while len(pending) > 1:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(refs)
+
+
 def start_draft(spec: ActorSpec, slots: int, max_len: int) -> RemoteDraft:
-    actor = DraftActor.options(
-        num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources
-    ).remote(spec.path, slots, max_len, spec.dtype, spec.device, spec.threads)
-    return RemoteDraft([actor])
+    """The draft actor, loading (`wait_ready` waits for it)."""
+
+    def launch() -> list:
+        options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)
+        args = (spec.path, slots, max_len, spec.dtype, spec.device, spec.threads)
+        return [DraftActor.options(**options).remote(*args)]
+
+    return RemoteDraft(launch)
 
 
 def start_target(
     spec: ActorSpec, world: int, slots: int, max_len: int, timeout_s: float = 300.0
 ) -> RemoteTarget:
     """The target split over `world` shard actors (spec's resources each) in one placement
-    group."""
+    group (kept for restarts)."""
     bundle = {"CPU": spec.num_cpus, **spec.resources}
     if spec.num_gpus:
         bundle["GPU"] = spec.num_gpus
     group = placement_group([bundle] * world, strategy="STRICT_PACK")
     ray.get(group.ready(), timeout=timeout_s)
-    actors = [
-        TargetShardActor.options(
-            num_cpus=spec.num_cpus,
-            num_gpus=spec.num_gpus,
-            resources=spec.resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
-        ).remote(spec.path, rank, world, slots, max_len, spec.dtype, spec.device, spec.threads)
-        for rank in range(world)
-    ]
+
+    def launch() -> list:
+        actors = [
+            TargetShardActor.options(
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+                resources=spec.resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
+            ).remote(spec.path, rank, world, slots, max_len, spec.dtype, spec.device, spec.threads)
+            for rank in range(world)
+        ]
+        try:
+            if world > 1:
+                port = ray.get(actors[0].open_store.remote(timeout_s), timeout=timeout_s)
+                ray.get([a.join.remote(port, timeout_s) for a in actors], timeout=timeout_s)
+            else:
+                ray.get(actors[0].ready.remote(), timeout=timeout_s)
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            raise
+        return actors
+
     try:
-        if world > 1:
-            port = ray.get(actors[0].open_store.remote(timeout_s), timeout=timeout_s)
-            ray.get([a.join.remote(port, timeout_s) for a in actors], timeout=timeout_s)
-        else:
-            ray.get(actors[0].ready.remote(), timeout=timeout_s)
+        target = RemoteTarget(launch)
     except BaseException:
-        for a in actors:
-            ray.kill(a)
         remove_placement_group(group)
         raise
-    target = RemoteTarget(actors)
     target.placement_group = group
     return target
