@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -115,6 +116,51 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ReplicaFailed | StoreUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, text
     return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request payload that did not parse: the RPC answers INVALID_ARGUMENT with `message`
+    (grpc itself would answer UNKNOWN)."""
+
+    message: str
+
+
+def _add_generator(servicer: Generator, server: grpc.aio.Server) -> None:
+    """pb_grpc.add_GeneratorServicer_to_server, except that a payload that does not parse
+    reaches the method as `_Undecodable` instead of failing inside grpc."""
+
+    class Recorder:  # takes the generated handler table instead of a server
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            self.service, self.handlers = service, handlers
+
+    def lenient(parse):
+        def deserialize(payload: bytes):
+            try:
+                return parse(payload)
+            except DecodeError as exc:
+                return _Undecodable(f"request: the payload did not parse ({exc})")
+
+        return deserialize
+
+    table = Recorder()
+    pb_grpc.add_GeneratorServicer_to_server(servicer, table)
+    handlers = {
+        name: handler._replace(request_deserializer=lenient(handler.request_deserializer))
+        for name, handler in table.handlers.items()
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(table.service, handlers),)
+    )
+    server.add_registered_method_handlers(table.service, handlers)
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
 def _stats_message(stats: SpeculationStats) -> pb.SpeculationStats:
@@ -228,6 +274,7 @@ class Generator(pb_grpc.GeneratorServicer):
 
     # ----------------------------------------------------------------------------- RPCs
     async def Info(self, request, context) -> pb.InfoResponse:
+        await _refuse_undecodable(request, context)
         i = self.info
         return pb.InfoResponse(
             draft_model=i["draft_model"],
@@ -249,6 +296,7 @@ class Generator(pb_grpc.GeneratorServicer):
         )
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
+        await _refuse_undecodable(request, context)
         text, ids, last, call = [], [], None, self._call(request)
         async for chunk in self._serve(request, context, call):
             text.append(chunk.text)
@@ -265,6 +313,7 @@ class Generator(pb_grpc.GeneratorServicer):
         )
 
     async def GenerateStream(self, request, context) -> AsyncIterator[pb.GenerateChunk]:
+        await _refuse_undecodable(request, context)
         async for chunk in self._serve(request, context, self._call(request)):
             yield chunk
 
@@ -433,7 +482,7 @@ class GatewayServer:
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        pb_grpc.add_GeneratorServicer_to_server(self.servicer, self.server)
+        _add_generator(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

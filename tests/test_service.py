@@ -302,6 +302,26 @@ def test_bad_requests_get_invalid_argument_naming_the_field(service, fields, nam
     assert len(ok.token_ids) >= 1
 
 
+@pytest.mark.parametrize("payload", [b"\xff", b"\x0a\x05ab", b"\x0a" + b"\xff" * 10])
+def test_undecodable_payloads_get_invalid_argument(service, payload):
+    """Bytes that do not parse as the method's request message: INVALID_ARGUMENT saying so
+    (grpc's own answer would be UNKNOWN), on every method; the server goes on serving."""
+    channel = service["channel"]
+    calls = [
+        channel.unary_unary("/blockspec.v1.Generator/Generate"),
+        channel.unary_stream("/blockspec.v1.Generator/GenerateStream"),
+        channel.unary_unary("/blockspec.v1.Generator/Info"),
+    ]
+    for call in calls:  # no serializers: the bytes go out as they are
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(payload, timeout=30)
+            list(reply) if hasattr(reply, "__iter__") and not isinstance(reply, bytes) else None
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("request: the payload did not parse")
+    ok = service["stub"].Generate(pb.GenerateRequest(prompt="x", max_new_tokens=2))
+    assert len(ok.token_ids) >= 1
+
+
 def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
     stub = service["stub"]
     cancelled_before = stats(service)["cancelled"]
