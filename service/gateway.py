@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import ray
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -252,6 +254,9 @@ class _Call:
     stream: Any = None  # the replica's Serve stream, once sent
     finished: bool = False  # that stream ended: nothing to cancel
     prompt_tokens: int = 0
+    unary: bool = False  # Generate: the client gets the chunks only at the end
+    sent: int = 0  # chunks the client has been sent
+    first_token_s: float = 0.0
 
 
 class Generator(pb_grpc.GeneratorServicer):
@@ -297,7 +302,7 @@ class Generator(pb_grpc.GeneratorServicer):
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
         await _refuse_undecodable(request, context)
-        text, ids, last, call = [], [], None, self._call(request)
+        text, ids, last, call = [], [], None, self._call(request, unary=True)
         async for chunk in self._serve(request, context, call):
             text.append(chunk.text)
             ids += chunk.token_ids
@@ -318,8 +323,9 @@ class Generator(pb_grpc.GeneratorServicer):
             yield chunk
 
     # ----------------------------------------------------------------------------- core
-    def _call(self, request) -> _Call:
-        return _Call(request.method or self.limits.default_method, time.perf_counter())
+    def _call(self, request, unary: bool = False) -> _Call:
+        method = request.method or self.limits.default_method
+        return _Call(method, time.perf_counter(), unary=unary)
 
     async def _serve(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         self.in_flight += 1
@@ -379,30 +385,50 @@ class Generator(pb_grpc.GeneratorServicer):
         remaining = context.time_remaining()
         job.deadline = time.time() + remaining if remaining is not None else None
 
-        text = _TextStream(self.tokenizer, list(request.stop))
-        output: list[int] = []
-        handle = self.replicas.options(stream=True, multiplexed_model_id=request.session_id or "")
-        stream = call.stream = handle.generate.remote(job)
-        final: FinishedEvent | None = None
-        first = True
-        async for event in stream:  # TokensEvent..., FinishedEvent
-            if isinstance(event, FinishedEvent):
-                final = event
-                continue
-            delta, ids = text.feed(event.token_ids)
-            output += ids
-            if first:
-                self.metrics.first_token.labels(call.method).observe(
-                    time.perf_counter() - call.start
-                )
-                first = False
-            if text.stopped:
-                stream.cancel()  # the replica frees the request's KV slot
-                yield pb.GenerateChunk(text=delta, token_ids=ids)
-                final = FinishedEvent("stop", stats=None, replica="")
+        if job.seed is None:  # drawn here, so that a retry on another replica redraws the same
+            job.seed = secrets.randbits(63)
+        unary = call.unary  # its chunks reach the client only at the end: it can be retried
+        for attempt in (1, 2):
+            text = _TextStream(self.tokenizer, list(request.stop))
+            output: list[int] = []
+            held: list[pb.GenerateChunk] = []
+            handle = self.replicas.options(
+                stream=True, multiplexed_model_id=request.session_id or ""
+            )
+            stream = call.stream = handle.generate.remote(job)
+            final: FinishedEvent | None = None
+            try:
+                async for event in stream:  # TokensEvent..., FinishedEvent
+                    if isinstance(event, FinishedEvent):
+                        final = event
+                        continue
+                    delta, ids = text.feed(event.token_ids)
+                    output += ids
+                    if not call.first_token_s:
+                        call.first_token_s = time.perf_counter() - call.start
+                        self.metrics.first_token.labels(call.method).observe(call.first_token_s)
+                    chunk = pb.GenerateChunk(text=delta, token_ids=ids)
+                    if text.stopped:
+                        stream.cancel()  # the replica frees the request's KV slot
+                        held.append(chunk)
+                        final = FinishedEvent("stop", stats=None, replica="")
+                        break
+                    if not (delta or ids):
+                        continue
+                    if unary:
+                        held.append(chunk)
+                    else:
+                        call.sent += 1
+                        yield chunk
                 break
-            if delta or ids:
-                yield pb.GenerateChunk(text=delta, token_ids=ids)
+            except ray.exceptions.RayActorError as exc:  # the replica's process died
+                if call.sent or attempt == 2:
+                    raise ReplicaFailed(
+                        f"the replica serving this request died after {call.sent} chunks were "
+                        "sent; retry the request"
+                    ) from exc
+        for chunk in held:
+            yield chunk
         call.finished = True
         if final is None:
             raise RuntimeError("the replica's stream ended without a finish event")

@@ -200,6 +200,7 @@ class Replica:
         in_flight, active = self.coordinator.in_flight, len(engine.active)
         return dict(
             replica=self.id,
+            pid=os.getpid(),
             steps=s.steps,
             batch_sizes=dict(s.batch_sizes),
             step_seconds={name: getattr(s.times, name) for name in StepTimes.PHASES},

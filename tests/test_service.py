@@ -624,3 +624,36 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
         for actor in engine.draft.actors + engine.target.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(engine.target.placement_group)
+
+
+def _kill_replica_process(service) -> None:
+    """SIGKILL the Serve replica's process (Serve then starts a new one)."""
+    import os
+    import signal
+
+    os.kill(service["replica"].stats.remote().result()["pid"], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_replica_death_retries_unary_requests_and_ends_streams_with_unavailable(service):
+    """A unary request whose replica dies is retried once on the replacement replica, with the
+    seed the gateway drew for it, and answers what an undisturbed run answers; a stream that
+    already sent chunks ends with UNAVAILABLE saying so."""
+    stub = service["stub"]
+    request = pb.GenerateRequest(prompt="def f(x):", max_new_tokens=300, seed=5, ignore_eos=True)
+    undisturbed = stub.Generate(request, timeout=120)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(stub.Generate, request, timeout=180)
+        time.sleep(1.0)  # mid-generation
+        _kill_replica_process(service)
+        assert list(reply.result().token_ids) == list(undisturbed.token_ids)
+
+    stream = stub.GenerateStream(request, timeout=180)
+    next(stream)  # a chunk has been sent
+    _kill_replica_process(service)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "died after" in err.value.details()
+    ok = stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=2), timeout=180)
+    assert len(ok.token_ids) >= 1  # the replacement serves
