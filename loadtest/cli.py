@@ -65,7 +65,8 @@ def load_prompts(args, max_context: int, configs: list[Config]) -> list[list[int
 async def run(args) -> None:
     from protos import blockspec_pb2 as pb
 
-    client = Client(args.address, args.max_new_tokens, args.timeout)
+    token = args.token or os.environ.get("BLOCKSPEC_TOKEN")
+    client = Client(args.address, args.max_new_tokens, args.timeout, args.tls_ca, token)
     info = await client.stub.Info(pb.InfoRequest(), timeout=30)
     single_path = {m.name for m in info.methods if m.single_path}
     configs = (
@@ -180,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
         prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--address", default="127.0.0.1:50051")
+    ap.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
+    ap.add_argument("--token", help="bearer token (default: $BLOCKSPEC_TOKEN)")
     ap.add_argument("--methods", nargs="+", default=["none", "token", "block", "gbv"])
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--gamma", type=int, nargs="+", default=[4, 8])

@@ -17,6 +17,7 @@ import grpc
 
 from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
+from service.auth import bearer, client_channel
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,16 @@ class Record:
 
 
 class Client:
-    def __init__(self, address: str, max_new_tokens: int, timeout_s: float):
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str,
+        max_new_tokens: int,
+        timeout_s: float,
+        tls_ca: str | None = None,
+        token: str | None = None,
+    ):
+        self.channel = client_channel(address, tls_ca, aio=True)
+        self.metadata = bearer(token)
         self.stub = pb_grpc.GeneratorStub(self.channel)
         self.max_new_tokens, self.timeout_s = max_new_tokens, timeout_s
         self.t0 = time.perf_counter()
@@ -83,7 +92,8 @@ class Client:
         start = time.perf_counter()
         rec = Record(cfg.label, load, start - self.t0)
         try:
-            async for chunk in self.stub.GenerateStream(req, timeout=self.timeout_s):
+            stream = self.stub.GenerateStream(req, timeout=self.timeout_s, metadata=self.metadata)
+            async for chunk in stream:
                 if chunk.token_ids and rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - start
                 rec.tokens += len(chunk.token_ids)

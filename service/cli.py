@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from fractions import Fraction
@@ -109,7 +110,8 @@ def serve_settings(args):
     sections merge, so --tp keeps the rest of the file's replica section)."""
     from service.config import Settings
 
-    flags = {k: getattr(args, k) for k in ("host", "port", "metrics_port", "redis_url")}
+    names = ("host", "port", "metrics_port", "redis_url", "tls_cert_file", "tls_key_file")
+    flags = {k: getattr(args, k) for k in (*names, "tls_client_ca_file", "auth_tokens_file")}
     flags["ray_address"] = args.ray_address
     replica = {
         "tensor_parallel": args.tp,
@@ -166,6 +168,7 @@ def generate_remote(args) -> None:
 
     from protos import blockspec_pb2 as pb
     from protos import blockspec_pb2_grpc as pb_grpc
+    from service.auth import bearer, client_channel
 
     req = pb.GenerateRequest(
         prompt="" if args.chat else args.prompt,
@@ -183,12 +186,13 @@ def generate_remote(args) -> None:
     if args.seed is not None:
         req.seed = args.seed
     start = time.perf_counter()
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args.address, args.tls_ca) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         try:
             if not args.chat:
                 print(args.prompt, end="", flush=True)
-            for chunk in stub.GenerateStream(req, timeout=args.timeout):
+            token = args.token or os.environ.get("BLOCKSPEC_TOKEN")
+            for chunk in stub.GenerateStream(req, timeout=args.timeout, metadata=bearer(token)):
                 print(chunk.text, end="", flush=True)
                 last = chunk
         except grpc.RpcError as err:
@@ -218,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     where = g.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run the engine in-process")
     where.add_argument("--address", help="HOST:PORT of a running service (blockspec serve)")
+    g.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
+    g.add_argument("--token", help="bearer token (default: $BLOCKSPEC_TOKEN)")
     g.add_argument("--session", help="session id: continue (or start) a conversation")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
@@ -228,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--metrics-port", type=int, help="Prometheus port (default 9464; 0 = off)")
     s.add_argument("--redis-url", help="session store (default: embedded, single node)")
     s.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    s.add_argument("--tls-cert-file", help="PEM certificate: serve gRPC over TLS")
+    s.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    s.add_argument("--tls-client-ca-file", help="PEM CA: require client certificates (mTLS)")
+    s.add_argument("--auth-tokens-file", help="'principal token' lines: require bearer tokens")
     s.add_argument("--replicas", help="N or MIN-MAX replicas (autoscaled between)")
     s.add_argument("--tp", type=int, help="tensor-parallel target shards per replica")
     s.add_argument("--max-batch", type=int, help="requests per decode step per replica")

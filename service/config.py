@@ -122,10 +122,39 @@ class Settings(BaseSettings):
     # steps, where inline is faster (docs/service_benchmark.md). Ray also caps a reply's inlined
     # bytes at `task_rpc_inlined_bytes_limit` (10 MiB). A joined cluster keeps its own.
     ray_inline_bytes: int = Field(8 << 20, ge=0)
+    # TLS for the gRPC port (PEM files); with tls_client_ca_file, mutual TLS.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # Bearer tokens (service/auth.py): principal -> token, and/or a file of "principal token"
+    # lines. None of either: no authentication.
+    auth_tokens: dict[str, str] = Field(default_factory=dict)
+    auth_tokens_file: str | None = None
     app_name: str = "blockspec"
     drain_timeout_s: float = Field(30.0, ge=0)  # on shutdown: finish in-flight requests
     replica: ReplicaConfig = ReplicaConfig()
     autoscaling: Autoscaling = Autoscaling()
+
+    @model_validator(mode="after")
+    def _security(self) -> Settings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file: mutual TLS needs tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file {path!r}")
+        if any(not token for token in self.auth_tokens.values()):
+            raise ValueError("auth_tokens: empty token")
+        return self
+
+    def tokens(self) -> dict[str, str]:
+        """principal -> token, from auth_tokens and auth_tokens_file."""
+        from service.auth import read_tokens_file
+
+        tokens = read_tokens_file(self.auth_tokens_file) if self.auth_tokens_file else {}
+        return {**tokens, **self.auth_tokens}
 
     @classmethod
     def settings_customise_sources(

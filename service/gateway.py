@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 
 from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
+from service.auth import BearerAuth, server_credentials, warn_if_exposed
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
 from service.requests import (
@@ -269,10 +270,12 @@ class Generator(pb_grpc.GeneratorServicer):
         store: SessionStore,
         metrics: GatewayMetrics,
         max_in_flight: int,
+        auth: BearerAuth | None = None,
     ):
         self.replicas = replicas  # DeploymentHandle of service.replica.Replica
         self.tokenizer, self.limits, self.info = tokenizer, limits, info
         self.store, self.metrics = store, metrics
+        self.auth = auth or BearerAuth({})
         self.max_in_flight = max_in_flight
         self.draining = False
         self.in_flight = 0
@@ -374,10 +377,16 @@ class Generator(pb_grpc.GeneratorServicer):
         if self.in_flight > self.max_in_flight:
             raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
         ids = prompt_ids(request, self.tokenizer)  # before any await on the store
-        session = await self.store.get(request.session_id) if request.session_id else None
+        # Sessions live under the caller's principal: another client's id names another session.
+        principal = self.auth.principal(context.invocation_metadata())
+        if principal is None:  # the interceptor lets no such call through
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing")
+        key = f"{principal}/{request.session_id}" if principal else request.session_id
+        session = await self.store.get(key) if key else None
         history = session.tokens if session else []
         job = check_request(request, self.limits, ids, len(history))
         job.prompt_ids = history + ids
+        job.session_id = key or None
         call.prompt_tokens = len(job.prompt_ids)
         eos = self.tokenizer.eos_token_id
         if eos is not None and not request.ignore_eos:
@@ -392,9 +401,7 @@ class Generator(pb_grpc.GeneratorServicer):
             text = _TextStream(self.tokenizer, list(request.stop))
             output: list[int] = []
             held: list[pb.GenerateChunk] = []
-            handle = self.replicas.options(
-                stream=True, multiplexed_model_id=request.session_id or ""
-            )
+            handle = self.replicas.options(stream=True, multiplexed_model_id=key or "")
             stream = call.stream = handle.generate.remote(job)
             final: FinishedEvent | None = None
             try:
@@ -434,8 +441,8 @@ class Generator(pb_grpc.GeneratorServicer):
             raise RuntimeError("the replica's stream ended without a finish event")
         if final.stats is not None:
             self.metrics.finished(call.method, final.stats, len(output))
-        if request.session_id:
-            await self._save_session(request, session, job, output, final)
+        if key:
+            await self._save_session(session, job, output, final)
         yield pb.GenerateChunk(
             text=text.flush(),
             finish_reason=FINISH[final.finish_reason],
@@ -445,7 +452,6 @@ class Generator(pb_grpc.GeneratorServicer):
 
     async def _save_session(
         self,
-        request,
         old: Session | None,
         job: GenerateJob,
         output: list[int],
@@ -455,7 +461,7 @@ class Generator(pb_grpc.GeneratorServicer):
         tokens = job.prompt_ids + output
         await self.store.put(
             Session(
-                session_id=request.session_id,
+                session_id=job.session_id,
                 tokens=tokens,
                 settings=dict(
                     method=job.method, k=job.k, gamma=job.gamma, temperature=job.temperature
@@ -484,6 +490,7 @@ class GatewayServer:
         tokenizer = AutoTokenizer.from_pretrained(
             settings.replica.target_dir, local_files_only=True
         )
+        auth = BearerAuth(settings.tokens())
         registry = CollectorRegistry()
         self.metrics = GatewayMetrics(registry)
         self.metrics_port = None
@@ -505,15 +512,25 @@ class GatewayServer:
             self.store,
             self.metrics,
             max_in_flight,
+            auth,
         )
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=[auth])
         _add_generator(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        tls = bool(settings.tls_cert_file)
+        if tls:
+            credentials = server_credentials(
+                settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
+            )
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        warn_if_exposed(settings.host, tls, auth.enabled)
         if not self.port:
             raise RuntimeError(f"cannot listen on {settings.host}:{settings.port}")
 

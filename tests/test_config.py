@@ -45,6 +45,18 @@ def test_typos_and_bad_values_are_refused(tmp_path, monkeypatch):
         Settings(autoscaling={"metrics_interval_s": 10, "look_back_period_s": 5})
     with pytest.raises(pydantic.ValidationError, match=r"resources: amounts must be > 0 \(gpu_a\)"):
         Settings(replica={"draft": {"resources": {"gpu_a": 0, "node_b": 0.01}}})
+    with pytest.raises(pydantic.ValidationError, match="tls_cert_file and tls_key_file"):
+        Settings(tls_cert_file=__file__)
+    with pytest.raises(pydantic.ValidationError, match="tls_client_ca_file: mutual TLS"):
+        Settings(tls_client_ca_file=__file__)
+    with pytest.raises(pydantic.ValidationError, match="auth_tokens_file: no such file"):
+        Settings(auth_tokens_file=str(tmp_path / "none.txt"))
+    with pytest.raises(pydantic.ValidationError, match="auth_tokens: empty token"):
+        Settings(auth_tokens={"alice": ""})
+    bad = tmp_path / "tokens.txt"
+    bad.write_text("alice one two\n")
+    with pytest.raises(ValueError, match=r"tokens\.txt:1: expected 'principal token'"):
+        Settings(auth_tokens_file=str(bad)).tokens()
     monkeypatch.setenv("BLOCKSPEC_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match="no such file"):
         Settings()
