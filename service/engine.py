@@ -1,12 +1,16 @@
-"""In-process speculative engine: continuous batching over a draft worker and a target worker.
+"""Speculative engine: continuous batching over a draft worker and a target worker, in process
+or over Ray actors (workers/actors.py).
 
-One step for the batch of active requests (shared/spec/architecture.md), in three parts whose
-phases are timed separately (`StepTimes`):
-  propose: draft  -> K i.i.d. paths of γ tokens per request (draft worker)
-           tree   -> merge each request's paths into a flattened prefix tree (workers.tree)
-  verify:  target -> one forward over every node of every tree (target worker)
-           verify -> per (method, K, γ) group, batched (service.verification)
-  commit:  keep the accepted path's KV entries, append tokens, retire finished requests
+One step for the batch of active requests (shared/spec/architecture.md), with its phases timed
+separately (`StepTimes`):
+  plan:       the batch's pending tokens, K/γ, sampling settings and groups (`StepPlan`)
+  speculate:  draft  -> K i.i.d. paths of γ tokens per request (draft worker)
+              tree   -> merge each request's paths into a flattened prefix tree (workers.tree)
+              target -> one forward over every node of every tree (target worker)
+              verify -> per (method, K, γ) group, batched (`verify_step`); the target keeps
+                        the accepted paths' KV entries
+  commit:     the draft keeps its accepted tokens; append tokens, retire finished requests
+Over Ray the speculate part is one chained call, and verification runs on the target's rank 0.
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
 its own method, K, γ, sampling settings, seed (a private torch.Generator used for both drafting

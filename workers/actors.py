@@ -296,6 +296,8 @@ class RemoteDraft(_Remote):
 
 
 class RemoteTarget(_Remote):
+    _draft_vocab: torch.Tensor | None = None  # [Vh]: the draft head's ids (None: all)
+
     def use_draft_vocab(self, draft: RemoteDraft) -> None:
         """Tell rank 0 which ids the draft's rows arrive on (at start and after a restart)."""
         self._draft_vocab = ray.get(draft.actors[0].head_vocab.remote())
@@ -308,8 +310,7 @@ class RemoteTarget(_Remote):
     def speculate(
         self,
         draft: RemoteDraft,
-        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths); None:
-        # nothing to draft
+        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths) or None
         roots: torch.Tensor,  # [n] int64
         num_paths: list[int],
         depth: list[int],
