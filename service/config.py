@@ -130,6 +130,9 @@ class Settings(BaseSettings):
     # lines. None of either: no authentication.
     auth_tokens: dict[str, str] = Field(default_factory=dict)
     auth_tokens_file: str | None = None
+    # Requests one client (its principal, or its address without auth) may have in flight;
+    # more get RESOURCE_EXHAUSTED. None: no per-client limit.
+    max_in_flight_per_client: int | None = Field(None, ge=1)
     app_name: str = "blockspec"
     drain_timeout_s: float = Field(30.0, ge=0)  # on shutdown: finish in-flight requests
     replica: ReplicaConfig = ReplicaConfig()

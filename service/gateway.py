@@ -16,6 +16,7 @@ grpc.health.v1 (NOT_SERVING while draining) and server reflection.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 import time
@@ -43,6 +44,7 @@ from service.requests import (
     Limits,
     SpeculationStats,
     check_request,
+    check_sizes,
     prompt_ids,
 )
 from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
@@ -256,6 +258,7 @@ class _Call:
     finished: bool = False  # that stream ended: nothing to cancel
     prompt_tokens: int = 0
     unary: bool = False  # Generate: the client gets the chunks only at the end
+    client: str = ""  # principal, or the peer's address
     sent: int = 0  # chunks the client has been sent
     first_token_s: float = 0.0
 
@@ -271,11 +274,14 @@ class Generator(pb_grpc.GeneratorServicer):
         metrics: GatewayMetrics,
         max_in_flight: int,
         auth: BearerAuth | None = None,
+        max_per_client: int | None = None,
     ):
         self.replicas = replicas  # DeploymentHandle of service.replica.Replica
         self.tokenizer, self.limits, self.info = tokenizer, limits, info
         self.store, self.metrics = store, metrics
         self.auth = auth or BearerAuth({})
+        self.max_per_client = max_per_client
+        self.per_client: collections.Counter[str] = collections.Counter()  # requests in flight
         self.max_in_flight = max_in_flight
         self.draining = False
         self.in_flight = 0
@@ -333,6 +339,11 @@ class Generator(pb_grpc.GeneratorServicer):
     async def _serve(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         self.in_flight += 1
         self.metrics.in_flight.inc()
+        # A client: its principal, or without authentication its address.
+        call.client = (
+            self.auth.principal(context.invocation_metadata()) or (context.peer().rsplit(":", 1)[0])
+        )
+        self.per_client[call.client] += 1
         # A client cancel or deadline can end the RPC while grpc is writing a chunk, outside
         # this generator, which is then dropped without seeing an exception. So the RPC's own
         # end does the accounting and stops the replica's work (frees its KV slot).
@@ -365,6 +376,9 @@ class Generator(pb_grpc.GeneratorServicer):
         call.settled = True
         self.in_flight -= 1
         self.metrics.in_flight.dec()
+        self.per_client[call.client] -= 1
+        if not self.per_client[call.client]:
+            del self.per_client[call.client]
         self.metrics.requests.labels(call.method, code.name).inc()
         if code == grpc.StatusCode.OK:
             self.metrics.latency.labels(call.method).observe(time.perf_counter() - call.start)
@@ -376,6 +390,10 @@ class Generator(pb_grpc.GeneratorServicer):
         # limit can: it counts a request as queued only after it has checked the limit).
         if self.in_flight > self.max_in_flight:
             raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
+        most = self.max_per_client
+        if most and self.per_client[call.client] > most:
+            raise Overloaded(f"client {call.client!r} holds {most} requests (its limit)")
+        check_sizes(request, self.limits)
         ids = prompt_ids(request, self.tokenizer)  # before any await on the store
         # Sessions live under the caller's principal: another client's id names another session.
         principal = self.auth.principal(context.invocation_metadata())
@@ -513,6 +531,7 @@ class GatewayServer:
             self.metrics,
             max_in_flight,
             auth,
+            settings.max_in_flight_per_client,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(interceptors=[auth])

@@ -84,6 +84,34 @@ class Limits:
         return Limits(**{name: info[name] for name in Limits.__dataclass_fields__})
 
 
+# Size limits checked before any work (tokenizing, stop-string matching on every chunk).
+CHARS_PER_POSITION = 32  # more text per context position cannot fit: refused untokenized
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def check_sizes(req: pb.GenerateRequest, limits: Limits) -> None:
+    """Raise InvalidArgument, naming the field, for a request too large to be worth reading."""
+    most = CHARS_PER_POSITION * limits.max_context
+    text = len(req.prompt) + sum(len(m.content) + len(m.role) for m in req.messages)
+    if text > most:
+        field = "messages" if req.messages else "prompt"
+        raise InvalidArgument(
+            f"{field}: {text} characters cannot fit the model context ({limits.max_context} tokens)"
+        )
+    if len(req.prompt_token_ids) > limits.max_context:
+        raise InvalidArgument(
+            f"prompt_token_ids: {len(req.prompt_token_ids)} ids exceed the model context "
+            f"({limits.max_context})"
+        )
+    if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise InvalidArgument(
+            f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
+        )
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
+
+
 def prompt_ids(req: pb.GenerateRequest, tokenizer) -> list[int]:
     """The request's prompt as token ids: exactly one of prompt / prompt_token_ids / messages
     (rendered with the tokenizer's chat template, ending in the assistant's generation prompt).

@@ -11,6 +11,7 @@ import datetime
 import ipaddress
 import logging
 import threading
+import time
 
 import grpc
 import pytest
@@ -189,3 +190,27 @@ def test_serving_beyond_loopback_without_tls_and_tokens_warns(caplog):
         assert not caplog.records
         warn_if_exposed("0.0.0.0", tls=True, auth=False)
     assert "WITHOUT AUTHENTICATION" in caplog.text
+
+
+def test_each_client_has_its_own_concurrency_limit(service):
+    """With one request in flight per client, Alice's second concurrent request is refused
+    RESOURCE_EXHAUSTED while Bob's goes through."""
+    gateway = _Gateway(service, auth_tokens=TOKENS, max_in_flight_per_client=1)
+    try:
+        with client_channel(gateway.address) as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            long = pb.GenerateRequest(prompt="a", max_new_tokens=300, ignore_eos=True)
+            first = stub.Generate.future(long, metadata=bearer(TOKENS["alice"]), timeout=120)
+            deadline = time.monotonic() + 30
+            while not gateway.server.servicer.per_client["alice"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as err:
+                _generate(channel, TOKENS["alice"], prompt="x")
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "'alice' holds 1 requests" in err.value.details()
+            assert _generate(channel, TOKENS["bob"], prompt="x").token_ids
+            assert len(first.result().token_ids) == 300
+            assert _generate(channel, TOKENS["alice"], prompt="x").token_ids  # freed again
+    finally:
+        gateway.close()

@@ -285,6 +285,11 @@ BAD = [
     (dict(prompt="x", top_k=-2), "top_k"),
     (dict(prompt="x", stop_token_ids=[-1]), "stop_token_ids"),
     (dict(prompt="x " * 400), "prompt"),  # longer than the 384-token context
+    (dict(prompt="x" * (32 * 384 + 1)), "prompt"),  # refused before it is tokenized
+    (dict(prompt_token_ids=[1] * 385), "prompt_token_ids"),
+    (dict(prompt="x", stop=["a"] * 17), "stop"),
+    (dict(prompt="x", stop=["a" * 257]), "stop"),
+    (dict(prompt="x", stop_token_ids=[1] * 65), "stop_token_ids"),
     (dict(messages=[pb.ChatMessage(role="user", content="x")]), "messages"),  # no template
     (dict(prompt="x", messages=[pb.ChatMessage(role="user", content="x")]), "prompt"),
 ]
