@@ -38,6 +38,7 @@ from protos import blockspec_pb2_grpc as pb_grpc
 from service.auth import BearerAuth, server_credentials, warn_if_exposed
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
+from service.engine import InvalidArgument
 from service.requests import (
     FinishedEvent,
     GenerateJob,
@@ -259,6 +260,7 @@ class _Call:
     prompt_tokens: int = 0
     unary: bool = False  # Generate: the client gets the chunks only at the end
     client: str = ""  # principal, or the peer's address
+    session_id: str = ""  # the request's, or the one the server made for it
     sent: int = 0  # chunks the client has been sent
     first_token_s: float = 0.0
 
@@ -322,7 +324,7 @@ class Generator(pb_grpc.GeneratorServicer):
             finish_reason=last.finish_reason,
             stats=last.stats,
             prompt_tokens=call.prompt_tokens,
-            session_id=request.session_id,
+            session_id=call.session_id,
             replica=last.replica,
         )
 
@@ -399,7 +401,10 @@ class Generator(pb_grpc.GeneratorServicer):
         principal = self.auth.principal(context.invocation_metadata())
         if principal is None:  # the interceptor lets no such call through
             raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing")
-        key = f"{principal}/{request.session_id}" if principal else request.session_id
+        if request.new_session and request.session_id:
+            raise InvalidArgument("new_session: set it or session_id, not both")
+        call.session_id = secrets.token_hex(16) if request.new_session else request.session_id
+        key = f"{principal}/{call.session_id}" if principal else call.session_id
         session = await self.store.get(key) if key else None
         history = session.tokens if session else []
         job = check_request(request, self.limits, ids, len(history))
@@ -466,6 +471,7 @@ class Generator(pb_grpc.GeneratorServicer):
             finish_reason=FINISH[final.finish_reason],
             stats=_stats_message(final.stats) if final.stats else None,
             replica=final.replica,
+            session_id=call.session_id,
         )
 
     async def _save_session(

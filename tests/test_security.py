@@ -214,3 +214,24 @@ def test_each_client_has_its_own_concurrency_limit(service):
             assert _generate(channel, TOKENS["alice"], prompt="x").token_ids  # freed again
     finally:
         gateway.close()
+
+
+def test_server_generated_session_ids(secure, pki):
+    """new_session: a 128-bit id made by the server, returned by Generate and on the last
+    chunk of GenerateStream, continuing like any session; with session_id too: refused."""
+    with client_channel(secure.address, str(pki / "ca.pem")) as channel:
+        first = _generate(channel, TOKENS["alice"], prompt="hello", new_session=True)
+        assert len(first.session_id) == 32 and int(first.session_id, 16) >= 0
+        again = _generate(channel, TOKENS["alice"], prompt=" more", session_id=first.session_id)
+        assert again.prompt_tokens > first.prompt_tokens
+        stream = pb_grpc.GeneratorStub(channel).GenerateStream(
+            pb.GenerateRequest(prompt="hi", max_new_tokens=2, new_session=True),
+            metadata=bearer(TOKENS["alice"]),
+            timeout=60,
+        )
+        *_, last = list(stream)
+        assert len(last.session_id) == 32 and last.session_id != first.session_id
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(channel, TOKENS["alice"], prompt="x", new_session=True, session_id="s")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("new_session:")
