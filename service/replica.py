@@ -98,6 +98,10 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     return engine, info
 
 
+def _pid(_actor) -> int:
+    return os.getpid()
+
+
 def to_engine_request(job: GenerateJob, request_id: str) -> GenerationRequest:
     plain = job.method == PLAIN
     return GenerationRequest(
@@ -212,6 +216,15 @@ class Replica:
             active=active,
             parked_sessions=list(engine.parked),
         )
+
+    async def worker_pids(self) -> dict[str, list[int]]:
+        """Process ids of this replica's draft actor and target shards (fault injection)."""
+        engine = self.coordinator.engine
+
+        async def pids(actors) -> list[int]:
+            return list(await asyncio.gather(*[a.__ray_call__.remote(_pid) for a in actors]))
+
+        return dict(draft=await pids(engine.draft.actors), target=await pids(engine.target.actors))
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
