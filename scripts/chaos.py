@@ -51,7 +51,7 @@ EXPECTED = {
 
 @dataclass
 class Record:
-    kind: str  # load | storm | slow
+    kind: str  # load (the clients) | storm (a fault's own requests)
     start: float  # seconds since the run began
     end: float
     code: str
@@ -60,10 +60,10 @@ class Record:
 
 
 class Run:
-    def __init__(self, address: str, streams: int, seed: int):
+    def __init__(self, address: str, seed: int):
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.GeneratorStub(self.channel)
-        self.streams, self.rng = streams, random.Random(seed)
+        self.rng = random.Random(seed)
         self.t0 = time.perf_counter()
         self.records: list[Record] = []
         self.stop = False
@@ -94,12 +94,12 @@ class Run:
             code = "CANCELLED"
         self.records.append(Record(kind, start, self.now(), code, tokens, detail))
 
-    def request(self, session: str = "", **extra) -> pb.GenerateRequest:
+    def request(self, session: str = "") -> pb.GenerateRequest:
         method, k, gamma = self.rng.choice(METHODS)
         prompt = f"def task_{self.rng.randrange(10**6)}(x):\n    "
         return pb.GenerateRequest(
             prompt=prompt, max_new_tokens=self.rng.choice([16, 32, 64]), method=method, k=k,
-            gamma=gamma, session_id=session, ignore_eos=True, **extra,
+            gamma=gamma, session_id=session, ignore_eos=True,
         )  # fmt: skip
 
     async def client(self, index: int) -> None:
@@ -155,7 +155,7 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
 
 
 async def main_async(args, replica, redis: subprocess.Popen, address: str) -> dict:
-    run = Run(address, args.streams, args.seed)
+    run = Run(address, args.seed)
     faults: list[dict] = []
     rss: list[dict] = []
 

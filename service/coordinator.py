@@ -21,7 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
+from service.engine import (
+    GenerationRequest,
+    GenerationResult,
+    SpeculativeEngine,
+    StepResult,
+    StepTimes,
+)
 from workers.actors import WorkerLost
 
 log = logging.getLogger(__name__)
@@ -209,7 +215,7 @@ class Coordinator:
             for job in jobs.values():
                 job.deliver(Failed(ReplicaFailed(f"replica failed: {exc!r}")))
 
-    def _step(self):
+    def _step(self) -> StepResult:
         """One engine step; when a worker actor dies, restart the workers, rebuild their caches
         and redo the step (requests see a delay, not an error, and the same tokens)."""
         for attempt in range(1, MAX_RECOVERIES + 1):

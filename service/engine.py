@@ -177,9 +177,18 @@ class StepResult:
 
 
 @dataclass
+class VerifyPlan:
+    """What `verify_step` needs of the batch, and only that: in the service it travels with
+    the step's call to the target's rank 0, which verifies next to its rows."""
+
+    groups: list[tuple[str, int, int, list[int]]]  # (method, K, γ, rows), verified together
+    carries: list[TargetModification | None]  # [n]: carried records (greedy_block, spectr_gbv)
+    max_gamma: int  # the batch's largest γ (1 when it is all plain)
+
+
+@dataclass
 class StepPlan:
-    """What one step asks of the workers, built from the batch. Holds no generators: in the
-    service it travels to the target actor, which verifies next to its rows."""
+    """What one step asks of the workers, built from the batch (no generators)."""
 
     pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
     pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
@@ -187,9 +196,7 @@ class StepPlan:
     depth: list[int]  # [n]: each request's γ (0: plain)
     roots: torch.Tensor  # [n] int64: each tree's root, the last emitted token
     params: list[SamplingParams]
-    groups: list[tuple[str, int, int, list[int]]]  # (method, K, γ, rows), verified together
-    carries: list[TargetModification | None]  # [n]: carried records (greedy_block, spectr_gbv)
-    max_gamma: int  # the batch's largest γ (1 when it is all plain)
+    verification: VerifyPlan
 
     @property
     def drafted(self) -> bool:
@@ -208,7 +215,7 @@ class Verdict:
 
 
 def verify_step(
-    plan: StepPlan,
+    plan: VerifyPlan,
     x: torch.Tensor,  # [n, K, γ] int64: draft tokens ([n, 1, 1] zeros when nothing drafted)
     q: torch.Tensor | None,  # [n, K, γ, V]: the processed draft rows x was sampled from
     p: torch.Tensor,  # [n, K, γ+1, V]: processed target rows along every path
@@ -491,9 +498,11 @@ class SpeculativeEngine:
             depth=[0 if pl else a.req.gamma for a, pl in zip(batch, plain, strict=True)],
             roots=torch.tensor([a.target_pending for a in batch]),
             params=[a.req.sampling for a in batch],
-            groups=[(*key, idx) for key, idx in groups.items()],
-            carries=[a.carry for a in batch],
-            max_gamma=max((a.req.gamma for a in batch if a.req.method != PLAIN), default=1),
+            verification=VerifyPlan(
+                groups=[(*key, idx) for key, idx in groups.items()],
+                carries=[a.carry for a in batch],
+                max_gamma=max((a.req.gamma for a in batch if a.req.method != PLAIN), default=1),
+            ),
         )
 
     def _speculate(
@@ -507,7 +516,7 @@ class SpeculativeEngine:
             draft_args = None
             if plan.drafted:
                 draft_args = (plan.pending, plan.pending_count, plan.num_paths, plan.depth)
-            verify_here = functools.partial(verify_step, plan)
+            verify_here = functools.partial(verify_step, plan.verification)
             return remote(
                 self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
                 generators, verify_here,
@@ -525,7 +534,7 @@ class SpeculativeEngine:
         laps.lap("tree")
         p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
         laps.lap("target")
-        verdict = verify_step(plan, x, q, p, generators)
+        verdict = verify_step(plan.verification, x, q, p, generators)
         laps.lap("verify")
         self.target.commit(verdict.path, verdict.num_accepted)
         laps.lap("target")  # the commit is the target's work too
@@ -536,7 +545,8 @@ class SpeculativeEngine:
         tokens, tau, path = verdict.tokens, verdict.num_accepted, verdict.path
         done: list[int] = []
         results = []
-        run = min(plan.max_gamma - 1, x.shape[2])  # draft tokens per path the draft has run
+        # draft tokens per path that the draft has run
+        run = min(plan.verification.max_gamma - 1, x.shape[2])
         for i, a in enumerate(self.active):
             t = int(tau[i])
             emitted = tokens[i, : t + 1].tolist()

@@ -259,6 +259,7 @@ class _Call:
     finished: bool = False  # that stream ended: nothing to cancel
     prompt_tokens: int = 0
     unary: bool = False  # Generate: the client gets the chunks only at the end
+    principal: str | None = None  # whose token the call carries ("" without auth)
     client: str = ""  # principal, or the peer's address
     session_id: str = ""  # the request's, or the one the server made for it
     sent: int = 0  # chunks the client has been sent
@@ -341,10 +342,9 @@ class Generator(pb_grpc.GeneratorServicer):
     async def _serve(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
         self.in_flight += 1
         self.metrics.in_flight.inc()
+        call.principal = self.auth.principal(context.invocation_metadata())
         # A client: its principal, or without authentication its address.
-        call.client = (
-            self.auth.principal(context.invocation_metadata()) or (context.peer().rsplit(":", 1)[0])
-        )
+        call.client = call.principal or context.peer().rsplit(":", 1)[0]
         self.per_client[call.client] += 1
         # A client cancel or deadline can end the RPC while grpc is writing a chunk, outside
         # this generator, which is then dropped without seeing an exception. So the RPC's own
@@ -385,26 +385,18 @@ class Generator(pb_grpc.GeneratorServicer):
         if code == grpc.StatusCode.OK:
             self.metrics.latency.labels(call.method).observe(time.perf_counter() - call.start)
 
-    async def _generate(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
-        if self.draining:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
-        # Checked before the first await, so a burst cannot overshoot it (Serve's handle queue
-        # limit can: it counts a request as queued only after it has checked the limit).
-        if self.in_flight > self.max_in_flight:
-            raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
-        most = self.max_per_client
-        if most and self.per_client[call.client] > most:
-            raise Overloaded(f"client {call.client!r} holds {most} requests (its limit)")
+    async def _job(self, request, context, call: _Call) -> tuple[GenerateJob, Session | None]:
+        """The replica's job for `request`, checked, after its session's history (if any; the
+        session's key, under the caller's principal, is the job's session_id)."""
         check_sizes(request, self.limits)
         ids = prompt_ids(request, self.tokenizer)  # before any await on the store
-        # Sessions live under the caller's principal: another client's id names another session.
-        principal = self.auth.principal(context.invocation_metadata())
-        if principal is None:  # the interceptor lets no such call through
+        if call.principal is None:  # the interceptor lets no such call through
             raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing")
         if request.new_session and request.session_id:
             raise InvalidArgument("new_session: set it or session_id, not both")
         call.session_id = secrets.token_hex(16) if request.new_session else request.session_id
-        key = f"{principal}/{call.session_id}" if principal else call.session_id
+        # Another client's session id names another session.
+        key = f"{call.principal}/{call.session_id}" if call.principal else call.session_id
         session = await self.store.get(key) if key else None
         history = session.tokens if session else []
         job = check_request(request, self.limits, ids, len(history))
@@ -416,15 +408,27 @@ class Generator(pb_grpc.GeneratorServicer):
             job.stop_token_ids.append(eos)
         remaining = context.time_remaining()
         job.deadline = time.time() + remaining if remaining is not None else None
-
         if job.seed is None:  # drawn here, so that a retry on another replica redraws the same
             job.seed = secrets.randbits(63)
-        unary = call.unary  # its chunks reach the client only at the end: it can be retried
+        return job, session
+
+    async def _generate(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
+        if self.draining:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
+        # Checked before the first await, so a burst cannot overshoot it (Serve's handle queue
+        # limit can: it counts a request as queued only after it has checked the limit).
+        if self.in_flight > self.max_in_flight:
+            raise Overloaded(f"the gateway holds {self.max_in_flight} requests")
+        most = self.max_per_client
+        if most and self.per_client[call.client] > most:
+            raise Overloaded(f"client {call.client!r} holds {most} requests (its limit)")
+        job, session = await self._job(request, context, call)
         for attempt in (1, 2):
             text = _TextStream(self.tokenizer, list(request.stop))
             output: list[int] = []
             held: list[pb.GenerateChunk] = []
-            handle = self.replicas.options(stream=True, multiplexed_model_id=key or "")
+            routing = job.session_id or ""  # its replica keeps the session's KV cache
+            handle = self.replicas.options(stream=True, multiplexed_model_id=routing)
             stream = call.stream = handle.generate.remote(job)
             final: FinishedEvent | None = None
             try:
@@ -432,20 +436,20 @@ class Generator(pb_grpc.GeneratorServicer):
                     if isinstance(event, FinishedEvent):
                         final = event
                         continue
-                    delta, ids = text.feed(event.token_ids)
-                    output += ids
+                    delta, new_ids = text.feed(event.token_ids)
+                    output += new_ids
                     if not call.first_token_s:
                         call.first_token_s = time.perf_counter() - call.start
                         self.metrics.first_token.labels(call.method).observe(call.first_token_s)
-                    chunk = pb.GenerateChunk(text=delta, token_ids=ids)
+                    chunk = pb.GenerateChunk(text=delta, token_ids=new_ids)
                     if text.stopped:
                         stream.cancel()  # the replica frees the request's KV slot
                         held.append(chunk)
                         final = FinishedEvent("stop", stats=None, replica="")
                         break
-                    if not (delta or ids):
+                    if not (delta or new_ids):
                         continue
-                    if unary:
+                    if call.unary:  # the client gets it only at the end: a retry is safe
                         held.append(chunk)
                     else:
                         call.sent += 1
@@ -464,7 +468,7 @@ class Generator(pb_grpc.GeneratorServicer):
             raise RuntimeError("the replica's stream ended without a finish event")
         if final.stats is not None:
             self.metrics.finished(call.method, final.stats, len(output))
-        if key:
+        if job.session_id:
             await self._save_session(session, job, output, final)
         yield pb.GenerateChunk(
             text=text.flush(),

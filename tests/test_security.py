@@ -103,15 +103,15 @@ class _Gateway:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def _tls(pki, **more) -> dict:
+    """Settings for TLS with the test's server certificate."""
+    return dict(tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"), **more)
+
+
 @pytest.fixture(scope="module")
 def secure(service, pki):
     """TLS and bearer tokens (from a file)."""
-    gateway = _Gateway(
-        service,
-        tls_cert_file=str(pki / "server.pem"),
-        tls_key_file=str(pki / "server.key"),
-        auth_tokens_file=str(pki / "tokens.txt"),
-    )
+    gateway = _Gateway(service, **_tls(pki, auth_tokens_file=str(pki / "tokens.txt")))
     yield gateway
     gateway.close()
 
@@ -156,12 +156,7 @@ def test_sessions_are_namespaced_by_principal(secure, pki):
 
 
 def test_mutual_tls_requires_a_client_certificate(service, pki):
-    gateway = _Gateway(
-        service,
-        tls_cert_file=str(pki / "server.pem"),
-        tls_key_file=str(pki / "server.key"),
-        tls_client_ca_file=str(pki / "ca.pem"),
-    )
+    gateway = _Gateway(service, **_tls(pki, tls_client_ca_file=str(pki / "ca.pem")))
     try:
         ca = (pki / "ca.pem").read_bytes()
         anonymous = grpc.ssl_channel_credentials(ca)

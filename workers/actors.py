@@ -179,7 +179,7 @@ class TargetShardActor:
         depth: list[int],  # [n]
         params: list[SamplingParams],
         drafted: Drafted | None,  # None: nothing drafted (a batch of plain requests)
-        states: list[torch.Tensor] | None,  # rank 0: the generators' states; others: None
+        states: list[torch.Tensor] | None,  # rank 0, nothing drafted: the generators' states
         verify: Callable | None,  # rank 0: (x, q, p, generators) -> verdict; others: None
     ) -> tuple[torch.Tensor, Any, list[torch.Tensor], dict[str, float]] | None:
         """Score the step's trees on every rank; on rank 0 verify, then every rank commits.
@@ -272,7 +272,7 @@ class _Remote:
 
     def _check_posted(self) -> float:
         """Raise what an unwaited call raised (they have run once a later call returned);
-        returns the seconds they computed (on each actor of a lockstep group: the slowest)."""
+        returns the seconds they computed (per actor of a lockstep group: the mean)."""
         earlier, self._unwaited = self._unwaited, []
         seconds = [s for _, s in _gather(earlier)]
         return sum(seconds) / len(self.actors)
@@ -329,7 +329,8 @@ class RemoteTarget(_Remote):
             drafted = draft.propose(*draft_args, params, states=states)
         refs = []
         for rank, actor in enumerate(self.actors):
-            own = (states, verify) if rank == 0 else (None, None)  # only rank 0 verifies
+            # Only rank 0 verifies; the states reach it with the draft's output if it drafted.
+            own = (None if drafted else states, verify) if rank == 0 else (None, None)
             refs.append(actor.speculate.remote(roots, num_paths, depth, params, drafted, *own))
         try:
             posted = draft._check_posted() + self._check_posted()  # prefills, moves, commits
