@@ -10,6 +10,7 @@ from .common import (
     clipped_products,
     emit,
     last_passing_level,
+    over_batch_chunks,
     positive_part_or,
     take_rows,
 )
@@ -37,7 +38,11 @@ def block_verify_rows(
     pi_all = torch.cat([torch.ones_like(pi[:, :1]), pi], dim=1)  # [B, γ+1], p_0 = 1
 
     # R_i = Σ_x (p_i p(x|X^i) - q(x|X^i))_+ for i = 1..γ-1; h_i = R_i / (R_i + 1 - p_i).
-    residual_mass = (pi[:, :-1, None] * p[:, 1:gamma] - q[:, 1:]).clamp_min(0).sum(-1)
+
+    def mass(p, q, pi):  # Σ_x (pi p - q)_+ = -Σ_x (q - pi p)_-, two passes and one temporary
+        return torch.addcmul(q, p, pi.unsqueeze(-1), value=-1).clamp_max_(0).sum(-1).neg()
+
+    residual_mass = over_batch_chunks(mass, p[:, 1:gamma], q[:, 1:], pi[:, :-1])
     denom = residual_mass + 1 - pi[:, :-1]
     h = torch.where(denom > 0, residual_mass / denom.clamp_min(1e-300), 1.0)  # 0/0 -> 1 (§11)
     h = torch.cat([h, pi[:, -1:]], dim=1)  # h_γ = p_γ
