@@ -39,8 +39,9 @@ __all__ = [
 @dataclass(frozen=True)
 class Verifier:
     name: str
-    # (draft_tokens, draft_probs, target_probs, uniforms [B, num_uniforms])
-    #   -> (tokens, τ, path[, new modification records])
+    # (draft_tokens, draft_probs, target_probs, uniforms [B, num_uniforms][, modified rows])
+    #   -> (tokens, τ, path[, new modification records]); a method that modifies the target
+    #   also takes the carried modification as ResidualRows over the unmodified target rows.
     fn: Callable
     num_uniforms: Callable[[int, int], int]  # (K, γ) -> uniforms per request
     single_path: bool  # K must be 1
@@ -158,7 +159,7 @@ def verify(
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
     modified = apply_records(carry, draft_tokens, draft_probs, target_probs)[0]
     tokens, tau, path, (log_p, log_q, rows_left) = spec.fn(
-        draft_tokens, draft_probs, modified, uniforms
+        draft_tokens, draft_probs, target_probs, uniforms, modified
     )
     new_carry = advance_records(
         carry,

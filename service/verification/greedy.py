@@ -20,137 +20,165 @@ import torch
 
 from workers.sampling import sample_from_weights
 
-from .common import (
-    emit,
-    exclusive_cumsum,
-    last_passing_level,
-    scaled_difference,
-)
-from .modification import m_new
+from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks
+from .modification import T_MAX, ResidualRows, as_row_scalars, m_new, residual_prob
 
 
 def num_uniforms(k: int, gamma: int) -> int:
     return k * gamma + 1  # one η per level per draft, one for the recovered/bonus sample
 
 
-def _path_logp(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """rows [B, P, >=γ, V], tokens [B, P, γ] -> log joint of every prefix [B, P, γ+1] float64."""
-    gamma = tokens.shape[-1]
-    tok = rows[:, :, :gamma].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return exclusive_cumsum(tok.double().log())
-
-
-def _next_level(
-    rows: torch.Tensor,  # [B, P, >=γ, V]: P_k along each path (rows of prefix lengths < γ)
-    log_joint: torch.Tensor,  # [B, P, γ+1]: log P_k(prefix)
-    log_joint_q: torch.Tensor,  # [B, P, γ+1]: log Q(prefix)
-    q: torch.Tensor,  # [B, P, γ, V]
-    accepted: torch.Tensor,  # [B, γ] int64: A_k (first `length` entries meaningful)
-    length: torch.Tensor,  # [B] int64: |A_k|
+def _path_logp(
+    p_tok: torch.Tensor,  # [B, P, γ] float64: p of each path token (base rows)
+    q_tok: torch.Tensor,  # [B, P, γ] float64
+    rows: ResidualRows,  # [B, P, γ]: the level's rows where not forced
+    tokens: torch.Tensor,  # [B, P, γ] int64
+    accepted: torch.Tensor,  # [B, γ] int64: forced prefix A (first `length` entries)
+    length: torch.Tensor,  # [B] int64
 ) -> torch.Tensor:
-    """P_{k+1} = ForcedPrefix(A_k) ∘ M_new(P_k) along each path.
+    """log joint of every prefix of each path under a level's law: [B, P, γ+1] float64.
 
-    Rows at prefix lengths < |A_k| are one-hot on A_k (prefixes that left A_k already have
-    joint 0, so their row is irrelevant); rows at lengths |A_k|..γ-1 (all >= τ_k) are M_new;
-    the bonus row (length γ) is never modified, so it is not returned:
-    levels hold rows of prefix lengths 0..γ-1 only ([B, P, γ, V]).
+    Rows at prefix lengths < |A| are one-hot on A (ForcedPrefix): probability 1 on A's token,
+    0 off it; the others are (p - t q)_+ / z.
     """
-    gamma = q.shape[2]
-    head = m_new(log_joint[..., :gamma], rows[:, :, :gamma], log_joint_q[..., :gamma], q)
-    forced = torch.zeros_like(head[:, 0]).scatter_(-1, accepted.unsqueeze(-1), 1.0)  # [B, γ, V]
-    is_forced = torch.arange(gamma, device=q.device)[None, :] < length[:, None]  # [B, γ]
-    return torch.where(is_forced[:, None, :, None], forced[:, None], head)
+    gamma = tokens.shape[-1]
+    forced = torch.arange(gamma, device=tokens.device)[None, None, :] < length[:, None, None]
+    on_a = (tokens == accepted[:, None, :]).double()
+    prob = torch.where(forced, on_a, residual_prob(p_tok, q_tok, rows.t, rows.z))
+    return exclusive_cumsum(prob.log())
 
 
 def _greedy_levels(
-    rows: torch.Tensor,  # [B, >=γ, V]: the law verified against, along one path
-    log_joint: torch.Tensor,  # [B, γ+1]
-    log_joint_q: torch.Tensor,  # [B, γ+1]
+    p: torch.Tensor,  # [B, γ, V]: base target rows of prefix lengths 0..γ-1 along one path
     q: torch.Tensor,  # [B, γ, V]
+    rows: ResidualRows,  # [B, γ]: the law verified against, where not forced
+    log_joint: torch.Tensor,  # [B, γ+1]: log P(prefix) under that law
+    log_joint_q: torch.Tensor,  # [B, γ+1]
+    q_forced: torch.Tensor,  # [B, γ] float64: q of A's token at each length (forced rows)
+    forced: torch.Tensor,  # [B, γ] bool: rows that are one-hot on A
 ) -> torch.Tensor:
     """Acceptance probability of every level i = 1..γ of one path (Alg. 4): [B, γ].
 
     i < γ: min(1, premain_i / prej_i) with premain = Σ(P(X^i x) - Q(X^i x))_+ and
-    prej = Σ(Q - P)_+ (prej = 0 gives 1); i = γ: min(1, P(X^γ) / Q(X^γ)).
+    prej = Σ(Q - P)_+ (prej = 0 gives 1); i = γ: min(1, P(X^γ) / Q(X^γ)). Both sums are
+    scale-free; divided by P(X^i)/z, with s = z Q(X^i)/P(X^i) and m = (p - t q)_+:
+    premain ∝ Σ(m - s q)_+ and prej ∝ Σ(s q - m)_+, one tensor e = m - s q for both.
+    A one-hot row on a (forced prefix), divided by Q(X^i) with ρ = P/Q: premain ∝ (ρ - q(a))_+,
+    prej ∝ (1 - q(a)) + (q(a) - ρ)_+ (q rows sum to 1).
     """
     gamma = q.shape[1]
-    diff = scaled_difference(
-        log_joint[:, 1:gamma], rows[:, 1:gamma], log_joint_q[:, 1:gamma], q[:, 1:]
-    )
-    premain = diff.clamp_min(0).sum(-1)
-    prej = (-diff).clamp_min(0).sum(-1)
+    log_p, log_q = log_joint[:, 1:gamma], log_joint_q[:, 1:gamma]
+    t, z = rows.t[:, 1:], rows.z[:, 1:]
+    s = (z * (log_q - log_p).exp()).clamp_max(T_MAX)  # P(X^i) = 0: s = T_MAX, acceptance 0
+
+    def masses(p, q, t, s):
+        e = torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
+        e = e.addcmul_(q, as_row_scalars(s, p), value=-1)
+        return e.clamp_min(0).sum(-1).double(), e.clamp_max_(0).sum(-1).double().neg()
+
+    premain, prej = over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s)
     acc = torch.where(prej > 0, (premain / prej.clamp_min(1e-300)).clamp_max(1), 1.0)
+    acc = torch.where(log_p > -torch.inf, acc, 0.0)  # P(X^i) = 0: nothing left to accept
+    rho = (log_p - log_q).exp()
+    qa = q_forced[:, 1:]
+    acc_forced = ((rho - qa).clamp_min(0) / ((1 - qa) + (qa - rho).clamp_min(0))).clamp_max(1)
+    acc = torch.where(forced[:, 1:], acc_forced.nan_to_num(1.0), acc)
     last = (log_joint[:, gamma] - log_joint_q[:, gamma]).clamp_max(0).exp()
-    return torch.cat([acc.double(), last.unsqueeze(1)], dim=1)
+    return torch.cat([acc, last.unsqueeze(1)], dim=1)
 
 
 def sequential_greedy_verify(
     draft_tokens: torch.Tensor,  # [B, K, γ] int64
     draft_probs: torch.Tensor,  # [B, K, γ, V]
-    target_probs: torch.Tensor,  # [B, K, γ+1, V]: already carrying earlier modifications
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]: base target rows
     uniforms: torch.Tensor,  # [B, K*γ + 1]
+    modified: ResidualRows,  # [B, K, γ]: earlier modifications carried into these rows
 ):
     """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], rows_left [B, K]))."""
     B, K, gamma = draft_tokens.shape
     dev = draft_tokens.device
     ar = torch.arange(B, device=dev)
-    log_q = exclusive_cumsum(
-        draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).double().log()
-    )
+    tok = draft_tokens.unsqueeze(-1)
+    p_tok = target_probs[:, :, :gamma].gather(-1, tok).squeeze(-1).double()  # [B, K, γ]
+    q_tok = draft_probs.gather(-1, tok).squeeze(-1).double()
+    log_q = exclusive_cumsum(q_tok.log())  # [B, K, γ+1]
 
     accepted = torch.zeros(B, gamma, dtype=torch.int64, device=dev)  # A
     length = torch.zeros(B, dtype=torch.int64, device=dev)  # |A|
     best_path = torch.zeros(B, dtype=torch.int64, device=dev)  # the draft that set A
+    positions = torch.arange(gamma, device=dev)
     # Level k's law P_k is only needed on paths k..K-1: path k is tested against it, later
-    # paths build later levels from it. `rows` holds P_k on those paths.
-    rows = target_probs
+    # paths build later levels from it. `rows` holds P_k there (where not forced onto A).
+    rows = modified
     joints = []  # joints[k]: log P_k(prefix) on paths k..K-1, [B, K-k, γ+1]
     for k in range(K):
         done = length == gamma  # a full block was accepted: later drafts are not tested
-        log_p = _path_logp(rows, draft_tokens[:, k:])
+        forced = positions[None, :] < length[:, None]  # [B, γ]: P_k is one-hot on A there
+        log_p = _path_logp(p_tok[:, k:], q_tok[:, k:], rows, draft_tokens[:, k:], accepted, length)
         joints.append(log_p)
-        acc = _greedy_levels(rows[:, 0], log_p[:, 0], log_q[:, k], draft_probs[:, k])
+        q_forced = draft_probs[:, k].gather(-1, accepted.unsqueeze(-1)).squeeze(-1).double()
+        path_rows = ResidualRows(rows.t[:, 0], rows.z[:, 0])
+        acc = _greedy_levels(
+            target_probs[:, k],
+            draft_probs[:, k],
+            path_rows,
+            log_p[:, 0],
+            log_q[:, k],
+            q_forced,
+            forced,
+        )
         tau_k = last_passing_level(uniforms[:, k * gamma : (k + 1) * gamma], acc)
         longer = (tau_k > length) & ~done
         accepted = torch.where(longer[:, None], draft_tokens[:, k], accepted)
         length = torch.where(longer, tau_k, length)
         best_path = torch.where(longer, k, best_path)
         if k < K - 1:
-            rows = _next_level(
-                rows[:, 1:],
-                log_p[:, 1:],
-                log_q[:, k + 1 :],
+            # P_{k+1} = ForcedPrefix(A_k) ∘ M_new(P_k): M_new on every row (rows at lengths
+            # < |A_k| are forced whatever their offsets); the bonus row is never modified.
+            t, z = m_new(
+                target_probs[:, k + 1 :, :gamma],
                 draft_probs[:, k + 1 :],
-                accepted,
-                length,
+                rows.t[:, 1:],
+                rows.z[:, 1:],
+                log_p[:, 1:, :gamma],
+                log_q[:, k + 1 :, :gamma],
             )
+            rows = ResidualRows(t, z)
 
     # y ~ P_{K+1}(·|A). Along A, P_{k+1}(·|A) = M_new(P_k)(·|A) (|A| >= |A_k|, never forced),
     # so one row per level suffices. P_k(A) is on record for k <= best_path (path best_path
     # was among the paths of level k); for later levels A is forced, P_k(A) = 1.
-    row = target_probs[ar, best_path, length]  # [B, V]
-    q_row = draft_probs[ar, best_path, length.clamp_max(gamma - 1)]
+    p_row = target_probs[ar, best_path, length]  # [B, V]
+    at = length.clamp_max(gamma - 1)
+    q_row = draft_probs[ar, best_path, at]
     log_q_a = log_q[ar, best_path, length]
-    modifiable = (length < gamma)[:, None]  # the bonus row (|A| = γ) is never modified
-    level_rows, level_joints = [], []
+    modifiable = length < gamma  # the bonus row (|A| = γ) is never modified
+    t = torch.where(modifiable, modified.t[ar, best_path, at], 0.0)
+    z = torch.where(modifiable, modified.z[ar, best_path, at], 1.0)
+    level_t, level_z, level_joints = [], [], []
     for k in range(K):
         joint = joints[k][ar, (best_path - k).clamp_min(0), length]
         joint = torch.where(best_path >= k, joint, 0.0)
-        level_rows.append(row)
+        level_t.append(t)
+        level_z.append(z)
         level_joints.append(joint)
-        row = torch.where(modifiable, m_new(joint, row, log_q_a, q_row), row)
-    y = sample_from_weights(row, uniforms[:, K * gamma])
+        t_new, z_new = m_new(p_row, q_row, t, z, joint, log_q_a)
+        t, z = torch.where(modifiable, t_new, t), torch.where(modifiable, z_new, z)
+    weights = torch.addcmul(p_row, q_row, as_row_scalars(t, p_row), value=-1).clamp_min_(0)
+    y = sample_from_weights(weights / z.to(weights.dtype).unsqueeze(-1), uniforms[:, K * gamma])
 
     # Record k: joint of (A, y) under P_k and under the draft; window = lengths |A|+1..γ-1.
     y_col = y.unsqueeze(-1)
+    p_y = p_row.gather(-1, y_col).squeeze(-1).double()
+    q_y = q_row.gather(-1, y_col).squeeze(-1).double()
     rec_log_p = torch.stack(
         [
-            j + r.gather(-1, y_col).squeeze(-1).double().log()
-            for r, j in zip(level_rows, level_joints, strict=True)
+            j + residual_prob(p_y, q_y, lt, lz).log()
+            for lt, lz, j in zip(level_t, level_z, level_joints, strict=True)
         ],
         dim=1,
     )
-    rec_log_q = log_q_a + q_row.gather(-1, y_col).squeeze(-1).double().log()
+    rec_log_q = log_q_a + q_y.log()
     rows_left = (gamma - 1 - length).clamp_min(0)
     records = (
         rec_log_p,

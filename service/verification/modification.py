@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import exclusive_cumsum, positive_part_or, scaled_difference, take_rows
+from .common import exclusive_cumsum, over_batch_chunks, take_rows
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,72 @@ class TargetModification:
         return TargetModification(self.log_p[:, live], self.log_q[:, live], self.rows_left[:, live])
 
 
-def m_new(
-    log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, q: torch.Tensor
+# Offsets beyond this are clamped: (p - t q)_+ then differs from the exact row only on tokens with
+# q < p / T_MAX, a draft mass below 1e-30, and t q stays finite in float32 (no inf * 0 = NaN).
+T_MAX = 1e30
+
+
+@dataclass(frozen=True)
+class ResidualRows:
+    """Modified target rows in closed form: row = (p - t q)_+ / z on the base rows p, q.
+
+    M_new keeps this form: on a row (p - t q)_+ / z it gives norm((P(v) (p - t q)_+ / z -
+    Q(v) q)_+), which is 0 wherever p <= t q and (P(v)/z)(p - (t + s) q) elsewhere, with
+    s = z Q(v)/P(v); so M_new(t, z) = (t + s, F(t + s)), F(t) = Σ_x (p - t q)_+. Any chain of
+    modifications is then one scalar pair per row, each costing one fused pass over V instead
+    of materialised [.., V] rows (t = 0, z = 1 is the base row itself).
+    """
+
+    t: torch.Tensor  # [B, P, L] float64 offsets
+    z: torch.Tensor  # [B, P, L] float64 normalisers F(t) (1 where t = 0)
+
+    @staticmethod
+    def base(like: torch.Tensor) -> ResidualRows:
+        """Unmodified rows for a [B, P, L] tensor's shape and device."""
+        t = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+        return ResidualRows(t, torch.ones_like(t))
+
+
+def as_row_scalars(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """float64 [...] -> rows' dtype [..., 1], finite (half precision tops out at 65504)."""
+    return x.clamp_max(torch.finfo(rows.dtype).max / 4).to(rows.dtype).unsqueeze(-1)
+
+
+def residual_mass(p: torch.Tensor, q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """F(t) = Σ_x (p(x) - t q(x))_+: p, q [B, ..., V], t [B, ...] float64 -> [B, ...] float64."""
+
+    def mass(p, q, t):
+        d = torch.addcmul(p, q, as_row_scalars(t, p), value=-1)
+        return d.clamp_min_(0).sum(-1).double()
+
+    return over_batch_chunks(mass, p, q, t)
+
+
+def residual_prob(
+    p_tok: torch.Tensor, q_tok: torch.Tensor, t: torch.Tensor, z: torch.Tensor
 ) -> torch.Tensor:
-    """M_new(·|v) = norm((P(v) p(·|v) - Q(v) q(·|v))_+), falling back to p on zero mass
-    (only on probability-0 prefixes, spec §3.1, §11). log_p, log_q [...]: joints of the
-    prefixes v; p, q [..., V]: their rows."""
-    modified = positive_part_or(scaled_difference(log_p, p, log_q, q), p)
-    return modified / modified.sum(-1, keepdim=True)
+    """The rows' probability of given tokens, (p - t q)_+ / z, from gathered p, q (float64)."""
+    return (p_tok - t * q_tok).clamp_min(0) / z
+
+
+def m_new(
+    p: torch.Tensor,  # [..., V]: base target rows
+    q: torch.Tensor,  # [..., V]: draft rows
+    t: torch.Tensor,  # [...] float64: the rows (p - t q)_+ / z being modified
+    z: torch.Tensor,  # [...] float64
+    log_p: torch.Tensor,  # [...]: log P(v) of each row's prefix v under those rows
+    log_q: torch.Tensor,  # [...]: log Q(v) under the draft
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M_new(·|v) = norm((P(v) row - Q(v) q)_+) as new (t, z) (spec §3.1, class docstring).
+
+    With no mass left (only on probability-0 prefixes: P(v) = 0, or no token where the row
+    beats the draft, spec §11) the row is kept: that never changes the output law.
+    """
+    s = z * (log_q - log_p).exp()  # log_p = -inf: s = inf, kept below
+    t_new = (t + s).clamp_max(T_MAX)
+    z_new = residual_mass(p, q, t_new)
+    moved = (z_new > 0) & (log_p > -torch.inf)
+    return torch.where(moved, t_new, t), torch.where(moved, z_new, z)
 
 
 def apply_records(
@@ -88,47 +146,43 @@ def apply_records(
     tokens: torch.Tensor,  # [B, P, L] int64: the paths whose rows are given
     draft_probs: torch.Tensor,  # [B, P, L, V]: q rows along the paths
     target_probs: torch.Tensor,  # [B, P, L+1, V]: unmodified target rows along the paths
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[ResidualRows, torch.Tensor]:
     """Apply every live record, oldest first.
 
-    Returns (modified target rows [B, P, L+1, V], token_logp [B, R, P, L]) where
+    Returns (the modified target rows of prefix lengths 0..L-1 as :class:`ResidualRows`
+    [B, P, L]; the row of length L is never modified; token_logp [B, R, P, L]) where
     token_logp[:, r] = log of each path token under record r's base rows, which is what the
     record's running joint P absorbs as tokens are generated.
     """
     B, P, L = tokens.shape
     R = mod.rows_left.shape[1]
+    rows = ResidualRows.base(tokens)
     token_logp = torch.zeros(B, R, P, L, dtype=torch.float64, device=tokens.device)
     width = min(mod.max_rows, L + 1)  # rows beyond every record's window are untouched
     if R == 0 or width == 0:
-        return target_probs, token_logp
+        return rows, token_logp
     if mod.max_rows > L:
         raise ValueError(
             f"carry modifies {mod.max_rows} upcoming rows but only {L} draft rows were given: "
             "keep γ constant for a request that carries a target modification"
         )
-    rows = target_probs[:, :, :width].clone()  # [B, P, W, V]
-    q = draft_probs[:, :, :width]
-    log_q_tok = draft_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double().log()  # [B, P, L]
-    joint_q = exclusive_cumsum(log_q_tok)[..., :width]  # [B, P, W]
+    tok = tokens.unsqueeze(-1)
+    p_tok = target_probs[:, :, :L].gather(-1, tok).squeeze(-1).double()  # [B, P, L]
+    q_tok = draft_probs.gather(-1, tok).squeeze(-1).double()
+    joint_q = exclusive_cumsum(q_tok.log())[..., :width]  # [B, P, W]
+    p, q = target_probs[:, :, :width], draft_probs[:, :, :width]  # [B, P, W, V]
+    t, z = rows.t, rows.z
     in_window = torch.arange(width, device=tokens.device)  # [W]
     for r in range(R):
-        base_logp = _token_logp(rows, target_probs, tokens)  # under the rows before record r
+        base_logp = residual_prob(p_tok, q_tok, t, z).log()  # under the rows before record r
         token_logp[:, r] = base_logp
         joint_p = mod.log_p[:, r, None, None] + exclusive_cumsum(base_logp)[..., :width]
         joint_qr = mod.log_q[:, r, None, None] + joint_q
-        modified = m_new(joint_p, rows, joint_qr, q)
+        t_new, z_new = m_new(p, q, t[..., :width], z[..., :width], joint_p, joint_qr)
         active = in_window[None, None, :] < mod.rows_left[:, r, None, None]  # [B, 1, W]
-        rows = torch.where(active.unsqueeze(-1), modified, rows)
-    out = torch.cat([rows, target_probs[:, :, width:]], dim=2)
-    return out, token_logp
-
-
-def _token_logp(rows: torch.Tensor, full_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log prob of each path token under ``rows`` (first W rows) then ``full_rows``: [B, P, L]."""
-    width, L = rows.shape[2], tokens.shape[2]
-    head = rows[:, :, : min(width, L)].gather(-1, tokens[:, :, :width].unsqueeze(-1)).squeeze(-1)
-    tail = full_rows[:, :, width:L].gather(-1, tokens[:, :, width:].unsqueeze(-1)).squeeze(-1)
-    return torch.cat([head, tail], dim=2).double().log()
+        t = torch.cat([torch.where(active, t_new, t[..., :width]), t[..., width:]], dim=-1)
+        z = torch.cat([torch.where(active, z_new, z[..., :width]), z[..., width:]], dim=-1)
+    return ResidualRows(t, z), token_logp
 
 
 def advance_records(
