@@ -12,11 +12,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .block import block_verify_rows
-from .common import emit, take_rows
+from .common import emit, over_batch_chunks, take_rows
+from .sorting import ascending_order
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -29,29 +29,24 @@ def ranking_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """C(x) = Σ_{x' ranked below x} q(x') for every token of each row: [N, V] -> [N, V].
-
-    Sorts packed int64 keys (float32 bits of the non-negative ratio, then the token id): unique
-    keys give the (ratio, id) order directly, and numpy's integer sort is ~8x faster than
-    torch.sort on CPU here. CUDA tensors use torch.sort.
-    """
-    ids = torch.arange(key.shape[-1], device=key.device)
-    packed = (key.contiguous().view(torch.int32).to(torch.int64) << 32) | ids
-    if packed.device.type == "cpu":
-        ordered = torch.from_numpy(np.sort(packed.numpy(), axis=-1))
-    else:
-        ordered = torch.sort(packed, dim=-1).values
-    order = ordered & 0xFFFFFFFF
-    q_sorted = q.gather(-1, order).double()
-    below_sorted = (q_sorted.cumsum(-1) - q_sorted).to(q.dtype)
+    """C(x) = Σ_{x' ranked below x} q(x') for every token of each row: [N, V] -> [N, V]."""
+    order = ascending_order(key)
+    q_sorted = q.gather(-1, order)
+    below_sorted = (q_sorted.cumsum(-1, dtype=torch.float64) - q_sorted).to(q.dtype)
     return torch.empty_like(q).scatter_(-1, order, below_sorted)
 
 
 def _power_sum(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
-    """Σ_{j<k} a^j b^{k-1-j}, so that a^k - b^k = (a - b) · this, without cancellation."""
-    total = torch.zeros_like(a)
-    for j in range(k):
-        total = total + a**j * b ** (k - 1 - j)
+    """Σ_{j<k} a^j b^{k-1-j}, so that a^k - b^k = (a - b) · this, without cancellation.
+
+    S_1 = 1, S_{n+1} = a S_n + b^n: in place, two temporaries whatever k."""
+    if k == 1:
+        return torch.ones_like(a)
+    total = a + b
+    b_pow = b.clone()
+    for _ in range(k - 2):
+        b_pow.mul_(b)
+        total.mul_(a).add_(b_pow)
     return total
 
 
@@ -64,9 +59,27 @@ def skewed_probs(
     """q̃(x | prefix) for every x (or for gathered tokens when the last dim is 1)."""
     inv = (1 / (lam + 1)).to(q.dtype).unsqueeze(-1)  # divide through by (λ+1): no overflow
     t = (lam / (lam + 1)).to(q.dtype).unsqueeze(-1)
-    b = t + below * inv
-    a = b + q * inv
-    return q * _power_sum(a, b, k) / _power_sum(torch.ones_like(t), t, k)
+    b = torch.addcmul(t, below, inv)
+    a = torch.addcmul(b, q, inv)
+    return _power_sum(a, b, k).mul_(q).div_(_power_sum(torch.ones_like(t), t, k))
+
+
+def skewed_draft(
+    x: torch.Tensor,  # [n, γ] int64: the selected path
+    q: torch.Tensor,  # [n, γ, V]: its draft rows
+    p: torch.Tensor,  # [n, γ+1, V]: its target rows
+    k: int,
+) -> torch.Tensor:
+    """q̃ along the selected path, the law of the best of k i.i.d. draft paths: [n, γ, V]."""
+    n, gamma, V = q.shape
+    key = ranking_key(p[:, :gamma], q)  # [n, γ, V]: the same key as in the selection
+    below = mass_ranked_below(key.view(n * gamma, V), q.reshape(n * gamma, V)).view(n, gamma, V)
+    q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [n, γ]
+    below_x = below.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
+    lam = [torch.zeros(n, dtype=torch.float64, device=q.device)]
+    for i in range(gamma - 1):
+        lam.append((lam[-1] + below_x[:, i]) / q_x[:, i])
+    return skewed_probs(q, below, torch.stack(lam, dim=1), k)
 
 
 def gbv_verify(
@@ -91,21 +104,16 @@ def gbv_verify(
         t = torch.where(best & (r == top), draft_tokens[:, :, d], -1)
         best = best & (r == top) & (t == t.amax(-1, keepdim=True))
     path = best.to(torch.int8).argmax(-1)
-
     x = take_rows(draft_tokens, path)  # [B, γ]
-    q = take_rows(draft_probs, path)  # [B, γ, V]
-    p = take_rows(target_probs, path)  # [B, γ+1, V]
     if K == 1:  # a single path: q̃ = q exactly, GBV is block verification (spec §8)
-        tau, y = block_verify_rows(x, q, p, uniforms)
+        tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
         return emit(x, tau, y), tau, path
-    key = ranking_key(p[:, :gamma], q)  # [B, γ, V]: the same key as in the selection
-    below = mass_ranked_below(key.reshape(B * gamma, V), q.reshape(B * gamma, V))
-    below = below.view(B, gamma, V)
-    q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [B, γ]
-    below_x = below.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
-    lam = [torch.zeros(B, dtype=torch.float64, device=q.device)]
-    for i in range(gamma - 1):
-        lam.append((lam[-1] + below_x[:, i]) / q_x[:, i])
-    q_skew = skewed_probs(q, below, torch.stack(lam, dim=1), K)  # [B, γ, V]
-    tau, y = block_verify_rows(x, q_skew, p, uniforms)
+
+    def verify_selected(p_all, q_all, path, x, u):  # one chunk of requests
+        q, p = take_rows(q_all, path), take_rows(p_all, path)  # [n, γ, V], [n, γ+1, V]
+        return block_verify_rows(x, skewed_draft(x, q, p, K), p, u)
+
+    tau, y = over_batch_chunks(
+        verify_selected, target_probs, draft_probs, path, x, uniforms, item_numel=gamma * V
+    )
     return emit(x, tau, y), tau, path
