@@ -1,0 +1,164 @@
+"""Launch and host-wait budgets of one ``verify`` call per method.
+
+Speed itself is measured by ``scripts/bench_verify.py`` (docs/verification_benchmark.md); these
+tests pin what makes it scale: the number of tensor operations a call dispatches (each one a
+kernel launch on an accelerator, ~5 µs of Python and dispatch on CPU) and the number that need
+the host to wait for the device (``.item()``/``bool()``, ``nonzero``, boolean-mask indexing).
+Both are counted on CPU with a dispatch mode, so a change that adds a per-token or per-candidate
+loop, or a sync inside one, fails here without a GPU; where CUDA is present the real waits are
+counted with ``torch.cuda.set_sync_debug_mode`` as well.
+
+Budgets are formulas in K and γ, stated per method with the reason for each growth term: the
+loops that remain are the sequential ones of the math (top-down walks over depth, SpecInfer's
+candidates at a node, traversal's deletion steps); everything else is one batched pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from service.verification import METHODS, VERIFIERS, verify
+
+# Ops whose result the host must read before it can go on: on an accelerator, a wait.
+HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
+MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_"}
+
+
+def op_budget(method: str, k: int, gamma: int) -> int:
+    """Dispatched operations per call, any batch size (V = 64 here; V does not enter)."""
+    depths = gamma + 1
+    return {
+        "token": 80,
+        "block": 120,
+        "gbv": 150 + 25 * gamma,  # the selection compares one key per depth: [B, K] ops
+        # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k).
+        "greedy_block": 120 + 180 * k,
+        "spectr_gbv": 120 + 180 * k,
+        # Top-down walks: one node per depth, sequential by definition.
+        "naive": 80 + 30 * depths,
+        "specinfer": 100 + depths * (40 + 40 * k),  # RRS tests the node's candidates in turn
+        "spectr": 100 + depths * (80 + 20 * k + (300 if k > 1 else 0)),  # + the ρ* solve
+        "traversal": 100 + 120 * (k * gamma + 1),  # up to Kγ + 1 deletion steps, in order
+    }[method]
+
+
+def host_read_budget(method: str, k: int, gamma: int) -> int:
+    """Would-be host waits per call; 1 is the draft-token range check of every call."""
+    depths = gamma + 1
+    return {
+        "token": 1,
+        "block": 1,
+        "gbv": 1,
+        # + carry bookkeeping: how many rows the records still modify, and dropping the records
+        # that died this step (a test, then a masked select of each of the 3 columns).
+        "greedy_block": 6,
+        "spectr_gbv": 6,
+        "naive": 1 + depths,  # the walk drops finished requests at each depth
+        "specinfer": 1 + depths,
+        "spectr": 1 + depths * 14,  # + the ρ* solver's convergence test, ≤ 13 per node
+        "traversal": 1 + 7 * (k * gamma + 1),  # each step splits the live requests
+    }[method]
+
+
+class CountOps(TorchDispatchMode):
+    """Counts dispatched aten ops and those that read device values on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.ops += 1
+        masked = name in MASK_INDEXING and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        )
+        if name in HOST_READS or masked:
+            self.host_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def inputs(regime: str, b: int, k: int, gamma: int, vocab: int = 64, device: str = "cpu"):
+    """realistic: per-position acceptance ~0.6; agree: p = q (everything accepted, the longest
+    walks); disjoint: q puts its mass where p has little (everything rejected, the most
+    deletion steps)."""
+    gen = torch.Generator(device).manual_seed(7)
+    logits = torch.randn(b, k, gamma + 1, vocab, generator=gen, device=device) * 3
+    logits[:, 1:, 0] = logits[:, :1, 0]
+    if regime == "agree":
+        q_logits = logits[:, :, :gamma]
+    elif regime == "disjoint":
+        q_logits = -logits[:, :, :gamma]
+    else:
+        q_logits = logits[:, :, :gamma] + torch.randn(
+            b, k, gamma, vocab, generator=gen, device=device
+        )
+    q, p = q_logits.softmax(-1), logits.softmax(-1)
+    tokens = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).view(b, k, gamma)
+    return tokens, q, p
+
+
+SHAPES = [(1, 4), (1, 8), (2, 8), (4, 4), (4, 8)]
+CASES = [(m, k, g) for m in METHODS for k, g in SHAPES if not (VERIFIERS[m].single_path and k > 1)]
+
+
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+@pytest.mark.parametrize(("method", "k", "gamma"), CASES)
+def test_ops_and_host_reads_within_budget(method, k, gamma, regime):
+    tokens, q, p = inputs(regime, 8, k, gamma)
+    counter = CountOps()
+    with counter:
+        verify(method, tokens, q, p, generator=torch.Generator().manual_seed(1), validate=False)
+    assert counter.ops <= op_budget(method, k, gamma), counter.ops
+    assert counter.host_reads <= host_read_budget(method, k, gamma), counter.host_reads
+
+
+def test_batched_passes_do_not_grow_with_the_tree():
+    """token, block, greedy_block and spectr_gbv (at a given K): the same ops at every γ, up to
+    a few of carry bookkeeping (their levels are batched over depth and over paths)."""
+    counts = {}
+    for method, k in [("token", 1), ("block", 1), ("greedy_block", 1), ("spectr_gbv", 4)]:
+        for gamma in (2, 8, 16):
+            tokens, q, p = inputs("realistic", 8, k, gamma)
+            counter = CountOps()
+            with counter:
+                verify(
+                    method, tokens, q, p, generator=torch.Generator().manual_seed(1), validate=False
+                )
+            counts.setdefault(method, set()).add(counter.ops)
+    assert all(max(c) - min(c) <= 5 for c in counts.values()), counts
+
+
+def test_the_counter_sees_host_reads():
+    """The counter itself: .item(), nonzero and a boolean mask each count once."""
+    x = torch.arange(6)
+    counter = CountOps()
+    with counter:
+        _ = x.sum().item()
+        _ = x.nonzero()
+        _ = x[x > 2]
+    assert counter.host_reads == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts real waits on a CUDA device")
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_host_waits_within_budget(method):
+    k, gamma = (1 if VERIFIERS[method].single_path else 4), 8
+    tokens, q, p = inputs("realistic", 32, k, gamma, vocab=32000, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(1)
+    verify(method, tokens, q, p, generator=gen, validate=False)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            verify(method, tokens, q, p, generator=gen, validate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    assert waits <= host_read_budget(method, k, gamma), waits
