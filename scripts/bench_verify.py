@@ -1,7 +1,7 @@
 """Benchmark one `verify` call per method across batch, K and vocabulary sizes.
 
     .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
-        [--vocab 8192 32000] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
+        [--vocab 32000 49152] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
         [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call)
 
 Prints a markdown table: median milliseconds per call (validate=False, the engine's hot path)
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--gamma", type=int, default=8)
-    ap.add_argument("--vocab", type=int, nargs="+", default=[8192, 32000])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 49152])
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
