@@ -290,7 +290,7 @@ BAD = [
     (dict(prompt="x", stop=["a"] * 17), "stop"),
     (dict(prompt="x", stop=["a" * 257]), "stop"),
     (dict(prompt="x", stop_token_ids=[1] * 65), "stop_token_ids"),
-    (dict(messages=[pb.ChatMessage(role="user", content="x")]), "messages"),  # no template
+    (dict(messages=[pb.ChatMessage(role="", content="x")]), "messages"),  # a turn with no role
     (dict(prompt="x", messages=[pb.ChatMessage(role="user", content="x")]), "prompt"),
 ]
 
