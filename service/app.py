@@ -1,25 +1,31 @@
 """The Ray Serve application: a `Replica` deployment (autoscaled) behind a `Gateway` deployment
-that serves gRPC. `app_builder` is the import path of deploy/serve_config.yaml and of the KubeRay
+that serves gRPC and, through Serve's HTTP proxy, the OpenAI-compatible HTTP API.
+`app_builder` is the import path of deploy/serve_config.yaml and of the KubeRay
 RayService; `blockspec serve` runs the same application on a local cluster.
 """
-
-from __future__ import annotations
 
 import os
 from typing import Any
 
 import ray
+from fastapi import Request
 from ray import serve
 
 from service.config import Settings
+from service.http_api import ApiError, OpenAIFrontend, http_app
 from service.replica import Replica
 
 # A local cluster listens on 127.0.0.1 only (0); a real cluster's pods set 1 (deploy/).
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+# No `from __future__ import annotations` here: FastAPI reads the routes' `Request`
+# annotations at definition time, through Serve's class-based view.
+@serve.ingress(http_app)
 class Gateway:
-    """Hosts service.gateway.GatewayServer in a Serve replica (one; it is only an ingress)."""
+    """Hosts service.gateway.GatewayServer (gRPC) in a Serve replica (one; it is only an
+    ingress), and behind Serve's HTTP proxy the OpenAI-compatible API over the same request
+    path (service/http_api.py)."""
 
     async def __init__(self, replicas, settings: dict[str, Any]):
         from service.gateway import GatewayServer
@@ -27,7 +33,24 @@ class Gateway:
         self.settings = Settings.model_validate(settings)
         info = await replicas.info.remote()
         self.server = GatewayServer(self.settings, replicas, info)
+        self.http = OpenAIFrontend(self.server.servicer, info["target_model"])
         await self.server.start()
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.http.complete(request, chat=True)
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.http.complete(request, chat=False)
+
+    @http_app.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self.http.authorize(request)
+        except ApiError as err:
+            return err.response()
+        return self.http.models()
 
     async def address(self) -> dict[str, Any]:
         return dict(port=self.server.port, metrics_port=self.server.metrics_port)
@@ -112,5 +135,10 @@ def _loopback_only() -> None:
 def run(settings: Settings, name: str | None = None):
     """Start (or join) Ray and the application; returns the gateway's handle."""
     start_ray(settings)
-    serve.start(proxy_location="Disabled")
-    return serve.run(build(settings), name=name or settings.app_name, route_prefix=None)
+    if settings.http_port:  # Serve's HTTP proxy, on the head node, for the OpenAI-style API
+        http = dict(host=settings.host, port=settings.http_port)
+        serve.start(proxy_location="HeadOnly", http_options=http)
+    else:
+        serve.start(proxy_location="Disabled")
+    route = "/" if settings.http_port else None
+    return serve.run(build(settings), name=name or settings.app_name, route_prefix=route)

@@ -110,7 +110,8 @@ def serve_settings(args):
     sections merge, so --tp keeps the rest of the file's replica section)."""
     from service.config import Settings
 
-    names = ("host", "port", "metrics_port", "redis_url", "tls_cert_file", "tls_key_file")
+    names = ("host", "port", "http_port", "metrics_port", "redis_url", "tls_cert_file")
+    names += ("tls_key_file",)
     flags = {k: getattr(args, k) for k in (*names, "tls_client_ca_file", "auth_tokens_file")}
     flags["ray_address"] = args.ray_address
     replica = {
@@ -142,8 +143,9 @@ def serve_forever(args) -> None:
     start = time.perf_counter()
     gateway = run(settings)
     address = gateway.address.remote().result()
+    http = f"{settings.host}:{settings.http_port}" if settings.http_port else "off"
     print(
-        f"blockspec serving gRPC on {settings.host}:{address['port']} "
+        f"blockspec serving gRPC on {settings.host}:{address['port']}, OpenAI HTTP on {http} "
         f"(metrics: {address['metrics_port'] or 'off'}; replicas "
         f"{settings.autoscaling.min_replicas}-{settings.autoscaling.max_replicas}; "
         f"sessions: {settings.redis_url or 'embedded'}) in {time.perf_counter() - start:.0f}s",
@@ -231,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("serve", help="run the service (Ray Serve + gRPC) until Ctrl-C")
     s.add_argument("--host", help="gRPC/metrics listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
+    s.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (8000; 0 = off)")
     s.add_argument("--metrics-port", type=int, help="Prometheus port (default 9464; 0 = off)")
     s.add_argument("--redis-url", help="session store (default: embedded, single node)")
     s.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")

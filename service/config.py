@@ -112,6 +112,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"  # gRPC listen address (loopback unless you mean otherwise)
     port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     metrics_port: int = Field(9464, ge=0, le=65535)  # Prometheus /metrics on `host`; 0: off
+    # OpenAI-compatible HTTP API (Serve's HTTP proxy) on `host`; 0: off. Plain HTTP: keep it on
+    # loopback or behind a TLS-terminating proxy, and set auth tokens.
+    http_port: int = Field(8000, ge=0, le=65535)
     redis_url: str | None = None  # None: embedded in-process session store (single node)
     session_ttl_s: float = Field(3600.0, gt=0)
     ray_address: str | None = None  # join this cluster; None: RAY_ADDRESS or a local cluster

@@ -334,6 +334,16 @@ class Generator(pb_grpc.GeneratorServicer):
         async for chunk in self._serve(request, context, self._call(request)):
             yield chunk
 
+    def open(
+        self, request: pb.GenerateRequest, context, unary: bool = False
+    ) -> tuple[_Call, AsyncIterator[pb.GenerateChunk]]:
+        """One request through this path for another ingress (service/http_api.py): `context`
+        offers what this class uses of a grpc.aio.ServicerContext, its abort() raises, and it
+        calls the done callbacks when its exchange ends. The call's prompt_tokens and
+        session_id are set once the first chunk has arrived."""
+        call = self._call(request, unary=unary)
+        return call, self._serve(request, context, call)
+
     # ----------------------------------------------------------------------------- core
     def _call(self, request, unary: bool = False) -> _Call:
         method = request.method or self.limits.default_method
@@ -560,6 +570,8 @@ class GatewayServer:
         else:
             self.port = self.server.add_insecure_port(address)
         warn_if_exposed(settings.host, tls, auth.enabled)
+        if settings.http_port:  # Serve's HTTP proxy speaks plain HTTP
+            warn_if_exposed(settings.host, False, auth.enabled)
         if not self.port:
             raise RuntimeError(f"cannot listen on {settings.host}:{settings.port}")
 

@@ -32,6 +32,7 @@ def service(redis_url):
     os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
     settings = Settings(
         port=0,
+        http_port=free_port(),
         metrics_port=free_port(),
         redis_url=redis_url,
         ray_num_cpus=4,
@@ -44,6 +45,7 @@ def service(redis_url):
     yield dict(
         settings=settings,
         address=address,
+        http=f"http://127.0.0.1:{settings.http_port}",
         channel=channel,
         stub=pb_grpc.GeneratorStub(channel),
         replica=replica,
