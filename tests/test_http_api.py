@@ -201,9 +201,22 @@ class _Generator:
         self.auth = auth
 
 
-def _request(headers: dict[str, str]) -> Request:
+def _request(headers: dict[str, str], body: dict | None = None) -> Request:
+    """A starlette request as the proxy hands it over: headers, and a JSON body if given."""
     raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    return Request({"type": "http", "method": "POST", "path": "/", "headers": raw})
+    payload = json.dumps(body or {}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": payload, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": raw, "client": None}
+    return Request(scope, receive)
+
+
+async def post_completion(generator, body: dict):
+    """POST /v1/completions on a gateway's Generator, without the proxy: (status, JSON)."""
+    response = await OpenAIFrontend(generator, "target").complete(_request({}, body), False)
+    return response.status_code, json.loads(response.body)
 
 
 def test_authorization_mirrors_the_grpc_interceptor():

@@ -404,6 +404,7 @@ def test_draining_gateway_answers_unavailable_and_not_serving(service):
     from ray import serve
 
     from service.gateway import GatewayServer
+    from tests.test_http_api import post_completion
 
     # drain waits as long as the in-flight request takes, however loaded the machine
     update = dict(port=0, metrics_port=0, drain_timeout_s=600)
@@ -430,13 +431,16 @@ def test_draining_gateway_answers_unavailable_and_not_serving(service):
             status = (await health.Check(health_pb2.HealthCheckRequest())).status
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=2))
+            # The HTTP API over the same gateway: 503 in OpenAI's schema.
+            http = await post_completion(server.servicer, dict(model="target", prompt="a"))
             finished = await in_flight
             await drain
-        return status, err.value.code(), finished
+        return status, err.value.code(), finished, http
 
-    status, code, finished = asyncio.run(scenario())
+    status, code, finished, (http_status, http_body) = asyncio.run(scenario())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert code == grpc.StatusCode.UNAVAILABLE
+    assert http_status == 503 and http_body["error"]["type"] == "service_unavailable"
     assert len(finished.token_ids) == 300  # the in-flight request was allowed to finish
     assert service["stub"].Generate(pb.GenerateRequest(prompt="z", max_new_tokens=3)).token_ids
 
