@@ -30,9 +30,6 @@ if TYPE_CHECKING:  # modification.py imports this module
 # within ~1e-6 and half-precision rows within ~1e-3; anything further off is not a distribution.
 ROW_SUM_TOL = 1e-3
 
-# Smallest log value used to keep exp(a - max(a, b)) finite when both a and b are -inf.
-LOG_FLOOR = -1e30
-
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
@@ -202,17 +199,3 @@ def emit(path_tokens: torch.Tensor, tau: torch.Tensor, last: torch.Tensor) -> to
     padded = torch.cat([path_tokens, path_tokens.new_full((B, 1), -1)], dim=1)
     out = torch.where(pos < tau[:, None], padded, -1)
     return torch.where(pos == tau[:, None], last[:, None], out)
-
-
-def scaled_difference(
-    log_a: torch.Tensor, rows_a: torch.Tensor, log_b: torch.Tensor, rows_b: torch.Tensor
-) -> torch.Tensor:
-    """(e^{log_a} rows_a - e^{log_b} rows_b) / e^{max(log_a, log_b)}.
-
-    log_a, log_b [...]; rows [..., V]. Joint probabilities of long prefixes underflow; their
-    ratio does not, and every use (positive parts normalised, or premain/prej) is scale-free.
-    """
-    m = torch.maximum(log_a, log_b).clamp_min(LOG_FLOOR)
-    wa = (log_a - m).exp().to(rows_a.dtype).unsqueeze(-1)
-    wb = (log_b - m).exp().to(rows_b.dtype).unsqueeze(-1)
-    return wa * rows_a - wb * rows_b
