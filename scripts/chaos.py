@@ -1,14 +1,16 @@
 """Chaos and soak run: mixed streaming load on a live service while faults are injected.
 
-    .venv/bin/python scripts/chaos.py [--streams 64] [--soak-s 600] [--out docs/reliability_run]
+    .venv/bin/python scripts/chaos.py [--streams 64] [--soak-s 600] [--storm-size 1000]
+        [--out docs/reliability_run]
 
 Starts a redis-server and the service (tiny pair by default, Ray on 127.0.0.1), then keeps
 `--streams` closed-loop clients busy for `--soak-s` seconds: streams and unary calls of several
 methods, half of them turns of a session. Faults, one every `--every-s` seconds after a warm-up:
-kill the draft actor, kill a target shard, pause Redis (SIGSTOP) for 5 s, a cancel storm (100
-streams cancelled at their first chunk), a deadline storm (100 requests with a 50 ms deadline),
-slow readers (8 streams read one chunk a second), kill the replica. Then the load stops and the
-run waits until every KV slot is free again.
+kill the draft actor, kill a target shard, pause Redis (SIGSTOP) for 5 s, a cancel storm
+(`--storm-size` streams, 1,000 by default, cancelled at their first chunk, 100 at a time), a
+deadline storm (as many requests with a 50 ms deadline), slow readers (8 streams read one chunk
+a second), kill the replica. Then the load stops and the run waits until every KV slot is free
+again and the gateway's in-flight gauge is back to 0.
 
 Writes <out>.json (every request, faults, RSS samples) and <out>.png (RSS of the service's
 processes over time, faults marked), and prints a summary: per fault, errors by status code
@@ -25,10 +27,12 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +51,9 @@ EXPECTED = {
     "deadline_storm": {"DEADLINE_EXCEEDED"},
     "replica_kill": {"UNAVAILABLE"},  # streams that had sent chunks (unary calls are retried)
 }
+
+
+STORM_PARALLEL = 100  # storm requests in flight at once, beside the load's clients
 
 
 @dataclass
@@ -112,9 +119,15 @@ class Run:
             turn += 1
 
     async def storm(self, count: int, **how) -> None:
-        await asyncio.gather(
-            *[self.one("storm", self.request(), False, **how) for _ in range(count)]
-        )
+        """`count` requests of one kind, at most STORM_PARALLEL at a time (more at once would
+        only meet the gateway's RESOURCE_EXHAUSTED, which is not what a storm tests)."""
+        gate = asyncio.Semaphore(STORM_PARALLEL)
+
+        async def one() -> None:
+            async with gate:
+                await self.one("storm", self.request(), False, **how)
+
+        await asyncio.gather(*[one() for _ in range(count)])
 
 
 def rss_mb() -> dict[str, float]:
@@ -154,7 +167,26 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
 
 
-async def main_async(args, replica, redis: subprocess.Popen, address: str) -> dict:
+def gateway_in_flight(port: int) -> float:
+    """The gateway's blockspec_in_flight gauge, from its Prometheus endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    for family in text_string_to_metric_families(text.decode()):
+        if family.name == "blockspec_in_flight":
+            return family.samples[0].value
+    raise RuntimeError("no blockspec_in_flight gauge")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def main_async(
+    args, replica, redis: subprocess.Popen, address: str, metrics_port: int
+) -> dict:
     run = Run(address, args.seed)
     faults: list[dict] = []
     rss: list[dict] = []
@@ -180,8 +212,8 @@ async def main_async(args, replica, redis: subprocess.Popen, address: str) -> di
         ("draft_kill", lambda: kill_worker("draft")),
         ("target_kill", lambda: kill_worker("target")),
         ("redis_pause", pause_redis),
-        ("cancel_storm", lambda: run.storm(100, cancel_at_first=True)),
-        ("deadline_storm", lambda: run.storm(100, deadline_s=0.05)),
+        ("cancel_storm", lambda: run.storm(args.storm_size, cancel_at_first=True)),
+        ("deadline_storm", lambda: run.storm(args.storm_size, deadline_s=0.05)),
         ("slow_readers", lambda: run.storm(8, slow_s=1.0)),
         ("replica_kill", kill_replica),
     ]
@@ -203,21 +235,31 @@ async def main_async(args, replica, redis: subprocess.Popen, address: str) -> di
             free_at = run.now()
             break
         await asyncio.sleep(0.5)
+    gauge = None  # the gateway's in-flight gauge (what drain waits on), once back at 0
+    while time.monotonic() < deadline:
+        if gateway_in_flight(metrics_port) == 0:
+            gauge = run.now()
+            break
+        await asyncio.sleep(0.5)
     await run.channel.close()
     return dict(
         records=[asdict(r) for r in run.records], faults=faults, rss=rss,
-        slots_free_at=free_at, final_stats=stats,
+        slots_free_at=free_at, gauge_zero_at=gauge, final_stats=stats,
     )  # fmt: skip
 
 
 def summarize(result: dict, args) -> list[str]:
     records, faults = result["records"], result["faults"]
     bounds = [f["t"] for f in faults] + [float("inf")]
+    gauge = result.get("gauge_zero_at")
     lines = [
         f"{len(records)} requests over {args.soak_s:.0f} s, {args.streams} streams; "
         f"KV slots all free {result['slots_free_at']:.1f} s into the run"
         if result["slots_free_at"] is not None
         else "KV slots NOT all free 120 s after the load stopped",
+        f"gateway in-flight gauge back to 0 at {gauge:.1f} s"
+        if gauge is not None
+        else "gateway in-flight gauge NOT back to 0",
         "",
         "| window | requests | errors by code (unexplained in bold) | recovery s | p99 s |",
         "|---|---|---|---|---|",
@@ -284,6 +326,7 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=60.0)
     ap.add_argument("--every-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--storm-size", type=int, default=1000, help="requests per storm")
     ap.add_argument("--out", default="docs/reliability_run")
     args = ap.parse_args()
     from ray import serve
@@ -293,8 +336,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         redis, url = start_redis(workdir)
         try:
+            metrics_port = free_port()
             settings = Settings(
-                port=0, metrics_port=0, redis_url=url,
+                port=0, metrics_port=metrics_port, http_port=0, redis_url=url,
                 replica=dict(
                     draft_dir=str(TINY_DRAFT), target_dir=str(TINY_TARGET), max_batch=16,
                     max_queued=args.streams + 120, max_sessions=args.streams,
@@ -303,7 +347,7 @@ def main() -> None:
             gateway = run_service(settings, name="chaos")
             address = f"127.0.0.1:{gateway.address.remote().result()['port']}"
             replica = serve.get_deployment_handle("Replica", "chaos")
-            result = asyncio.run(main_async(args, replica, redis, address))
+            result = asyncio.run(main_async(args, replica, redis, address, metrics_port))
             serve.shutdown()
         finally:
             redis.send_signal(signal.SIGCONT)
