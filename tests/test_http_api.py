@@ -17,7 +17,6 @@ from starlette.requests import Request
 from protos import blockspec_pb2 as pb
 from service.auth import BearerAuth
 from service.http_api import ApiError, OpenAIFrontend
-from tests.live_service import service  # noqa: F401  (fixture)
 from tests.test_service import poll_gateway_metrics, stats, wait_idle
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
@@ -26,7 +25,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture
-def client(service):  # noqa: F811
+def client(service):
     return openai.OpenAI(base_url=service["http"] + "/v1", api_key="unused", max_retries=0)
 
 
@@ -36,7 +35,7 @@ def model(client) -> str:
     return only.id
 
 
-def grpc_answer(service, **fields) -> pb.GenerateResponse:  # noqa: F811
+def grpc_answer(service, **fields) -> pb.GenerateResponse:
     return service["stub"].Generate(pb.GenerateRequest(**fields))
 
 
@@ -45,7 +44,7 @@ def test_models_lists_the_served_target(client, model):
 
 
 @pytest.mark.parametrize("method", ["block", "gbv", "spectr_gbv"])
-def test_seeded_completion_equals_the_grpc_answer(service, client, model, method):  # noqa: F811
+def test_seeded_completion_equals_the_grpc_answer(service, client, model, method):
     knobs = dict(method=method, k=1 if method == "block" else 2, gamma=3)
     out = client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=24, seed=11, extra_body=knobs
@@ -61,7 +60,7 @@ def test_seeded_completion_equals_the_grpc_answer(service, client, model, method
     assert len(speculation["accepted_per_position"]) == 3
 
 
-def test_seeded_chat_equals_the_grpc_answer_unary_and_streamed(service, client, model):  # noqa: F811
+def test_seeded_chat_equals_the_grpc_answer_unary_and_streamed(service, client, model):
     kwargs = dict(model=model, messages=MESSAGES, max_tokens=20, seed=5, temperature=0.8)
     out = client.chat.completions.create(**kwargs)
     wire = [pb.ChatMessage(**m) for m in MESSAGES]
@@ -94,7 +93,7 @@ def test_streamed_completion_adds_up_and_stop_strings_cut(client, model):
     assert cut.finish_reason == "stop" and cut.text == whole[: whole.index(stop)]
 
 
-def test_prompt_as_token_ids(service, client, model):  # noqa: F811
+def test_prompt_as_token_ids(service, client, model):
     ids = [5, 17, 42, 7]
     out = client.completions.create(model=model, prompt=ids, max_tokens=8, seed=3)
     ref = grpc_answer(service, prompt_token_ids=ids, max_new_tokens=8, seed=3)
@@ -129,7 +128,7 @@ def test_bad_fields_get_an_openai_error_naming_the_field(client, model, fields, 
     assert body["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
-def test_malformed_bodies_are_refused_and_the_server_stays_up(service, client, model):  # noqa: F811
+def test_malformed_bodies_are_refused_and_the_server_stays_up(service, client, model):
     for payload in (b"{not json", b"[1, 2]", json.dumps({"model": model}).encode()):
         req = urllib.request.Request(
             service["http"] + "/v1/completions",
@@ -150,7 +149,7 @@ def test_malformed_bodies_are_refused_and_the_server_stays_up(service, client, m
     assert client.completions.create(model=model, prompt="ok", max_tokens=2).choices[0].text
 
 
-def test_a_cancelled_stream_frees_its_slot(service, client, model):  # noqa: F811
+def test_a_cancelled_stream_frees_its_slot(service, client, model):
     counted = 'blockspec_requests_total{code="CANCELLED",method="token"}'
     before = poll_gateway_metrics(service, lambda m: True).get(counted, 0)
     cancelled_before = stats(service)["cancelled"]
