@@ -12,7 +12,7 @@ from fastapi import Request
 from ray import serve
 
 from service.config import Settings
-from service.http_api import ApiError, OpenAIFrontend, http_app
+from service.http_api import OpenAIFrontend, http_app
 from service.replica import Replica
 
 # A local cluster listens on 127.0.0.1 only (0); a real cluster's pods set 1 (deploy/).
@@ -46,11 +46,7 @@ class Gateway:
 
     @http_app.get("/v1/models")
     async def models(self, request: Request):
-        try:
-            self.http.authorize(request)
-        except ApiError as err:
-            return err.response()
-        return self.http.models()
+        return self.http.list_models(request)
 
     async def address(self) -> dict[str, Any]:
         return dict(port=self.server.port, metrics_port=self.server.metrics_port)

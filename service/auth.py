@@ -63,17 +63,25 @@ class BearerAuth(grpc.aio.ServerInterceptor):
                 found = principal
         return found
 
+    def refusal(
+        self, metadata: Iterable[tuple[str, str | bytes]] | None
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Why a call with this metadata is refused (None: it is not). Every ingress asks
+        this: the gRPC interceptor below and the HTTP API (service/http_api.py)."""
+        if not self._tokens:
+            return None
+        if dict(metadata or ()).get("authorization") is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "authorization: missing"
+        if self.principal(metadata) is None:
+            return grpc.StatusCode.PERMISSION_DENIED, "authorization: unknown token"
+        return None
+
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if not self._tokens or handler is None or details.method.startswith(OPEN_SERVICES):
+        if handler is None or details.method.startswith(OPEN_SERVICES):
             return handler
-        header = dict(details.invocation_metadata or ()).get("authorization")
-        if header is None:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "authorization: missing")
-        if self.principal(details.invocation_metadata) is None:
-            code, message = grpc.StatusCode.PERMISSION_DENIED, "authorization: unknown token"
-            return _refusal(handler, code, message)
-        return handler
+        refused = self.refusal(details.invocation_metadata)
+        return handler if refused is None else _refusal(handler, *refused)
 
 
 def _refusal(handler, code: grpc.StatusCode, message: str):

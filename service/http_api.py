@@ -203,11 +203,16 @@ class _Context:
     """What service.gateway.Generator uses of a grpc.aio.ServicerContext, for one HTTP call."""
 
     def __init__(self, request: Request):
-        header = request.headers.get("authorization")
-        self.metadata = [("authorization", header)] if header is not None else []
+        self.metadata = self.metadata_of(request)
         client = request.client
         self.address = f"ipv4:{client.host}:{client.port}" if client else "unknown:0"
         self.callbacks: list[Callable] = []
+
+    @staticmethod
+    def metadata_of(request: Request) -> list[tuple[str, str]]:
+        """The request's credentials as gRPC call metadata."""
+        header = request.headers.get("authorization")
+        return [("authorization", header)] if header is not None else []
 
     def invocation_metadata(self):
         return self.metadata
@@ -256,15 +261,20 @@ class OpenAIFrontend:
         return dict(object="list", data=[model])
 
     def authorize(self, request: Request) -> None:
-        """As the gRPC interceptor: no token 401, an unknown one 403."""
-        auth = self.generator.auth
-        header = request.headers.get("authorization")
-        if not auth.enabled:
-            return
-        if header is None:
-            raise ApiError(401, "authentication_error", "authorization: missing")
-        if auth.principal([("authorization", header)]) is None:
-            raise ApiError(403, "permission_error", "authorization: unknown token")
+        """The gateway's token check (no token 401, an unknown one 403)."""
+        refused = self.generator.auth.refusal(_Context.metadata_of(request))
+        if refused is not None:
+            code, message = refused
+            status, kind = HTTP_STATUS[code]
+            raise ApiError(status, kind, message)
+
+    def list_models(self, request: Request):
+        """GET /v1/models: the one model served (authorized as every call)."""
+        try:
+            self.authorize(request)
+        except ApiError as err:
+            return err.response()
+        return self.models()
 
     async def complete(self, request: Request, chat: bool):
         try:
