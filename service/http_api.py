@@ -285,20 +285,18 @@ class OpenAIFrontend:
         context = _Context(request)
         call, chunks = self.generator.open(wire, context, unary=not body.stream)
         answer = _Answer(self.model_id, chat, call)
+        streaming = False  # once the event stream owns the exchange, it ends it
         try:
             if not body.stream:
                 async for chunk in chunks:
                     answer.add(chunk)
                 return JSONResponse(answer.whole())
             first = await anext(chunks)  # errors before any output keep their HTTP status
+            streaming = True
         except ApiError as err:
-            context.done()
             return err.response()
-        except BaseException:
-            context.done()
-            raise
         finally:
-            if not body.stream:
+            if not streaming:
                 context.done()
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -359,6 +357,7 @@ class _Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
+        self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         self.text: list[str] = []
         self.completion_tokens = 0
         self.finish: str | None = None
@@ -392,9 +391,8 @@ class _Answer:
         return dict(out, usage=self.usage(), blockspec=self.stats)
 
     def _chunk(self, content: dict, finish: str | None = None) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
         payload = dict(delta=content) if self.chat else dict(text=content.get("content", ""))
-        return self._envelope(kind, dict(payload, finish_reason=finish, logprobs=None))
+        return self._envelope(self.chunk_kind, dict(payload, finish_reason=finish, logprobs=None))
 
     def head(self) -> dict:
         return self._chunk(dict(role="assistant", content="") if self.chat else {})
@@ -407,8 +405,7 @@ class _Answer:
         return self._chunk(dict(content=chunk.text)) if chunk.text else None
 
     def usage_event(self) -> dict:
-        return dict(self._envelope(self.kind + (".chunk" if self.chat else ""), None),
-                    usage=self.usage())  # fmt: skip
+        return dict(self._envelope(self.chunk_kind, None), usage=self.usage())
 
 
 def _sse(event: dict) -> str:
