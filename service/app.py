@@ -131,10 +131,12 @@ def _loopback_only() -> None:
 def run(settings: Settings, name: str | None = None):
     """Start (or join) Ray and the application; returns the gateway's handle."""
     start_ray(settings)
-    if settings.http_port:  # Serve's HTTP proxy, on the head node, for the OpenAI-style API
-        http = dict(host=settings.host, port=settings.http_port)
-        serve.start(proxy_location="HeadOnly", http_options=http)
-    else:
+    name = name or settings.app_name
+    if not settings.http_port:
         serve.start(proxy_location="Disabled")
-    route = "/" if settings.http_port else None
-    return serve.run(build(settings), name=name or settings.app_name, route_prefix=route)
+        return serve.run(build(settings), name=name, route_prefix=None)
+    # Serve's HTTP proxy, on the head node, for the OpenAI-compatible API
+    serve.start(
+        proxy_location="HeadOnly", http_options=dict(host=settings.host, port=settings.http_port)
+    )
+    return serve.run(build(settings), name=name, route_prefix="/")

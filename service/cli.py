@@ -110,10 +110,9 @@ def serve_settings(args):
     sections merge, so --tp keeps the rest of the file's replica section)."""
     from service.config import Settings
 
-    names = ("host", "port", "http_port", "metrics_port", "redis_url", "tls_cert_file")
-    names += ("tls_key_file",)
-    flags = {k: getattr(args, k) for k in (*names, "tls_client_ca_file", "auth_tokens_file")}
-    flags["ray_address"] = args.ray_address
+    names = ("host", "port", "http_port", "metrics_port", "redis_url", "ray_address")
+    names += ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file")
+    flags = {k: getattr(args, k) for k in names}
     replica = {
         "tensor_parallel": args.tp,
         "max_batch": args.max_batch,

@@ -569,9 +569,8 @@ class GatewayServer:
             self.port = self.server.add_secure_port(address, credentials)
         else:
             self.port = self.server.add_insecure_port(address)
-        warn_if_exposed(settings.host, tls, auth.enabled)
-        if settings.http_port:  # Serve's HTTP proxy speaks plain HTTP
-            warn_if_exposed(settings.host, False, auth.enabled)
+        # Serve's HTTP proxy, when on, speaks plain HTTP on the same host.
+        warn_if_exposed(settings.host, tls and not settings.http_port, auth.enabled)
         if not self.port:
             raise RuntimeError(f"cannot listen on {settings.host}:{settings.port}")
 
