@@ -158,12 +158,13 @@ def apply_records(
     R = mod.rows_left.shape[1]
     rows = ResidualRows.base(tokens)
     token_logp = torch.zeros(B, R, P, L, dtype=torch.float64, device=tokens.device)
-    width = min(mod.max_rows, L + 1)  # rows beyond every record's window are untouched
+    most = mod.max_rows  # a host read: once
+    width = min(most, L + 1)  # rows beyond every record's window are untouched
     if R == 0 or width == 0:
         return rows, token_logp
-    if mod.max_rows > L:
+    if most > L:
         raise ValueError(
-            f"carry modifies {mod.max_rows} upcoming rows but only {L} draft rows were given: "
+            f"carry modifies {most} upcoming rows but only {L} draft rows were given: "
             "keep γ constant for a request that carries a target modification"
         )
     tok = tokens.unsqueeze(-1)
