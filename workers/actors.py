@@ -180,8 +180,8 @@ class TargetShardActor:
         """The ids the draft's rows arrive on ([Vh] int64; None: the whole vocabulary)."""
         self._draft_vocab = None if head_vocab is None else head_vocab.to(self.device)
 
-    @torch.inference_mode()
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
+    @torch.inference_mode()
     def speculate(
         self,
         roots: torch.Tensor,  # [n] int64
