@@ -229,7 +229,7 @@ def test_authorization_mirrors_the_grpc_interceptor():
     open_frontend.authorize(_request({}))  # auth off: anyone
 
 
-def test_http_port_zero_turns_the_proxy_off():
+def test_http_api_settings_default_to_loopback_8000_and_accept_0_for_off():
     from service.config import Settings
 
     assert Settings(http_port=0).http_port == 0
