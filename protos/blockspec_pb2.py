@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/blockspec.proto\x12\x0c\x62lockspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x06method\x18\x08 \x01(\t\x12\r\n\x05gamma\x18\t \x01(\x05\x12\t\n\x01k\x18\n \x01(\x05\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12+\n\x08messages\x18\x0f \x03(\x0b\x32\x19.blockspec.v1.ChatMessage\x12\x13\n\x0bnew_session\x18\x10 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xde\x01\n\x10SpeculationStats\x12\x14\n\x0ctarget_calls\x18\x01 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0ftokens_per_call\x18\x03 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\x17\n\x0fmean_batch_size\x18\x06 \x01(\x01\x12,\n\x07step_ms\x18\x07 \x01(\x0b\x32\x1b.blockspec.v1.StepBreakdown\"\x81\x01\n\rStepBreakdown\x12\r\n\x05\x64raft\x18\x01 \x01(\x01\x12\x0c\n\x04tree\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x10\n\x08transfer\x18\x04 \x01(\x01\x12\x0e\n\x06verify\x18\x05 \x01(\x01\x12\x10\n\x08overhead\x18\x06 \x01(\x01\x12\x0f\n\x07prefill\x18\x07 \x01(\x01\"\xd1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xb7\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x0f\n\x07replica\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\r\n\x0bInfoRequest\"D\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bsingle_path\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"~\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x11\n\tmax_gamma\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x12\n\nmax_queued\x18\x06 \x01(\x05\"\xfd\x01\n\x0cInfoResponse\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12)\n\x07methods\x18\x04 \x03(\x0b\x32\x18.blockspec.v1.MethodInfo\x12$\n\x06limits\x18\x05 \x01(\x0b\x32\x14.blockspec.v1.Limits\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x06 \x01(\t\x12\x15\n\rdefault_gamma\x18\x07 \x01(\x05\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\x05\x12\x15\n\rchat_template\x18\t \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xe5\x01\n\tGenerator\x12I\n\x08Generate\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1e.blockspec.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1b.blockspec.v1.GenerateChunk0\x01\x12=\n\x04Info\x12\x19.blockspec.v1.InfoRequest\x1a\x1a.blockspec.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/blockspec.proto\x12\x0c\x62lockspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x06method\x18\x08 \x01(\t\x12\r\n\x05gamma\x18\t \x01(\x05\x12\t\n\x01k\x18\n \x01(\x05\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12+\n\x08messages\x18\x0f \x03(\x0b\x32\x19.blockspec.v1.ChatMessage\x12\x13\n\x0bnew_session\x18\x10 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe0\x02\n\x10SpeculationStats\x12\x14\n\x0ctarget_calls\x18\x01 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0ftokens_per_call\x18\x03 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\x17\n\x0fmean_batch_size\x18\x06 \x01(\x01\x12,\n\x07step_ms\x18\x07 \x01(\x0b\x32\x1b.blockspec.v1.StepBreakdown\x12J\n\x0fsteps_by_config\x18\x08 \x03(\x0b\x32\x31.blockspec.v1.SpeculationStats.StepsByConfigEntry\x1a\x34\n\x12StepsByConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x81\x01\n\rStepBreakdown\x12\r\n\x05\x64raft\x18\x01 \x01(\x01\x12\x0c\n\x04tree\x18\x02 \x01(\x01\x12\x0e\n\x06target\x18\x03 \x01(\x01\x12\x10\n\x08transfer\x18\x04 \x01(\x01\x12\x0e\n\x06verify\x18\x05 \x01(\x01\x12\x10\n\x08overhead\x18\x06 \x01(\x01\x12\x0f\n\x07prefill\x18\x07 \x01(\x01\"\xd1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xb7\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.blockspec.v1.FinishReason\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.blockspec.v1.SpeculationStats\x12\x0f\n\x07replica\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\r\n\x0bInfoRequest\"D\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bsingle_path\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"~\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x11\n\tmax_gamma\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x12\n\nmax_queued\x18\x06 \x01(\x05\"\xfd\x01\n\x0cInfoResponse\x12\x13\n\x0b\x64raft_model\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12)\n\x07methods\x18\x04 \x03(\x0b\x32\x18.blockspec.v1.MethodInfo\x12$\n\x06limits\x18\x05 \x01(\x0b\x32\x14.blockspec.v1.Limits\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x06 \x01(\t\x12\x15\n\rdefault_gamma\x18\x07 \x01(\x05\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\x05\x12\x15\n\rchat_template\x18\t \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xe5\x01\n\tGenerator\x12I\n\x08Generate\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1e.blockspec.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.blockspec.v1.GenerateRequest\x1a\x1b.blockspec.v1.GenerateChunk0\x01\x12=\n\x04Info\x12\x19.blockspec.v1.InfoRequest\x1a\x1a.blockspec.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.blockspec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1697
-  _globals['_FINISHREASON']._serialized_end=1792
+  _globals['_SPECULATIONSTATS_STEPSBYCONFIGENTRY']._loaded_options = None
+  _globals['_SPECULATIONSTATS_STEPSBYCONFIGENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1827
+  _globals['_FINISHREASON']._serialized_end=1922
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_GENERATEREQUEST']._serialized_start=87
   _globals['_GENERATEREQUEST']._serialized_end=471
   _globals['_SPECULATIONSTATS']._serialized_start=474
-  _globals['_SPECULATIONSTATS']._serialized_end=696
-  _globals['_STEPBREAKDOWN']._serialized_start=699
-  _globals['_STEPBREAKDOWN']._serialized_end=828
-  _globals['_GENERATERESPONSE']._serialized_start=831
-  _globals['_GENERATERESPONSE']._serialized_end=1040
-  _globals['_GENERATECHUNK']._serialized_start=1043
-  _globals['_GENERATECHUNK']._serialized_end=1226
-  _globals['_INFOREQUEST']._serialized_start=1228
-  _globals['_INFOREQUEST']._serialized_end=1241
-  _globals['_METHODINFO']._serialized_start=1243
-  _globals['_METHODINFO']._serialized_end=1311
-  _globals['_LIMITS']._serialized_start=1313
-  _globals['_LIMITS']._serialized_end=1439
-  _globals['_INFORESPONSE']._serialized_start=1442
-  _globals['_INFORESPONSE']._serialized_end=1695
-  _globals['_GENERATOR']._serialized_start=1795
-  _globals['_GENERATOR']._serialized_end=2024
+  _globals['_SPECULATIONSTATS']._serialized_end=826
+  _globals['_SPECULATIONSTATS_STEPSBYCONFIGENTRY']._serialized_start=774
+  _globals['_SPECULATIONSTATS_STEPSBYCONFIGENTRY']._serialized_end=826
+  _globals['_STEPBREAKDOWN']._serialized_start=829
+  _globals['_STEPBREAKDOWN']._serialized_end=958
+  _globals['_GENERATERESPONSE']._serialized_start=961
+  _globals['_GENERATERESPONSE']._serialized_end=1170
+  _globals['_GENERATECHUNK']._serialized_start=1173
+  _globals['_GENERATECHUNK']._serialized_end=1356
+  _globals['_INFOREQUEST']._serialized_start=1358
+  _globals['_INFOREQUEST']._serialized_end=1371
+  _globals['_METHODINFO']._serialized_start=1373
+  _globals['_METHODINFO']._serialized_end=1441
+  _globals['_LIMITS']._serialized_start=1443
+  _globals['_LIMITS']._serialized_end=1569
+  _globals['_INFORESPONSE']._serialized_start=1572
+  _globals['_INFORESPONSE']._serialized_end=1825
+  _globals['_GENERATOR']._serialized_start=1925
+  _globals['_GENERATOR']._serialized_end=2154
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., gamma: _Optional[int] = ..., k: _Optional[int] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., new_session: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens", "mean_batch_size", "step_ms")
+    __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens", "mean_batch_size", "step_ms", "steps_by_config")
+    class StepsByConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TARGET_CALLS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +76,7 @@ class SpeculationStats(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_CONFIG_FIELD_NUMBER: _ClassVar[int]
     target_calls: int
     accepted_tokens: int
     tokens_per_call: float
@@ -76,7 +84,8 @@ class SpeculationStats(_message.Message):
     cached_prompt_tokens: int
     mean_batch_size: float
     step_ms: StepBreakdown
-    def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., step_ms: _Optional[_Union[StepBreakdown, _Mapping]] = ...) -> None: ...
+    steps_by_config: _containers.ScalarMap[str, int]
+    def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., step_ms: _Optional[_Union[StepBreakdown, _Mapping]] = ..., steps_by_config: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StepBreakdown(_message.Message):
     __slots__ = ("draft", "tree", "target", "transfer", "verify", "overhead", "prefill")

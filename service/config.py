@@ -25,6 +25,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from service.policy import DEFAULT_ARMS, Arm
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
@@ -72,10 +73,26 @@ class ReplicaConfig(BaseModel):
     max_gamma: int = Field(16, ge=1)
     default_method: str = "block"
     default_gamma: int = Field(4, ge=1)
+    # What `method: auto` chooses among each step: "none" or "method/K/γ" (service/policy.py).
+    auto_arms: list[str] = Field(default_factory=lambda: list(DEFAULT_ARMS))
     default_max_new_tokens: int = Field(128, ge=1)
     coordinator: Resources = Resources()
     draft: Resources = Resources()
     target_shard: Resources = Resources()
+
+    @model_validator(mode="after")
+    def _auto_arms(self) -> ReplicaConfig:
+        def fits(arm: Arm) -> bool:
+            return arm.k <= self.max_k and arm.gamma <= self.max_gamma
+
+        if "auto_arms" not in self.model_fields_set:  # the defaults within this deployment's
+            self.auto_arms = [a for a in self.auto_arms if fits(Arm.parse(a))]
+        for text in self.auto_arms:
+            if not fits(Arm.parse(text)):  # parse: ValueError naming the arm
+                raise ValueError(f"auto_arms: {text!r} exceeds max_k or max_gamma")
+        if not self.auto_arms:
+            raise ValueError("auto_arms: at least one arm")
+        return self
 
 
 class Autoscaling(BaseModel):

@@ -19,6 +19,8 @@ Method ``none`` is plain autoregressive decoding with the target (the baseline).
 runs the draft with the largest K and γ present and each request uses its own prefix of that;
 requests with ``none`` still feed their tokens to the draft in such a batch (wasted work, kept
 simple), while a batch of only ``none`` requests skips the draft model entirely.
+Method ``auto`` (service/policy.py) lets the engine's `AutoPolicy` pick each step's method, K
+and γ for the batch's auto requests, from the replica's measured step times and acceptance.
 
 Sessions: a request with a ``session_id`` parks its KV entries in one of ``max_sessions`` spare
 cache slots when it finishes (least recently parked evicted first). The session's next request
@@ -32,12 +34,13 @@ import functools
 import itertools
 import os
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from service.policy import AUTO, Arm, AutoPolicy, AutoState, StepShape
 from service.verification import VERIFIERS, TargetModification, verify
 from workers.draft import DraftWorker
 from workers.sampling import SamplingParams, sample
@@ -57,11 +60,11 @@ def check_method(
 ) -> None:
     """Raise InvalidArgument unless `method` can run with K = k paths of γ = gamma tokens
     (within a deployment's max_k / max_gamma when given). Plain decoding ignores k and gamma."""
-    if method != PLAIN and method not in VERIFIERS:
+    if method not in (PLAIN, AUTO) and method not in VERIFIERS:
         raise InvalidArgument(
-            f"method: unknown {method!r}; expected none or one of {', '.join(VERIFIERS)}"
+            f"method: unknown {method!r}; expected none, auto or one of {', '.join(VERIFIERS)}"
         )
-    if method == PLAIN:
+    if method in (PLAIN, AUTO):  # auto chooses K and γ itself (service/policy.py)
         return
     _check_range("k", k, max_k)
     if VERIFIERS[method].single_path and k != 1:
@@ -79,8 +82,9 @@ def _check_range(name: str, value: int, most: int | None) -> None:
 def context_needed(prompt_tokens: int, max_new_tokens: int, method: str, gamma: int) -> int:
     """Cache positions a request may occupy: its prompt and output, plus the last step's
     overshoot (a step scores γ draft tokens past the last output token, and emits up to γ + 1
-    tokens whose KV stays even past a stop) and 2 for the tokens pending in the caches."""
-    return prompt_tokens + max_new_tokens + (gamma if method != PLAIN else 0) + 2
+    tokens whose KV stays even past a stop) and 2 for the tokens pending in the caches. `auto`
+    needs no more than plain decoding: it only drafts as far as a request's context allows."""
+    return prompt_tokens + max_new_tokens + (gamma if method not in (PLAIN, AUTO) else 0) + 2
 
 
 def check_context(
@@ -146,6 +150,7 @@ class RequestStats:
     target_calls: int = 0
     accepted: int = 0  # draft tokens accepted in all
     accepted_per_position: list[int] = field(default_factory=list)  # [γ]: steps accepting pos i
+    steps_by_config: Counter[str] = field(default_factory=Counter)  # steps per Arm (`auto`)
     # Sums over the steps this request was part of (their time is shared with its batch-mates).
     steps: StepTimes = field(default_factory=StepTimes)
 
@@ -275,6 +280,8 @@ class _Active:
     generator: torch.Generator
     target_pending: int  # last emitted token: root of the next tree, not yet in target's cache
     draft_pending: list[int]  # emitted tokens not yet run through the draft (1 or 2)
+    arm: Arm  # what the next step runs: the request's own, or what `auto` chose for it
+    auto: AutoState | None = None  # method auto: what the policy knows of this request
     output: list[int] = field(default_factory=list)
     carry: TargetModification | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -304,8 +311,10 @@ class SpeculativeEngine:
         max_len: int,
         vocab_size: int,
         max_sessions: int = 0,
+        policy: AutoPolicy | None = None,
     ):
         self.draft, self.target = draft, target
+        self.policy = policy or AutoPolicy()
         self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
         self.active: list[_Active] = []  # slot i of both caches belongs to active[i]
@@ -340,8 +349,12 @@ class SpeculativeEngine:
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         gen = torch.Generator().manual_seed(seed)
         last = req.prompt_ids[-1]
-        stats = RequestStats(accepted_per_position=[0] * max(req.gamma, 1))
-        self.waiting.append(_Active(req, gen, last, [last], stats=stats))
+        arm, auto, gamma = Arm(req.method, req.k, req.gamma), None, req.gamma
+        if req.method == AUTO:
+            room = self.max_len - context_needed(len(req.prompt_ids), req.max_new_tokens, AUTO, 0)
+            auto, gamma = AutoState(room, req.max_new_tokens), self.policy.max_gamma
+        stats = RequestStats(accepted_per_position=[0] * max(gamma, 1))
+        self.waiting.append(_Active(req, gen, last, [last], arm, auto, stats=stats))
         return req.request_id
 
     def cancel(self, request_id: str) -> bool:
@@ -356,11 +369,13 @@ class SpeculativeEngine:
                 return True
         return False
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Move waiting requests into free batch slots and prefill them; returns the prompt
+        tokens the target prefilled."""
         room = self.max_batch - len(self.active)
         new, self.waiting = self.waiting[:room], self.waiting[room:]
         if not new:
-            return
+            return 0
         slot0 = len(self.active)
         keep_draft, keep_target = [], []
         for slot, a in enumerate(new, start=slot0):
@@ -389,8 +404,10 @@ class SpeculativeEngine:
             ]
 
         self.draft.prefill(slot0, rest(keep_draft), keep_draft)
-        self.target.prefill(slot0, rest(keep_target), keep_target)
+        contexts = rest(keep_target)
+        self.target.prefill(slot0, contexts, keep_target)
         self.active.extend(new)
+        return sum(len(c) for c in contexts)
 
     def _park(self, index: int) -> None:
         """Keep active[index]'s KV in a spare slot under its session id."""
@@ -455,12 +472,13 @@ class SpeculativeEngine:
     def step(self) -> StepResult:
         """One speculative step for every active request: plan, speculate, commit."""
         admitting = time.perf_counter()
-        self._admit()
+        prefilled = self._admit()
         if not self.active:
             return StepResult([], StepTimes())
         batch = list(self.active)  # self.active shrinks as finished requests retire
         start = time.perf_counter()
         prefill = start - admitting
+        auto = self._choose_auto(batch, prefilled)
         plan = self._plan(batch)
         planned = time.perf_counter()
         x, verdict, seconds = self._speculate(plan, [a.generator for a in batch])
@@ -469,6 +487,11 @@ class SpeculativeEngine:
             a.carry = carry
         if plan.drafted:  # the target committed its accepted paths itself
             self.draft.commit(verdict.path, verdict.num_accepted)
+        if auto is not None:  # the step's whole wall time: the cost model knows the prefill
+            arm, shape = auto
+            accepted = verdict.num_accepted.tolist()
+            outcomes = [(a.auto, accepted[i]) for i, a in enumerate(batch) if a.auto is not None]
+            self.policy.observe(arm, shape, time.perf_counter() - admitting, outcomes)
         finished = self._advance(plan, x, verdict)
         seconds["overhead"] = planned - start + time.perf_counter() - speculated
         seconds["prefill"] = seconds.get("prefill", 0.0) + prefill  # remote: posted calls
@@ -479,9 +502,30 @@ class SpeculativeEngine:
         self.steps += 1
         return StepResult(finished, times)
 
+    def _choose_auto(self, batch: list[_Active], prefilled: int) -> tuple[Arm, StepShape] | None:
+        """Set the arm of the batch's auto requests (service/policy.py): from finished steps
+        only, before this step draws anything. Returns (arm, the step's shape), or None when
+        the batch has no auto request."""
+        auto = [a.auto for a in batch if a.auto is not None]
+        if not auto:
+            return None
+        fixed = [a.arm for a in batch if a.auto is None and a.arm.method != PLAIN]
+        shape = StepShape(
+            batch_size=len(batch),
+            fixed_nodes=sum(arm.nodes for arm in fixed),
+            fixed_multi_nodes=sum(arm.nodes for arm in fixed if arm.k > 1),
+            fixed_depth=max((arm.gamma for arm in fixed), default=0),
+            prefill_tokens=prefilled,
+        )
+        arm = self.policy.choose(auto, shape)
+        for a in batch:
+            if a.auto is not None:
+                a.arm = arm
+        return arm, shape
+
     def _plan(self, batch: list[_Active]) -> StepPlan:
         n = len(batch)
-        plain = [a.req.method == PLAIN for a in batch]
+        plain = [a.arm.method == PLAIN for a in batch]
         pending = None
         counts = torch.tensor([len(a.draft_pending) for a in batch])
         if not all(plain):  # a batch of plain requests never touches the draft model
@@ -490,18 +534,18 @@ class SpeculativeEngine:
                 pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
         groups = defaultdict(list)
         for i, a in enumerate(batch):
-            groups[(a.req.method, a.req.k, a.req.gamma)].append(i)
+            groups[(a.arm.method, a.arm.k, a.arm.gamma)].append(i)
         return StepPlan(
             pending=pending,
             pending_count=counts,
-            num_paths=[0 if pl else a.req.k for a, pl in zip(batch, plain, strict=True)],
-            depth=[0 if pl else a.req.gamma for a, pl in zip(batch, plain, strict=True)],
+            num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
+            depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
             roots=torch.tensor([a.target_pending for a in batch]),
             params=[a.req.sampling for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
                 carries=[a.carry for a in batch],
-                max_gamma=max((a.req.gamma for a in batch if a.req.method != PLAIN), default=1),
+                max_gamma=max((a.arm.gamma for a in batch if a.arm.method != PLAIN), default=1),
             ),
         )
 
@@ -551,13 +595,14 @@ class SpeculativeEngine:
             t = int(tau[i])
             emitted = tokens[i, : t + 1].tolist()
             a.stats.target_calls += 1
+            a.stats.steps_by_config[str(a.arm)] += 1
             a.stats.accepted += t
             a.emitted += len(emitted)
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
             if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens
-                committed = min(t, run) if a.req.method != PLAIN else 0
+                committed = min(t, run) if a.arm.method != PLAIN else 0
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
                 a.draft_pending = a.draft_pending + emitted
@@ -571,6 +616,8 @@ class SpeculativeEngine:
                 if len(a.output) >= a.req.max_new_tokens:
                     reason = "length"
                     break
+            if a.auto is not None:
+                a.auto.remaining = a.req.max_new_tokens - len(a.output)
             if a.req.on_tokens is not None:
                 a.req.on_tokens(a.output[before:])
             if reason:
@@ -601,6 +648,7 @@ def build_engine(
     device: str = "cpu",
     tensor_parallel: int = 1,
     max_sessions: int = 0,
+    auto_arms: list[str] | None = None,
 ):
     """Engine over a local draft/target pair; the target split over `tensor_parallel` ranks
     (spawned processes, gloo on CPU) when > 1. `max_len` is capped at the models' context.
@@ -617,5 +665,8 @@ def build_engine(
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(), slots, max_len, DTYPES[dtype], device)
-    engine = SpeculativeEngine(draft, target, max_batch, max_len, t.spec.vocab_size, max_sessions)
+    policy = AutoPolicy(auto_arms) if auto_arms else None
+    engine = SpeculativeEngine(
+        draft, target, max_batch, max_len, t.spec.vocab_size, max_sessions, policy
+    )
     return engine, tokenizer

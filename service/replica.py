@@ -27,6 +27,7 @@ from ray import serve
 from service.config import ReplicaConfig, Resources
 from service.coordinator import Coordinator, Done, Emitted, Event, Failed
 from service.engine import PLAIN, GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
+from service.policy import AUTO, AutoPolicy
 from service.requests import FinishedEvent, GenerateJob, SpeculationStats, TokensEvent
 from service.verification import VERIFIERS
 from workers.sampling import SamplingParams
@@ -85,8 +86,9 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     target = start_target(target_spec, cfg.tensor_parallel, slots, max_len)
     draft.wait_ready()  # loaded while the target shards were starting
     target.use_draft_vocab(draft)
+    policy = AutoPolicy(cfg.auto_arms)
     engine = SpeculativeEngine(
-        draft, target, cfg.max_batch, max_len, vocab_size, max_sessions=cfg.max_sessions
+        draft, target, cfg.max_batch, max_len, vocab_size, cfg.max_sessions, policy
     )
     info = dict(
         draft_model=os.path.basename(cfg.draft_dir.rstrip("/")),
@@ -129,7 +131,11 @@ def speculation_stats(result: GenerationResult) -> SpeculationStats:
         cached_prompt_tokens=result.cached_tokens,
         mean_batch_size=stats.mean_batch_size,
         step_ms={name: 1e3 * getattr(stats.steps, name) / calls for name in StepTimes.PHASES},
+        steps_by_config=dict(stats.steps_by_config),
     )
+
+
+AUTO_DESCRIPTION = "picks method, K and γ each step from measured load (k, gamma ignored)"
 
 
 class Replica:
@@ -184,7 +190,8 @@ class Replica:
             methods=[
                 dict(name=v.name, single_path=v.single_path, description=v.description)
                 for v in VERIFIERS.values()
-            ],
+            ]
+            + [dict(name=AUTO, single_path=False, description=AUTO_DESCRIPTION)],
             default_method=cfg.default_method,
             default_gamma=cfg.default_gamma,
             default_max_new_tokens=cfg.default_max_new_tokens,

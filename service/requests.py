@@ -57,6 +57,7 @@ class SpeculationStats:
     cached_prompt_tokens: int  # prompt tokens whose KV a parked session supplied
     mean_batch_size: float
     step_ms: dict[str, float]  # mean wall ms per step by phase (StepTimes.PHASES)
+    steps_by_config: dict[str, int]  # steps per "none" / "method/K/γ"
 
 
 @dataclass

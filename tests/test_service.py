@@ -75,7 +75,7 @@ def poll_gateway_metrics(service, condition, timeout: float = 20.0) -> dict[str,
 def test_info_health_reflection_and_metrics(service):
     info = service["stub"].Info(pb.InfoRequest())
     assert info.vocab_size == 8192 and info.limits.max_context == 384
-    assert [m.name for m in info.methods] == list(VERIFIERS)
+    assert [m.name for m in info.methods] == [*VERIFIERS, "auto"]
     assert info.limits.max_batch == MAX_BATCH
 
     health = health_pb2_grpc.HealthStub(service["channel"])
@@ -213,6 +213,28 @@ def test_seeded_output_through_the_service_equals_the_engine_alone(service):
         if list(reply.token_ids) != engine.generate([alone])[0].token_ids:
             differ.append(job.method)
     assert len(differ) <= 2, differ
+
+
+def test_auto_requests_say_what_ran_and_share_steps_with_fixed_methods(service):
+    """`method: auto` over gRPC, concurrently with fixed-method requests: every step of a
+    request is counted under the configuration it ran, and auto's are among its arms."""
+    arms = set(service["settings"].replica.auto_arms)
+    jobs = [
+        pb.GenerateRequest(prompt=f"def g{i}(x):", max_new_tokens=24, method=method, k=k,
+                           gamma=gamma, ignore_eos=True)
+        for i, (method, k, gamma) in enumerate([("auto", 0, 0)] * 4 + [("gbv", 2, 3)] * 2)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        replies = list(pool.map(lambda r: service["stub"].Generate(r, timeout=120), jobs))
+    for job, reply in zip(jobs, replies, strict=True):
+        assert len(reply.token_ids) == 24
+        ran = dict(reply.stats.steps_by_config)
+        assert sum(ran.values()) == reply.stats.target_calls
+        if job.method == "auto":
+            assert set(ran) <= arms, ran
+        else:
+            assert ran == {"gbv/2/3": reply.stats.target_calls}
+    assert max(r.stats.mean_batch_size for r in replies) > 1
 
 
 def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
