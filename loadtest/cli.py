@@ -7,9 +7,12 @@
 For each method × K × γ × T (K > 1 only for multi-path methods; `none` = plain decoding) and
 each load point — closed loop at each `--concurrency`, open loop at each `--rate` (Poisson,
 requests/s) — it sends `--warmup` unrecorded requests, then `--requests` recorded ones (or as
-many as fit in `--duration` seconds, closed loop). `--compare A B` (each 'method:K:γ:T')
-interleaves two configurations request by request in the same load points instead of a grid,
-and reports B/A ratios of each metric, which holds on a noisy machine.
+many as fit in `--duration` seconds, closed loop). Method `auto` lets the service choose the
+method, K and γ each step; the report compares it with every fixed configuration of the run.
+`--compare A B` (each 'method:K:γ:T') interleaves two configurations request by request in the
+same load points instead of a grid, and reports B/A ratios of each metric, which holds on a
+noisy machine. `--slo ttft=..,tpot=..,e2e=..` adds goodput: requests/s that met every
+threshold.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from loadtest.driver import Client, Config, closed_loop, open_loop
 from loadtest.prompts import prompt_ids
-from loadtest.report import summarize, write_outputs
+from loadtest.report import parse_slo, summarize, write_outputs
 
 COMPARED = ("tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "block_efficiency")
 
@@ -39,8 +42,8 @@ def grid(args, single_path: set[str]) -> list[Config]:
     configs = []
     for method in args.methods:
         for temperature in args.temperature:
-            if method == "none":
-                configs.append(Config("none", 1, 1, temperature))
+            if method in ("none", "auto"):  # auto picks K and γ itself
+                configs.append(Config(method, 1, 1, temperature))
                 continue
             for k in [1] if method in single_path else args.k:
                 for gamma in args.gamma:
@@ -67,6 +70,7 @@ async def run(args) -> None:
 
     token = args.token or os.environ.get("BLOCKSPEC_TOKEN")
     client = Client(args.address, args.max_new_tokens, args.timeout, args.tls_ca, token)
+    slo = parse_slo(args.slo)
     info = await client.stub.Info(pb.InfoRequest(), timeout=30)
     single_path = {m.name for m in info.methods if m.single_path}
     configs = (
@@ -120,10 +124,11 @@ async def run(args) -> None:
                 records += batch
                 for cfg in group:
                     mine = [r for r in batch if r["config"] == cfg.label]
-                    point = summarize(mine, wall)
+                    point = summarize(mine, wall, slo)
                     points.append(dict(config=cfg.label, load=f"{kind}={level:g}", **point))
                     progress.console.print(
-                        f"{cfg.label} {kind}={level:g}: {point['tokens_per_s']:.1f} tok/s, "
+                        f"{cfg.label} {kind}={level:g}: {point['tokens_per_s']:.1f} tok/s "
+                        f"(±{point['tokens_per_s_ci']:.0%}), "
                         f"p50 {point['latency_p50']:.2f} s, BE {point['block_efficiency']:.2f}, "
                         f"batch {point['mean_batch_size']:.1f}, errors {point['errors'] or 0}"
                     )
@@ -132,6 +137,7 @@ async def run(args) -> None:
         command="python -m loadtest " + " ".join(sys.argv[1:]),
         environment=_environment(info),
         seed=args.seed,
+        slo=args.slo,
     )
     if args.compare:
         meta["compare"] = _compare(points, [c.label for c in configs])
@@ -199,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="'method:K:γ:T' each")
+    ap.add_argument("--slo", help="goodput thresholds, seconds: 'ttft=0.5,tpot=0.1,e2e=10'")
     ap.add_argument("--progress", action="store_true", help="progress bar even when not a tty")
     ap.add_argument("--out", default="loadtest-results")
     return ap

@@ -31,8 +31,8 @@ class Config:
 
     @property
     def label(self) -> str:
-        if self.method == "none":
-            return f"none T={self.temperature}"
+        if self.method in ("none", "auto"):  # no K or γ of their own
+            return f"{self.method} T={self.temperature}"
         return f"{self.method} K={self.k} γ={self.gamma} T={self.temperature}"
 
     @staticmethod
@@ -50,11 +50,13 @@ class Record:
     start: float  # seconds since the run started
     latency_s: float = 0.0
     ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between chunks with tokens
     tokens: int = 0
     target_calls: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     mean_batch_size: float = 0.0
     step_ms: dict[str, float] = field(default_factory=dict)
+    steps_by_config: dict[str, int] = field(default_factory=dict)  # what ran (method auto)
     code: str = "OK"
     detail: str = ""  # the error message, if any
     replica: str = ""
@@ -91,11 +93,17 @@ class Client:
         )
         start = time.perf_counter()
         rec = Record(cfg.label, load, start - self.t0)
+        last = None
         try:
             stream = self.stub.GenerateStream(req, timeout=self.timeout_s, metadata=self.metadata)
             async for chunk in stream:
-                if chunk.token_ids and rec.ttft_s is None:
-                    rec.ttft_s = time.perf_counter() - start
+                if chunk.token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        rec.ttft_s = now - start
+                    else:
+                        rec.itl_s.append(now - last)
+                    last = now
                 rec.tokens += len(chunk.token_ids)
                 if chunk.finish_reason:
                     s = chunk.stats
@@ -106,6 +114,7 @@ class Client:
                         f.name: getattr(s.step_ms, f.name)
                         for f in pb.StepBreakdown.DESCRIPTOR.fields
                     }
+                    rec.steps_by_config = dict(s.steps_by_config)
                     rec.replica = chunk.replica
         except grpc.aio.AioRpcError as err:
             rec.code, rec.detail = err.code().name, err.details() or ""

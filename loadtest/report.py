@@ -1,7 +1,12 @@
-"""From request records to the numbers a user compares: per (configuration, load) point
-throughput, latency / time-to-first-token percentiles, time per output token, block efficiency,
-acceptance per draft position, the batch sizes the coordinator ran, where step time went, and
-errors by status code. Writes JSON, CSV, PNG plots and report.md.
+"""From request records to the numbers a user compares, named as vLLM's `bench serve` and
+AIPerf name them. Per (configuration, load) point: output tokens/s with a 95% interval,
+requests/s, end-to-end latency, TTFT (time to first token), TPOT (time per output token after
+the first, per request), ITL (gaps between stream chunks that carry tokens; a chunk is one
+decode step, so a speculative step's tokens arrive together), goodput under an SLO, block
+efficiency, acceptance per draft position, batch sizes, where step time went, errors by status
+code, and for `auto` the configurations it ran. Across points: speedup over `none` per method
+(its best configuration at each load), and `auto` against the best fixed configuration.
+Writes JSON, CSV, PNG plots and report.md.
 """
 
 from __future__ import annotations
@@ -24,17 +29,52 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q, method="inverted_cdf")) if values else math.nan
 
 
-def summarize(records: list[dict], wall_s: float) -> dict:
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=0.5,tpot=0.1,e2e=10' (seconds; any subset) -> {'ttft': 0.5, ...}."""
+    if not text:
+        return {}
+    slo = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name not in SLO_METRICS or not value:
+            raise ValueError(f"--slo: {part!r}; expected {'/'.join(SLO_METRICS)}=seconds")
+        slo[name] = float(value)
+    return slo
+
+
+SLO_METRICS = ("ttft", "tpot", "e2e")
+
+
+def meets(record: dict, slo: dict[str, float]) -> bool:
+    """Whether a successful request met every SLO threshold."""
+    tpot = _tpot(record)
+    observed = dict(ttft=record["ttft_s"], tpot=tpot, e2e=record["latency_s"])
+    return all(
+        observed[name] is not None and observed[name] <= limit for name, limit in slo.items()
+    )
+
+
+def _tpot(r: dict) -> float | None:
+    if r["ttft_s"] is None or r["tokens"] <= 1:
+        return None
+    return (r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1)
+
+
+def summarize(records: list[dict], wall_s: float, slo: dict[str, float] | None = None) -> dict:
+    """The point's numbers. The interval on tokens/s is the 95% normal interval of the mean
+    request latency, relative: at a fixed concurrency and fixed tokens per request, throughput
+    is concurrency × tokens / mean latency (Little's law), so it is as uncertain as that mean."""
     ok = [r for r in records if r["code"] == "OK"]
     tokens = sum(r["tokens"] for r in ok)
     calls = sum(r["target_calls"] for r in ok)
     latency = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    tpot = [
-        (r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1)
-        for r in ok
-        if r["ttft_s"] is not None and r["tokens"] > 1
-    ]
+    tpot = [t for t in map(_tpot, ok) if t is not None]
+    itl = [gap for r in ok for gap in r.get("itl_s", [])]
+    ran = Counter()
+    for r in ok:
+        ran.update(r.get("steps_by_config", {}))
+    good = [r for r in ok if meets(r, slo)] if slo else []
     gamma = max((len(r["accepted_per_position"]) for r in ok), default=0)
     accepted = [0] * gamma
     for r in ok:
@@ -44,12 +84,23 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     def weighted(value) -> float:  # mean over steps: per-request values weighted by its steps
         return sum(value(r) * r["target_calls"] for r in ok) / max(calls, 1)
 
+    per_s = (lambda n: n / wall_s) if wall_s > 0 else (lambda n: math.nan)
+    spread = (
+        1.96 * float(np.std(latency, ddof=1)) / math.sqrt(len(latency)) / float(np.mean(latency))
+        if len(latency) > 1
+        else math.nan
+    )
     return dict(
         requests=len(records),
         ok=len(ok),
         errors=dict(Counter(r["code"] for r in records if r["code"] != "OK")),
         wall_s=wall_s,
-        tokens_per_s=tokens / wall_s if wall_s > 0 else math.nan,
+        tokens_per_s=per_s(tokens),
+        tokens_per_s_ci=spread,  # relative half-width of the 95% interval
+        requests_per_s=per_s(len(ok)),
+        goodput_requests_per_s=per_s(len(good)) if slo else math.nan,
+        goodput_tokens_per_s=per_s(sum(r["tokens"] for r in good)) if slo else math.nan,
+        slo_met=len(good) / max(len(ok), 1) if slo else math.nan,
         latency_p50=percentile(latency, 50),
         latency_p90=percentile(latency, 90),
         latency_p99=percentile(latency, 99),
@@ -57,10 +108,16 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         ttft_p90=percentile(ttft, 90),
         ttft_p99=percentile(ttft, 99),
         tpot_p50=percentile(tpot, 50),
+        tpot_p90=percentile(tpot, 90),
+        tpot_p99=percentile(tpot, 99),
+        itl_p50=percentile(itl, 50),
+        itl_p90=percentile(itl, 90),
+        itl_p99=percentile(itl, 99),
         block_efficiency=tokens / calls if calls else math.nan,
         acceptance_per_position=[a / max(calls, 1) for a in accepted],
         mean_batch_size=weighted(lambda r: r["mean_batch_size"]),
         step_ms={p: weighted(lambda r, p=p: r["step_ms"].get(p, 0.0)) for p in PHASES},
+        steps_by_config={c: n / max(calls, 1) for c, n in ran.most_common()},  # step shares
     )
 
 
@@ -69,14 +126,72 @@ COLUMNS = [
     ("load", "{}"),
     ("ok", "{}"),
     ("tokens_per_s", "{:.1f}"),
+    ("tokens_per_s_ci", "±{:.0%}"),
+    ("requests_per_s", "{:.2f}"),
+    ("goodput_requests_per_s", "{:.2f}"),
     ("latency_p50", "{:.2f}"),
     ("latency_p90", "{:.2f}"),
     ("latency_p99", "{:.2f}"),
     ("ttft_p50", "{:.3f}"),
     ("tpot_p50", "{:.4f}"),
+    ("itl_p50", "{:.4f}"),
+    ("itl_p99", "{:.4f}"),
     ("block_efficiency", "{:.2f}"),
     ("mean_batch_size", "{:.1f}"),
 ]
+
+
+def _method(config: str) -> str:
+    return config.split()[0]
+
+
+def _temperature(config: str) -> str:
+    return config.rsplit("T=", 1)[1]
+
+
+def best_per_method(points: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
+    """{(T, load): {method: its point with the most tokens/s there}}."""
+    best: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
+    for p in points:
+        at = best[(_temperature(p["config"]), p["load"])]
+        method = _method(p["config"])
+        if method not in at or p["tokens_per_s"] > at[method]["tokens_per_s"]:
+            at[method] = p
+    return best
+
+
+def auto_versus_fixed(points: list[dict]) -> list[dict]:
+    """Per temperature that `auto` ran at: at each load, auto's tokens/s against the best fixed
+    configuration there; and against the best *single* fixed configuration of the sweep (the
+    highest geometric mean of tokens/s over auto's loads), as a geometric mean of ratios."""
+    out = []
+    for T in sorted({_temperature(p["config"]) for p in points if _method(p["config"]) == "auto"}):
+        auto = {p["load"]: p["tokens_per_s"] for p in points if p["config"] == f"auto T={T}"}
+        fixed: dict[str, dict[str, float]] = defaultdict(dict)
+        for p in points:
+            if _temperature(p["config"]) == T and _method(p["config"]) != "auto":
+                fixed[p["config"]][p["load"]] = p["tokens_per_s"]
+        complete = {c: v for c, v in fixed.items() if set(auto) <= set(v)}
+        if not complete:
+            continue
+        single = max(complete, key=lambda c: _geomean([complete[c][load] for load in auto]))
+        loads = []
+        for load, tps in auto.items():
+            best = max(fixed, key=lambda c: fixed[c].get(load, -1.0))
+            loads.append(
+                dict(load=load, auto=tps, best=best, best_tps=fixed[best][load],
+                     ratio=tps / fixed[best][load], single_tps=complete[single][load])
+            )  # fmt: skip
+        out.append(
+            dict(temperature=T, loads=loads, single=single,
+                 geomean_vs_single=_geomean([r["auto"] / r["single_tps"] for r in loads]),
+                 worst_vs_best=min(r["ratio"] for r in loads))
+        )  # fmt: skip
+    return out
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
 
 
 def _cell(fmt: str, value) -> str:
@@ -117,7 +232,7 @@ def _plots(out: Path, points: list[dict]) -> list[str]:
     by_method: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for p in points:
         by_method[p["config"].split()[0]][p["config"]].append(p)
-    files = []
+    files = _speedup_plots(plt, out, points)
     for kind in ("c", "rate"):
         panels = {
             m: {
@@ -182,6 +297,46 @@ def _plots(out: Path, points: list[dict]) -> list[str]:
     return files
 
 
+def _speedup_plots(plt, out: Path, points: list[dict]) -> list[str]:
+    """Tokens/s over `none`'s at the same load and T, each method at its best configuration
+    there (auto as it ran): one panel per temperature, per load kind."""
+    best = best_per_method(points)
+    files = []
+    for kind, xlabel in (("c", "concurrent clients"), ("rate", "arrival rate (requests/s)")):
+        temps = sorted({T for T, load in best if load.startswith(kind + "=") and
+                        "none" in best[(T, load)]})  # fmt: skip
+        if not temps:
+            continue
+        fig, axes = _grid(plt, len(temps))
+        for ax, T in zip(axes, temps, strict=False):
+            loads = sorted(
+                (load for t, load in best if t == T and load.startswith(kind + "=")),
+                key=lambda load: float(load.split("=")[1]),
+            )
+            methods = sorted({m for load in loads for m in best[(T, load)]} - {"none"})
+            for method in methods:
+                xs, ys = [], []
+                for load in loads:
+                    at = best[(T, load)]
+                    if method in at and "none" in at and at["none"]["tokens_per_s"] > 0:
+                        xs.append(float(load.split("=")[1]))
+                        ys.append(at[method]["tokens_per_s"] / at["none"]["tokens_per_s"])
+                style = "k*-" if method == "auto" else "o-"
+                ax.plot(xs, ys, style, label=method, linewidth=2.5 if method == "auto" else 1)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set(xlabel=xlabel, ylabel="tokens/s ÷ none", title=f"best per method, T={T}")
+            ax.set_xscale("log", base=2)
+            ax.legend(fontsize=6)
+        for ax in axes[len(temps) :]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        name = f"speedup_{kind}.png"
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
 def _grid(plt, n: int):
     cols = min(n, 5)
     rows = math.ceil(n / cols)
@@ -201,10 +356,12 @@ def _report(out: Path, points: list[dict], meta: dict, plots: list[str]) -> None
         "",
         "## Results",
         "",
-        "Per point: requests that succeeded, output tokens/s over the point's wall time, request "
-        "latency and time-to-first-token percentiles (s), median time per output token after the "
-        "first (s), block efficiency (tokens per target call), mean batch size of the steps that "
-        "served the requests, and the mean step time by phase (ms).",
+        "Per point: requests that succeeded, output tokens/s over the point's wall time with the "
+        "relative half-width of its 95% interval, requests/s, goodput (requests/s that met the "
+        f"SLO {meta.get('slo') or '(none given)'}), end-to-end latency and time-to-first-token "
+        "percentiles (s), median time per output token after the first (TPOT, s), inter-chunk "
+        "gaps p50/p99 (ITL, s), block efficiency (tokens per target call), mean batch size of the "
+        "steps that served the requests, and the mean step time by phase (ms).",
         "",
         "| "
         + " | ".join(c for c, _ in COLUMNS)
@@ -218,6 +375,32 @@ def _report(out: Path, points: list[dict], meta: dict, plots: list[str]) -> None
         errors = ", ".join(f"{k} {v}" for k, v in p["errors"].items()) or "-"
         step = " / ".join(f"{p['step_ms'][ph]:.1f}" for ph in PHASES)
         lines.append("| " + " | ".join(cells) + f" | {errors} | {step} |")
+    versus = auto_versus_fixed(points)
+    if versus:
+        lines += ["", "## `auto` against fixed configurations", ""]
+    for v in versus:
+        lines += [
+            f"T = {v['temperature']}. Best single fixed configuration over the sweep (highest "
+            f"geometric mean of tokens/s): `{v['single']}`. `auto` ÷ it, geometric mean over "
+            f"loads: **{v['geomean_vs_single']:.3f}**; `auto` ÷ the best fixed configuration "
+            f"of each load, worst load: **{v['worst_vs_best']:.3f}**.",
+            "",
+            "| load | auto tok/s | best fixed there | its tok/s | auto ÷ best | auto ÷ single |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in v["loads"]:
+            lines.append(
+                f"| {r['load']} | {r['auto']:.1f} | {r['best']} | {r['best_tps']:.1f} | "
+                f"{r['ratio']:.3f} | {r['auto'] / r['single_tps']:.3f} |"
+            )
+        lines.append("")
+    ran = [p for p in points if p.get("steps_by_config") and _method(p["config"]) == "auto"]
+    if ran:
+        lines += ["", "## What `auto` ran (share of its steps)", ""]
+        lines += ["| config | load | steps |", "|---|---|---|"]
+        for p in ran:
+            shares = ", ".join(f"{c} {s:.0%}" for c, s in p["steps_by_config"].items())
+            lines.append(f"| {p['config']} | {p['load']} | {shares} |")
     if meta.get("compare"):
         lines += ["", "## Comparison (B / A, same run, interleaved)", ""]
         lines += ["| load | metric | A | B | B/A |", "|---|---|---|---|---|"]

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from loadtest.cli import main as loadtest
-from loadtest.report import summarize
+from loadtest.report import auto_versus_fixed, best_per_method, parse_slo, summarize
 from workers.models import TINY_TARGET
 
 pytestmark = pytest.mark.xdist_group("ray")  # uses the live service (tests/live_service.py)
@@ -24,6 +24,8 @@ FILES = [
     "throughput_rate.png",
     "latency_rate.png",
     "block_efficiency.png",
+    "speedup_c.png",
+    "speedup_rate.png",
 ]
 
 
@@ -32,7 +34,7 @@ def test_sweep_writes_every_output_with_sane_values(service, tmp_path):
     out = tmp_path / "sweep"
     # The live service runs the tiny pair: prompts in its vocabulary, not the default target's.
     args = ["--address", address, "--tokenizer", str(TINY_TARGET)]
-    args += ["--methods", "none", "block", "gbv", "--k", "2"]
+    args += ["--methods", "none", "block", "gbv", "auto", "--k", "2", "--slo", "ttft=60"]
     args += ["--gamma", "3", "--concurrency", "1", "4", "--rate", "8", "--requests", "4"]
     args += ["--warmup", "1", "--max-new-tokens", "12", "--num-prompts", "8", "--out", str(out)]
     loadtest(args)
@@ -40,15 +42,18 @@ def test_sweep_writes_every_output_with_sane_values(service, tmp_path):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
     points = data["points"]
-    assert len(points) == 3 * 3  # 3 configurations × (2 concurrencies + 1 rate)
-    assert len(data["records"]) == 3 * 3 * 4
+    assert len(points) == 4 * 3  # 4 configurations × (2 concurrencies + 1 rate)
+    assert len(data["records"]) == 4 * 3 * 4
     for p in points:
         details = {r["detail"] for r in data["records"] if r["code"] != "OK"}
         assert p["ok"] == 4 and not p["errors"], (p["config"], p["load"], p["errors"], details)
-        assert p["tokens_per_s"] > 0
+        assert p["tokens_per_s"] > 0 and p["goodput_requests_per_s"] == p["requests_per_s"] > 0
+        assert 0 < p["itl_p50"] <= p["itl_p99"] and p["tokens_per_s_ci"] > 0
         assert 0 < p["ttft_p50"] <= p["latency_p50"] <= p["latency_p90"] <= p["latency_p99"]
         assert p["mean_batch_size"] >= 1 and p["step_ms"]["target"] > 0
-        if p["config"].startswith("none"):
+        if p["config"].startswith("auto"):
+            assert sum(p["steps_by_config"].values()) == pytest.approx(1.0)
+        elif p["config"].startswith("none"):
             assert p["block_efficiency"] == 1.0 and p["acceptance_per_position"] == [0.0]
         else:
             assert 1 <= p["block_efficiency"] <= 4  # at most γ + 1
@@ -59,6 +64,7 @@ def test_sweep_writes_every_output_with_sane_values(service, tmp_path):
     assert len(rows) == len(points) and not math.isnan(float(rows[0]["tokens_per_s"]))
     report = (out / "report.md").read_text()
     assert "python -m loadtest" in report and "gbv K=2 γ=3 T=1.0" in report
+    assert "`auto` against fixed configurations" in report and "What `auto` ran" in report
     # A concurrency of 4 ran batches larger than 1.
     assert max(p["mean_batch_size"] for p in points if p["load"] == "c=4") > 1
 
@@ -89,8 +95,10 @@ def test_summary_of_hand_made_records():
     """Throughput over the wall time, BE and acceptance per target call, per-step means
     weighted by each request's steps, nearest-rank percentiles, errors counted apart."""
 
-    def rec(tokens, calls, latency, ttft, accepted, batch, step_ms, code="OK"):
+    def rec(tokens, calls, latency, ttft, accepted, batch, step_ms, code="OK", itl=(), ran=None):
         return dict(
+            itl_s=list(itl),
+            steps_by_config=ran or {},
             tokens=tokens,
             target_calls=calls,
             latency_s=latency,
@@ -102,8 +110,20 @@ def test_summary_of_hand_made_records():
         )
 
     records = [
-        rec(10, 4, 2.0, 0.5, [3, 2], 2.0, {"target": 10.0, "draft": 4.0}),
-        rec(6, 2, 1.0, 0.2, [2, 1], 4.0, {"target": 20.0, "draft": 1.0}),
+        rec(
+            10,
+            4,
+            2.0,
+            0.5,
+            [3, 2],
+            2.0,
+            {"target": 10.0, "draft": 4.0},
+            itl=[0.9, 0.1, 0.5],
+            ran={"block/1/2": 3, "none": 1},
+        ),
+        rec(
+            6, 2, 1.0, 0.2, [2, 1], 4.0, {"target": 20.0, "draft": 1.0}, itl=[0.1], ran={"none": 2}
+        ),
         rec(0, 0, 0.1, None, [], 0.0, {}, code="RESOURCE_EXHAUSTED"),
     ]
     s = summarize(records, wall_s=4.0)
@@ -116,3 +136,35 @@ def test_summary_of_hand_made_records():
     assert s["step_ms"]["draft"] == pytest.approx((4.0 * 4 + 1.0 * 2) / 6)
     assert (s["latency_p50"], s["latency_p99"], s["ttft_p50"]) == (1.0, 2.0, 0.2)
     assert s["tpot_p50"] == pytest.approx(0.8 / 5)  # min of 1.5/9 and 0.8/5
+    assert s["requests_per_s"] == 2 / 4.0 and math.isnan(s["goodput_requests_per_s"])
+    assert s["itl_p50"] == 0.1 and s["itl_p99"] == 0.9  # gaps pooled over requests
+    assert s["steps_by_config"] == {"block/1/2": 3 / 6, "none": 3 / 6}
+    # 95% interval of the mean latency, relative: 1.96 × sd(2.0, 1.0) / sqrt(2) / 1.5
+    assert s["tokens_per_s_ci"] == pytest.approx(1.96 * 0.5**0.5 / 2**0.5 / 1.5)
+    slo = parse_slo("ttft=0.3,tpot=0.2")
+    assert slo == {"ttft": 0.3, "tpot": 0.2}
+    met = summarize(records, wall_s=4.0, slo=slo)  # only the second meets both
+    assert (met["goodput_requests_per_s"], met["goodput_tokens_per_s"]) == (1 / 4.0, 6 / 4.0)
+    with pytest.raises(ValueError, match="--slo: 'ttfb=1'"):
+        parse_slo("ttfb=1")
+
+
+def test_auto_is_compared_with_the_best_fixed_configuration_at_each_load():
+    def point(config, load, tps):
+        return dict(config=config, load=load, tokens_per_s=tps)
+
+    points = [
+        point("none T=1.0", "c=1", 10.0), point("none T=1.0", "c=8", 40.0),
+        point("block K=1 γ=4 T=1.0", "c=1", 15.0), point("block K=1 γ=4 T=1.0", "c=8", 30.0),
+        point("auto T=1.0", "c=1", 14.0), point("auto T=1.0", "c=8", 40.0),
+    ]  # fmt: skip
+    (v,) = auto_versus_fixed(points)
+    # Single best over the sweep: geomean(10, 40) = 20 < geomean(15, 30) = 21.2 -> block.
+    assert v["single"] == "block K=1 γ=4 T=1.0"
+    assert [(r["best"], r["ratio"]) for r in v["loads"]] == [
+        ("block K=1 γ=4 T=1.0", 14 / 15), ("none T=1.0", 1.0)
+    ]  # fmt: skip
+    assert v["worst_vs_best"] == 14 / 15
+    assert v["geomean_vs_single"] == pytest.approx((14 / 15 * 40 / 30) ** 0.5)
+    best = best_per_method(points)
+    assert best[("1.0", "c=8")]["block"]["tokens_per_s"] == 30.0
