@@ -142,9 +142,9 @@ def serve_forever(args) -> None:
     start = time.perf_counter()
     gateway = run(settings)
     address = gateway.address.remote().result()
-    http = f"{settings.host}:{settings.http_port}" if settings.http_port else "off"
+    http = f"on {settings.host}:{settings.http_port}" if settings.http_port else "off"
     print(
-        f"blockspec serving gRPC on {settings.host}:{address['port']}, OpenAI HTTP on {http} "
+        f"blockspec serving gRPC on {settings.host}:{address['port']}, OpenAI HTTP {http} "
         f"(metrics: {address['metrics_port'] or 'off'}; replicas "
         f"{settings.autoscaling.min_replicas}-{settings.autoscaling.max_replicas}; "
         f"sessions: {settings.redis_url or 'embedded'}) in {time.perf_counter() - start:.0f}s",
