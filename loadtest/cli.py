@@ -96,8 +96,10 @@ async def run(args) -> None:
     )
     with progress:
         task = progress.add_task("load test", total=total)
-        for group in groups:
-            for kind, level in loads:
+        # Load-major: the configurations of one load point run back to back, so a slow drift
+        # of the machine moves them together rather than one configuration against another.
+        for kind, level in loads:
+            for group in groups:
                 progress.update(
                     task, description=f"{' vs '.join(c.label for c in group)} {kind}={level:g}"
                 )
