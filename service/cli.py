@@ -64,6 +64,14 @@ def demo(trials: int, seed: int) -> None:
     console.print(table)
 
 
+def config_label(args, steps_by_config: dict[str, int]) -> str:
+    """What ran: the fixed configuration asked for, or auto's steps per configuration."""
+    if args.method == "auto":
+        ran = sorted(steps_by_config.items(), key=lambda kv: -kv[1])
+        return "auto: " + ", ".join(f"{config} ×{n}" for config, n in ran)
+    return f"{args.method} K={args.k} γ={args.gamma}"
+
+
 def generate_local(args) -> None:
     from service.engine import GenerationRequest, build_engine
     from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat, user_turn
@@ -97,7 +105,7 @@ def generate_local(args) -> None:
     print(answer if args.chat else args.prompt + answer)
     stats = result.stats
     print(
-        f"[{args.method} K={args.k} γ={args.gamma}] "
+        f"[{config_label(args, stats.steps_by_config)}] "
         f"{len(result.token_ids)} tokens in {seconds:.2f}s, "
         f"{stats.target_calls} target calls, {stats.tokens_per_call:.2f} tokens/call, "
         f"finish={result.finish_reason}",
@@ -201,7 +209,7 @@ def generate_remote(args) -> None:
     print(flush=True)
     stats = last.stats
     print(
-        f"[{args.method} K={args.k} γ={args.gamma}] {time.perf_counter() - start:.2f}s, "
+        f"[{config_label(args, stats.steps_by_config)}] {time.perf_counter() - start:.2f}s, "
         f"{stats.target_calls} target calls, {stats.tokens_per_call:.2f} tokens/call, "
         f"finish={pb.FinishReason.Name(last.finish_reason)}, replica={last.replica}",
         file=sys.stderr,
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--session", help="session id: continue (or start) a conversation")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
-    g.add_argument("--method", default="block", help="verification method, or none")
+    g.add_argument("--method", default="block", help="verification method, none or auto")
     s = sub.add_parser("serve", help="run the service (Ray Serve + gRPC) until Ctrl-C")
     s.add_argument("--host", help="gRPC/metrics listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
