@@ -4,6 +4,9 @@
         [--methods ...] [--k 1 2 3 4] [--gamma 4 8] [--temperature 0.6 1.0] [--batch 1 8] \\
         [--threads 1] [--out docs/benchmarks]
 
+Method `auto` (service/policy.py) is one row per T and batch size, its own K and γ; a method
+named twice runs twice, e.g. `--methods block auto block auto` to alternate them.
+
 For every method × K × γ × T × batch size it generates `--new-tokens` tokens for each of the
 first `--prompts` HumanEval prompts (continuous batching at the given batch size; stop tokens
 off so every request produces the same number of tokens) and reports block efficiency
@@ -28,6 +31,7 @@ import torch
 
 from loadtest.prompts import prompt_ids
 from service.engine import GenerationRequest, build_engine
+from service.policy import AUTO
 from service.verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
@@ -185,6 +189,13 @@ def main() -> None:
             emit(_row(rows[-1], base, c))
             save()
             for method in (m for m in args.methods if m != "none"):  # `none` is the baseline
+                if method == AUTO:  # picks K and γ itself; its policy learns across rows
+                    res = run_engine(engine, prompts, AUTO, 1, 1, temperature, args.new_tokens)
+                    rows.append(dict(method=AUTO, k=0, gamma=0, temperature=temperature,
+                                     batch=batch, **res))  # fmt: skip
+                    emit(_row(rows[-1], base, c))
+                    save()
+                    continue
                 for k in args.k:
                     if VERIFIERS[method].single_path and k > 1:
                         continue
