@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from service.policy import AUTO
 from service.verification import VERIFIERS, verify
 
 # Spec §12, toy instance (γ = 2, V = 2, context independent): exact E[τ] per method and K.
@@ -66,7 +67,7 @@ def demo(trials: int, seed: int) -> None:
 
 def config_label(args, steps_by_config: dict[str, int]) -> str:
     """What ran: the fixed configuration asked for, or auto's steps per configuration."""
-    if args.method == "auto":
+    if args.method == AUTO:
         ran = sorted(steps_by_config.items(), key=lambda kv: -kv[1])
         return "auto: " + ", ".join(f"{config} ×{n}" for config, n in ran)
     return f"{args.method} K={args.k} γ={args.gamma}"

@@ -40,14 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.policy import AUTO, Arm, AutoPolicy, AutoState, StepShape
+from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.verification import VERIFIERS, TargetModification, verify
 from workers.draft import DraftWorker
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree
-
-PLAIN = "none"  # plain target decoding, no speculation
 
 
 class InvalidArgument(ValueError):

@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.verification import VERIFIERS
+
 AUTO = "auto"
-PLAIN = "none"  # plain target decoding (service.engine.PLAIN)
+PLAIN = "none"  # plain target decoding, no speculation (γ = 0)
 
 PRIOR_STEPS = 8.0  # weight of the replica-wide rate in a request's estimate, in steps
 UNSEEN_RATE = 0.5  # conditional acceptance assumed where nothing was measured
@@ -74,8 +76,6 @@ class Arm:
     @staticmethod
     def parse(text: str) -> Arm:
         """`none` or `method/K/γ`, e.g. `block/1/4`; checked against the verifier registry."""
-        from service.verification import VERIFIERS
-
         if text == PLAIN:
             return Arm(PLAIN)
         try:

@@ -26,8 +26,8 @@ from ray import serve
 
 from service.config import ReplicaConfig, Resources
 from service.coordinator import Coordinator, Done, Emitted, Event, Failed
-from service.engine import PLAIN, GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
-from service.policy import AUTO, AutoPolicy
+from service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
+from service.policy import AUTO, PLAIN, AutoPolicy
 from service.requests import FinishedEvent, GenerateJob, SpeculationStats, TokensEvent
 from service.verification import VERIFIERS
 from workers.sampling import SamplingParams
