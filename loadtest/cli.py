@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest.driver import Client, Config, closed_loop, open_loop
+from loadtest.driver import OWN_CHOICE, Client, Config, closed_loop, open_loop
 from loadtest.prompts import prompt_ids
 from loadtest.report import parse_slo, summarize, write_outputs
 
@@ -42,7 +42,7 @@ def grid(args, single_path: set[str]) -> list[Config]:
     configs = []
     for method in args.methods:
         for temperature in args.temperature:
-            if method in ("none", "auto"):  # auto picks K and γ itself
+            if method in OWN_CHOICE:
                 configs.append(Config(method, 1, 1, temperature))
                 continue
             for k in [1] if method in single_path else args.k:

@@ -19,6 +19,8 @@ from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.auth import bearer, client_channel
 
+OWN_CHOICE = ("none", "auto")  # methods with no K or γ of their own (auto picks them itself)
+
 
 @dataclass(frozen=True)
 class Config:
@@ -31,7 +33,7 @@ class Config:
 
     @property
     def label(self) -> str:
-        if self.method in ("none", "auto"):  # no K or γ of their own
+        if self.method in OWN_CHOICE:
             return f"{self.method} T={self.temperature}"
         return f"{self.method} K={self.k} γ={self.gamma} T={self.temperature}"
 

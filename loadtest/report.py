@@ -231,7 +231,7 @@ def _plots(out: Path, points: list[dict]) -> list[str]:
 
     by_method: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for p in points:
-        by_method[p["config"].split()[0]][p["config"]].append(p)
+        by_method[_method(p["config"])][p["config"]].append(p)
     files = _speedup_plots(plt, out, points)
     for kind in ("c", "rate"):
         panels = {
