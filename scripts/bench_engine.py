@@ -35,23 +35,26 @@ from service.policy import AUTO
 from service.verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC
 from workers.sampling import SamplingParams
 
 
 def forward_ms(model: Llama, new: int = 1, context: int = 200, repeats: int = 30) -> float:
     """Median batch-1 forward of `new` tokens (a causal chain, as in a γ-token tree pass) after
     a KV cache of `context` tokens."""
-    dtype = model.embed.dtype
+    dtype, E = model.embed.dtype, model.spec.hidden_size
     cache = KVCache(model.spec, model.kv_heads, 1, context + new + 2, dtype, "cpu")
-    prefill(model, cache, 0, [torch.randint(0, model.spec.vocab_size, (context,))])
+    reads = model.feature_fc is not None  # a feature draft: zero features cost the same
+    ctx = [torch.zeros(context, E)] if reads else None
+    prefill(model, cache, 0, [torch.randint(0, model.spec.vocab_size, (context,))], features=ctx)
     tok = torch.zeros(1, 1, new, dtype=torch.int64)
     pos = (context + torch.arange(new)).view(1, 1, new)
     mask = torch.ones(new, new, dtype=torch.bool).tril().view(1, 1, new, new)
+    features = torch.zeros(1, 1, new, E) if reads else None
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model(tok, pos, cache, mask)
+        model(tok, pos, cache, mask, features=features)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -127,10 +130,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted-generation baseline")
+    ap.add_argument(
+        "--hf-draft",
+        help="the draft HF assisted generation uses (default: --draft; a feature draft needs "
+        "the target's features, which HF cannot give it, so pass a token-only draft)",
+    )
     ap.add_argument("--out", default="docs/benchmarks", help="writes OUT.md and OUT.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    hf_draft = args.hf_draft or args.draft
+    if not args.no_hf and (Path(hf_draft) / FEATURE_FC).exists():
+        ap.error(f"{hf_draft} is a feature draft, which HF cannot run: pass --hf-draft or --no-hf")
     engines = {b: build_engine(args.draft, args.target, b, dtype=args.dtype) for b in args.batch}
     tokenizer = engines[args.batch[0]][1]
     # Keep each prompt's last tokens so that prompt + new tokens + a draft block fit the models'
@@ -209,7 +220,7 @@ def main() -> None:
                         save()
             if not args.no_hf and batch == 1:
                 hf = run_hf_assisted(
-                    args.draft, args.target, prompts, temperature, args.new_tokens, args.dtype
+                    hf_draft, args.target, prompts, temperature, args.new_tokens, args.dtype
                 )
                 cfg = dict(method="hf_assisted", k=1, gamma=0, temperature=temperature)
                 rows.append(dict(cfg, batch=1, **hf))

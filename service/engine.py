@@ -19,6 +19,9 @@ Method ``none`` is plain autoregressive decoding with the target (the baseline).
 runs the draft with the largest K and γ present and each request uses its own prefix of that;
 requests with ``none`` still feed their tokens to the draft in such a batch (wasted work, kept
 simple), while a batch of only ``none`` requests skips the draft model entirely.
+A feature draft (EAGLE; workers/draft.py) also reads the target's features: the target hands
+back those of every position it prefills or commits, and each request carries the ones its
+draft has not read yet beside its pending tokens.
 Method ``auto`` (service/policy.py) lets the engine's `AutoPolicy` pick each step's method, K
 and γ for the batch's auto requests, from the replica's measured step times and acceptance.
 
@@ -195,6 +198,7 @@ class StepPlan:
 
     pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
     pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
+    pending_features: torch.Tensor | None  # [n, P, E]: feature draft, the target's one back
     num_paths: list[int]  # [n]: each request's K (0: plain)
     depth: list[int]  # [n]: each request's γ (0: plain)
     roots: torch.Tensor  # [n] int64: each tree's root, the last emitted token
@@ -215,6 +219,9 @@ class Verdict:
     num_accepted: torch.Tensor  # [n] int64: τ, accepted draft tokens
     path: torch.Tensor  # [n] int64: the draft path whose prefix was accepted
     carries: list[TargetModification | None]  # [n]: records for the request's next step
+    # [n, γ+1, E]: the target's features at the root and the accepted tokens (the first τ + 1
+    # of each row), set once the target has committed; what a feature draft reads next
+    features: torch.Tensor | None = None
 
 
 def verify_step(
@@ -280,6 +287,8 @@ class _Active:
     draft_pending: list[int]  # emitted tokens not yet run through the draft (1 or 2)
     arm: Arm  # what the next step runs: the request's own, or what `auto` chose for it
     auto: AutoState | None = None  # method auto: what the policy knows of this request
+    # feature draft: [len(draft_pending), E], the target's feature before each pending token
+    draft_features: torch.Tensor | None = None
     output: list[int] = field(default_factory=list)
     carry: TargetModification | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -312,6 +321,8 @@ class SpeculativeEngine:
         policy: AutoPolicy | None = None,
     ):
         self.draft, self.target = draft, target
+        # EAGLE-style draft: reads the target's features (workers/draft.py)
+        self.feature_draft = bool(getattr(draft, "reads_features", False))
         self.policy = policy or AutoPolicy()
         self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
@@ -391,20 +402,49 @@ class SpeculativeEngine:
                 self.draft.move(parked.slot, slot)
                 self.target.move(parked.slot, slot)
                 self.free_slots.append(parked.slot)
+            if self.feature_draft:  # see _prefill
+                prompt = a.req.prompt_ids
+                kt = min(kt, kd - 1, len(prompt) - 2) if kd and len(prompt) > 1 else 0
+                kd = kt + 1 if kd and len(prompt) > 1 else 0
             a.cached_tokens = kt
             keep_draft.append(kd)
             keep_target.append(kt)
+        prefilled = self._prefill(slot0, new, keep_draft, keep_target)
+        self.active.extend(new)
+        return prefilled
 
-        def rest(keep: list[int]) -> list[torch.Tensor]:
+    def _prefill(
+        self, slot0: int, batch: list[_Active], keep_draft: list[int], keep_target: list[int]
+    ) -> int:
+        """Prefill slots slot0.. (active requests) with their tokens but the pending ones, past
+        what each cache keeps; returns the tokens the target prefilled.
+
+        A feature draft's position t reads the target's feature at t - 1 (zero at t = 0), so
+        the target runs first and the draft's kept prefix ends one past the target's (or both
+        are 0): the target's new features then cover exactly the draft's new positions and the
+        pending token's."""
+        tokens = [a.req.prompt_ids + a.output for a in batch]
+
+        def rest(keep: list[int], pending: list[int]) -> list[torch.Tensor]:
             return [
-                torch.tensor(a.req.prompt_ids[n:-1], dtype=torch.int64)
-                for a, n in zip(new, keep, strict=True)
+                torch.tensor(t[n : len(t) - p], dtype=torch.int64)
+                for t, n, p in zip(tokens, keep, pending, strict=True)
             ]
 
-        self.draft.prefill(slot0, rest(keep_draft), keep_draft)
-        contexts = rest(keep_target)
-        self.target.prefill(slot0, contexts, keep_target)
-        self.active.extend(new)
+        draft_pending = [len(a.draft_pending) for a in batch]
+        contexts = rest(keep_target, [1] * len(tokens))
+        features = self.target.prefill(slot0, contexts, keep_target)
+        if not self.feature_draft:
+            self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft)
+            return sum(len(c) for c in contexts)
+        inputs = []
+        for a, f, kd in zip(batch, features, keep_draft, strict=True):
+            if kd == 0:  # position 0 reads a zero feature
+                f = torch.cat([f.new_zeros(1, f.shape[-1]), f])
+            p = len(a.draft_pending)
+            inputs.append(f[: len(f) - p])
+            a.draft_features = f[len(f) - p :]
+        self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft, inputs)
         return sum(len(c) for c in contexts)
 
     def _park(self, index: int) -> None:
@@ -455,15 +495,8 @@ class SpeculativeEngine:
         self.parked.clear()
         if not self.active:
             return
-        tokens = [a.req.prompt_ids + a.output for a in self.active]
-        self.draft.prefill(
-            0,
-            [
-                torch.tensor(t[: len(t) - len(a.draft_pending)], dtype=torch.int64)
-                for t, a in zip(tokens, self.active, strict=True)
-            ],
-        )
-        self.target.prefill(0, [torch.tensor(t[:-1], dtype=torch.int64) for t in tokens])
+        zeros = [0] * len(self.active)
+        self._prefill(0, self.active, zeros, zeros)
 
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
@@ -483,7 +516,7 @@ class SpeculativeEngine:
         speculated = time.perf_counter()
         for a, carry in zip(batch, verdict.carries, strict=True):
             a.carry = carry
-        if plan.drafted:  # the target committed its accepted paths itself
+        if plan.drafted and not self.feature_draft:  # the target committed its paths itself
             self.draft.commit(verdict.path, verdict.num_accepted)
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
             arm, shape = auto
@@ -524,18 +557,23 @@ class SpeculativeEngine:
     def _plan(self, batch: list[_Active]) -> StepPlan:
         n = len(batch)
         plain = [a.arm.method == PLAIN for a in batch]
-        pending = None
+        pending = features = None
         counts = torch.tensor([len(a.draft_pending) for a in batch])
         if not all(plain):  # a batch of plain requests never touches the draft model
             pending = torch.zeros(n, int(counts.max()), dtype=torch.int64)
             for i, a in enumerate(batch):
                 pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
+            if self.feature_draft:
+                features = torch.nn.utils.rnn.pad_sequence(
+                    [a.draft_features for a in batch], batch_first=True
+                )
         groups = defaultdict(list)
         for i, a in enumerate(batch):
             groups[(a.arm.method, a.arm.k, a.arm.gamma)].append(i)
         return StepPlan(
             pending=pending,
             pending_count=counts,
+            pending_features=features,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
             roots=torch.tensor([a.target_pending for a in batch]),
@@ -557,7 +595,10 @@ class SpeculativeEngine:
         if remote is not None:  # Ray actors (workers/actors.py): one chained call per step
             draft_args = None
             if plan.drafted:
-                draft_args = (plan.pending, plan.pending_count, plan.num_paths, plan.depth)
+                draft_args = (
+                    plan.pending, plan.pending_count, plan.num_paths, plan.depth,
+                    plan.pending_features,
+                )  # fmt: skip
             verify_here = functools.partial(verify_step, plan.verification)
             return remote(
                 self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
@@ -569,7 +610,7 @@ class SpeculativeEngine:
         if plan.drafted:
             x, q = self.draft.propose(
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
-                generators,
+                generators, plan.pending_features,
             )  # fmt: skip
         laps.lap("draft")
         tree = build_tree(plan.roots, x, torch.tensor(plan.num_paths), torch.tensor(plan.depth))
@@ -578,7 +619,7 @@ class SpeculativeEngine:
         laps.lap("target")
         verdict = verify_step(plan.verification, x, q, p, generators)
         laps.lap("verify")
-        self.target.commit(verdict.path, verdict.num_accepted)
+        verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
         laps.lap("target")  # the commit is the target's work too
         return x, verdict, dict(laps.seconds, transfer=0.0)
 
@@ -599,11 +640,17 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
+            # A feature draft keeps no draft-path entries: it reruns them with true features.
+            keeps_path = a.arm.method != PLAIN and not self.feature_draft
             if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens
-                committed = min(t, run) if a.arm.method != PLAIN else 0
+                committed = min(t, run) if keeps_path else 0
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
                 a.draft_pending = a.draft_pending + emitted
+            if self.feature_draft:
+                new = verdict.features[i, : t + 1]
+                old = a.draft_features if not plan.drafted else new[:0]
+                a.draft_features = torch.cat([old, new])
             reason = None
             before = len(a.output)
             for tok in emitted:

@@ -85,7 +85,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     target_spec = actor_spec(cfg.target_dir, cfg.target_shard)
     target = start_target(target_spec, cfg.tensor_parallel, slots, max_len)
     draft.wait_ready()  # loaded while the target shards were starting
-    target.use_draft_vocab(draft)
+    target.use_draft(draft)
     policy = AutoPolicy(cfg.auto_arms)
     engine = SpeculativeEngine(
         draft, target, cfg.max_batch, max_len, vocab_size, cfg.max_sessions, policy

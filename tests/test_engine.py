@@ -72,9 +72,11 @@ def test_llama_matches_hugging_face(pair):
     ref = hf(seq).logits[0]
     cache = KVCache(target.spec, target.kv_heads, 1, 64, torch.float32, "cpu")
     mask = torch.ones(12, 12, dtype=torch.bool).tril()
-    logits, k, v = target(seq[:, None, :12], torch.arange(12)[None, None], cache, mask[None, None])
+    logits, k, v, _ = target(
+        seq[:, None, :12], torch.arange(12)[None, None], cache, mask[None, None]
+    )
     cache.append(k[:, :, 0], v[:, :, 0], torch.arange(12)[None], torch.tensor([12]))
-    rest, _, _ = target(
+    rest, *_ = target(
         seq[:, None, 12:], torch.arange(12, 20)[None, None], cache, mask[None, None, :8, :8]
     )
     assert torch.allclose(logits[0, 0], ref[:12], atol=1e-4)

@@ -118,7 +118,7 @@ def tree_logits(model: Llama, seed: int = 1):
     cache = KVCache(model.spec, model.kv_heads, n, 32, torch.float32, "cpu")
     prefill(model, cache, 0, contexts)
     positions = cache.lengths[:n, None, None] + depth  # [n, R, T]
-    logits, _, _ = model(tokens, positions, cache, mask.expand(n, R, T, T))  # [n, R, T, V]
+    logits, *_ = model(tokens, positions, cache, mask.expand(n, R, T, T))  # [n, R, T, V]
     assert logits.dtype == torch.float32 and logits.shape == (n, R, T, VOCAB)
     for b in range(n):
         for r in range(R):
@@ -135,7 +135,7 @@ def our_greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
     one = torch.ones(1, 1, 1, 1, dtype=torch.bool)
     for _ in range(steps):
         pos = cache.lengths[:1].view(1, 1, 1)
-        logits, k, v = model(torch.tensor([[[last]]]), pos, cache, one)
+        logits, k, v, _ = model(torch.tensor([[[last]]]), pos, cache, one)
         cache.append(k[:, :, 0], v[:, :, 0], torch.zeros(1, 1, dtype=torch.int64), one.view(1))
         last = int(logits[0, 0, 0].argmax())
         out.append(last)

@@ -551,29 +551,44 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
         ray.util.remove_placement_group(engine.target.placement_group)
 
 
-def test_ray_actor_path_samples_exactly_like_the_in_process_engine(service, tmp_path):
-    """The chained actor step (draft actor -> target rank 0, which verifies and commits) with a
-    reduced-head draft (its rows travel on the head's ids and are widened on the target) gives
+@pytest.mark.parametrize(("draft_kind", "world"), [("reduced_head", 1), ("features", 2)])
+def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
+    service, tmp_path, draft_kind, world
+):
+    """The chained actor step (draft actor -> target rank 0, which verifies and commits) gives
     every request of a sampled, seeded mixed batch the tokens the in-process engine gives it:
-    same code, same shapes, so the same bits."""
+    same code, same shapes, so the same bits. Drafts: a reduced head (its rows travel on the
+    head's ids and are widened on the target), or a feature draft (the target's rank 0 of 2
+    sends the features of what it prefills and commits back for the draft's next step)."""
     import json
     import shutil
+    from pathlib import Path
 
     import ray
 
     from service.config import ReplicaConfig
     from service.replica import build_remote_engine
     from tests.test_engine import MIXED
+    from tests.test_feature_draft import save_feature_draft
 
     draft = tmp_path / "draft"
-    shutil.copytree(TINY_PAIR["draft_dir"], draft)
-    kept = sorted(torch.randperm(8192, generator=torch.Generator().manual_seed(5))[:6000].tolist())
-    (draft / "draft_vocab.json").write_text(json.dumps(kept))
+    if draft_kind == "features":
+        save_feature_draft(Path(TINY_PAIR["target_dir"]), draft)
+    else:
+        shutil.copytree(TINY_PAIR["draft_dir"], draft)
+        ids = torch.randperm(8192, generator=torch.Generator().manual_seed(5))[:6000]
+        (draft / "draft_vocab.json").write_text(json.dumps(sorted(ids.tolist())))
     cfg = ReplicaConfig(
-        draft_dir=str(draft), target_dir=TINY_PAIR["target_dir"], max_batch=len(MIXED)
+        draft_dir=str(draft),
+        target_dir=TINY_PAIR["target_dir"],
+        max_batch=len(MIXED),
+        tensor_parallel=world,
     )
     engine, _ = build_remote_engine(cfg)
-    local, tokenizer = build_engine(cfg.draft_dir, cfg.target_dir, len(MIXED))
+    # Both sides split the target alike: all-reduce sums are the same bits.
+    local, tokenizer = build_engine(
+        cfg.draft_dir, cfg.target_dir, len(MIXED), tensor_parallel=world
+    )
 
     def requests():
         prompts = [tokenizer(f"def f{i}(x):")["input_ids"] for i in range(len(MIXED))]
@@ -588,6 +603,8 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(service, tmp_
         assert remote == [r.token_ids for r in local.generate(requests())]
         assert engine.times.transfer > 0 and engine.times.prefill > 0
     finally:
+        if world > 1:
+            local.target.close()
         for actor in engine.draft.actors + engine.target.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(engine.target.placement_group)

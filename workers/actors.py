@@ -26,6 +26,7 @@ their torch.distributed group rendezvouses on rank 0's loopback store.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -115,12 +116,17 @@ class DraftActor:
         """[Vh] int64: the ids the draft's head keeps (q is zero elsewhere); None: all."""
         return self.worker.model.head_vocab
 
+    def reads_features(self) -> bool:
+        return self.worker.reads_features
+
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def propose(self, pending, pending_count, paths, depths, params, states) -> Drafted:
+    def propose(self, pending, pending_count, paths, depths, features, params, states) -> Drafted:
         """DraftWorker.propose with generators rebuilt from, and returned as, their states."""
         start = time.perf_counter()
         generators = [torch.Generator().set_state(state) for state in states]
-        x, q = self.worker.propose(pending, pending_count, paths, depths, params, generators)
+        x, q = self.worker.propose(
+            pending, pending_count, paths, depths, params, generators, features
+        )
         if self.worker.model.head_vocab is not None:  # exact: q is 0 outside the head's ids
             q = q.index_select(-1, self.worker.model.head_vocab)
         rows = q.cpu().numpy()  # numpy: zero-copy through the object store, unlike torch
@@ -157,7 +163,8 @@ class TargetShardActor:
         self.device = _actor_device(device)
         self.shard = TargetShard(path, rank, world, slots, max_len, dtype, self.device)
         self._store = None
-        self._draft_vocab: torch.Tensor | None = None  # [Vh]: see use_draft_vocab
+        self._draft_vocab: torch.Tensor | None = None  # [Vh]: see use_draft
+        self._send_features = False  # see use_draft
 
     def ready(self) -> None:
         """Returns once the constructor (shard load) has run; raises what it raised."""
@@ -171,14 +178,19 @@ class TargetShardActor:
         join_group(self.shard.rank, self.shard.world, port, self.device, timeout_s, self._store)
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def call(self, op: str, args: tuple) -> tuple[None, float]:
+    def call(self, op: str, args: tuple) -> tuple[Any, float]:
+        """Runs a TargetWorker op; returns rank 0's prefill features when a feature draft
+        reads them (nothing otherwise: they would only cross the wire)."""
         start = time.perf_counter()
-        self.shard.execute(op, args)
-        return None, time.perf_counter() - start
+        out = self.shard.execute(op, args)
+        send = op == "prefill" and self._send_features and self.shard.rank == 0
+        return (out if send else None), time.perf_counter() - start
 
-    def use_draft_vocab(self, head_vocab: torch.Tensor | None) -> None:
-        """The ids the draft's rows arrive on ([Vh] int64; None: the whole vocabulary)."""
+    def use_draft(self, head_vocab: torch.Tensor | None, reads_features: bool) -> None:
+        """The ids the draft's rows arrive on ([Vh] int64; None: the whole vocabulary), and
+        whether it reads the target's features (rank 0 then returns them)."""
         self._draft_vocab = None if head_vocab is None else head_vocab.to(self.device)
+        self._send_features = reads_features
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
     @torch.inference_mode()
@@ -195,7 +207,8 @@ class TargetShardActor:
         """Score the step's trees on every rank; on rank 0 verify, then every rank commits.
 
         Rank 0 returns (draft tokens [n, K, γ], the verdict, the generators' states, seconds
-        per phase); the verdict has `path` and `num_accepted` ([n] int64) to commit."""
+        per phase); the verdict has `path` and `num_accepted` ([n] int64) to commit, and the
+        kept positions' `features` when a feature draft reads them."""
         laps = {"draft": drafted.seconds if drafted else 0.0}
         dev, n = self.device, roots.shape[0]
         start = time.perf_counter()
@@ -220,9 +233,11 @@ class TargetShardActor:
         if self.shard.world > 1:  # the other ranks learn what to keep from rank 0
             dist.broadcast(accepted, src=0)
         start = time.perf_counter()
-        self.shard.execute("commit", (accepted[0], accepted[1]))
+        features = self.shard.execute("commit", (accepted[0], accepted[1]))
         if not rank0:
             return None
+        if self._send_features:
+            verdict.features = features.cpu()
         laps["target"] += time.perf_counter() - start
         return x.cpu(), verdict, [g.get_state() for g in generators], laps
 
@@ -276,9 +291,11 @@ class _Remote:
         self._unwaited = []
         self.actors = self._launch()
 
-    def _post(self, op: str, *args) -> None:
+    def _post(self, op: str, *args) -> list[ray.ObjectRef]:
         payload = ray.put(args) if len(self.actors) > 1 else args  # serialized once for all
-        self._unwaited += [a.call.remote(op, payload) for a in self.actors]
+        refs = [a.call.remote(op, payload) for a in self.actors]
+        self._unwaited += refs
+        return refs
 
     def _check_posted(self) -> float:
         """Raise what an unwaited call raised (they have run once a later call returned);
@@ -297,6 +314,15 @@ class _Remote:
 
 
 class RemoteDraft(_Remote):
+    def prefill(
+        self,
+        slot0: int,
+        contexts: list[torch.Tensor],
+        keep: list[int] | None = None,
+        features: list[torch.Tensor] | None = None,
+    ) -> None:
+        self._post("prefill", slot0, contexts, keep, features)
+
     def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         self._post("commit", path, num_accepted)
 
@@ -304,23 +330,45 @@ class RemoteDraft(_Remote):
         """Start DraftActor.propose; the result (a `Drafted`) goes straight to the target."""
         return self.actors[0].propose.remote(*args, states)
 
+    @functools.cached_property
+    def reads_features(self) -> bool:
+        """A feature draft (the same model after a restart)."""
+        return ray.get(self.actors[0].reads_features.remote())
+
 
 class RemoteTarget(_Remote):
     _draft_vocab: torch.Tensor | None = None  # [Vh]: the draft head's ids (None: all)
+    _send_features = False  # the draft reads the target's features
 
-    def use_draft_vocab(self, draft: RemoteDraft) -> None:
-        """Tell rank 0 which ids the draft's rows arrive on (at start and after a restart)."""
+    def use_draft(self, draft: RemoteDraft) -> None:
+        """Tell rank 0 which ids the draft's rows arrive on and whether the draft reads the
+        target's features (at start and after a restart)."""
         self._draft_vocab = ray.get(draft.actors[0].head_vocab.remote())
-        ray.get(self.actors[0].use_draft_vocab.remote(self._draft_vocab))
+        self._send_features = draft.reads_features
+        ray.get(self.actors[0].use_draft.remote(self._draft_vocab, self._send_features))
 
     def restart(self) -> None:
         super().restart()
-        self.actors[0].use_draft_vocab.remote(self._draft_vocab)  # runs before any step
+        # runs before any step
+        self.actors[0].use_draft.remote(self._draft_vocab, self._send_features)
+
+    def prefill(
+        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
+    ) -> list[torch.Tensor] | None:
+        """Posted without waiting, unless a feature draft needs the features it returns."""
+        refs = self._post("prefill", slot0, contexts, keep)
+        if not self._send_features:
+            return None
+        try:
+            return _gather(refs)[0][0]
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerLost(str(exc)) from exc
 
     def speculate(
         self,
         draft: RemoteDraft,
-        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths) or None
+        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths,
+        # pending_features [n, P, E] or None) or None: nothing drafted
         roots: torch.Tensor,  # [n] int64
         num_paths: list[int],
         depth: list[int],

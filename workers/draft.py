@@ -9,6 +9,13 @@ yet run through the draft). A proposal first runs the pending tokens (they becom
 then samples K tokens from the root row and extends the K paths for γ - 1 more forwards; the
 paths' own keys/values live in a per-step suffix (the shared prefix is never copied), and
 `commit` moves the accepted path's entries into the cache.
+
+A *feature draft* (EAGLE; ``Llama.feature_fc``) reads at each position its token and the
+target's feature (final-norm hidden state) one position back. Its pending tokens are then all
+the tokens the target has run since the draft last ran (the step's emitted tokens), each with
+the target's feature before it; deeper draft tokens read the draft's own output in place of the
+target's feature, so their cache entries are provisional and `commit` keeps none of them (the
+accepted ones come back as pending tokens with the target's true features).
 """
 
 from __future__ import annotations
@@ -27,12 +34,21 @@ class DraftWorker:
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
 
+    @property
+    def reads_features(self) -> bool:
+        """A feature draft: prefill and propose need the target's features."""
+        return self.model.feature_fc is not None
+
     def prefill(
-        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
+        self,
+        slot0: int,
+        contexts: list[torch.Tensor],
+        keep: list[int] | None = None,
+        features: list[torch.Tensor] | None = None,  # feature draft: [T_i, E] one position back
     ) -> None:
         """Commit new requests' contexts (all but their pending tokens) into slots slot0..,
         after the first keep[i] tokens a slot already holds (see :func:`prefill`)."""
-        prefill(self.model, self.cache, slot0, contexts, keep)
+        prefill(self.model, self.cache, slot0, contexts, keep, features)
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)
@@ -46,6 +62,7 @@ class DraftWorker:
         depths: list[int],  # per request: its γ (0 likewise)
         params: list[SamplingParams],
         generators: list[torch.Generator],
+        pending_features: torch.Tensor | None = None,  # [n, P, E]: feature draft, one back
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [n, K, γ] and the processed rows they were sampled from [n, K, γ, V]
         (K, γ the batch's largest; entries past a request's own K or γ are never read)."""
@@ -63,11 +80,16 @@ class DraftWorker:
             (steps[None, :] < pending_count[:, None, None])
             | torch.eye(P, dtype=torch.bool, device=dev)
         )
-        logits, new_k, new_v = self.model(
-            pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None]
-        )
+        feats = None if pending_features is None else pending_features[:, None]
+        logits, new_k, new_v, hidden = self.model(
+            pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
+            features=feats,
+        )  # fmt: skip
         self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), pending_count)
-        root = logits[torch.arange(n, device=dev), 0, pending_count - 1]  # [n, V]
+        rows_n = torch.arange(n, device=dev)
+        root = logits[rows_n, 0, pending_count - 1]  # [n, V]
+        # A feature draft's output at the root stands in for the target's feature there.
+        feats = hidden[rows_n, 0, pending_count - 1][:, None, None].expand(n, k, 1, -1)
         q_root = process(root[:, None], params)  # [n, 1, V]
         rows = [q_root.expand(n, k, -1)]
         tokens = [sample(rows[0], generators, drawn(0))]  # [n, K]
@@ -77,7 +99,10 @@ class DraftWorker:
         for i in range(1, gamma):
             suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
             pos = (base + i - 1)[:, None, None].expand(n, k, 1)
-            logits, nk, nv = self.model(tokens[-1][:, :, None], pos, self.cache, ones, suffix)
+            logits, nk, nv, hidden = self.model(
+                tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats
+            )
+            feats = hidden
             ks.append(nk)
             vs.append(nv)
             rows.append(process(logits[:, :, 0], params))
@@ -86,8 +111,10 @@ class DraftWorker:
         return torch.stack(tokens, dim=2), torch.stack(rows, dim=2)
 
     def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Append the accepted draft tokens that were run (at most γ - 1) of each request's path."""
-        if self._suffix is None:
+        """Append the accepted draft tokens that were run (at most γ - 1) of each request's path
+        (a feature draft keeps none: see the module's docstring)."""
+        if self._suffix is None or self.reads_features:
+            self._suffix = None
             return
         sk, sv = self._suffix
         n = path.shape[0]
@@ -105,9 +132,11 @@ def prefill(
     slot0: int,
     contexts: list[torch.Tensor],  # [T_i] int64 each
     keep: list[int] | None = None,  # cached tokens kept per slot (a warm session); None: 0
-) -> None:
+    features: list[torch.Tensor] | None = None,  # [T_i, E] each: a feature draft's input
+) -> list[torch.Tensor]:
     """Slot slot0 + i keeps its first keep[i] cached tokens and appends contexts[i] after them
-    (both workers). keep = 0 is a fresh prefill; the contexts run batched, with padding."""
+    (both workers). keep = 0 is a fresh prefill; the contexts run batched, with padding.
+    Returns each context's features [T_i, E] (what a feature draft reads of the target)."""
     n = len(contexts)
     dev = cache.lengths.device
     kept = torch.tensor(keep if keep is not None else [0] * n, dtype=torch.int64, device=dev)
@@ -116,7 +145,7 @@ def prefill(
     cache.lengths[slot0 : slot0 + n] = kept
     T = max((c.shape[0] for c in contexts), default=0)
     if T == 0:
-        return
+        return [torch.zeros(0, model.spec.hidden_size, device=dev) for _ in contexts]
     counts = torch.tensor([c.shape[0] for c in contexts], device=dev)
     tokens = torch.zeros(n, T, dtype=torch.int64, device=dev)
     for i, c in enumerate(contexts):
@@ -127,5 +156,13 @@ def prefill(
         (steps[None, :] < counts[:, None, None]) | torch.eye(T, dtype=torch.bool, device=dev)
     )
     positions = (kept[:, None] + steps)[:, None]  # [n, 1, T]
-    _, k, v = model(tokens[:, None], positions, cache, mask[:, None], slot0=slot0)
+    feats = None
+    if features is not None:
+        feats = torch.zeros(n, 1, T, model.spec.hidden_size, device=dev)
+        for i, f in enumerate(features):
+            feats[i, 0, : f.shape[0]] = f
+    _, k, v, hidden = model(
+        tokens[:, None], positions, cache, mask[:, None], slot0=slot0, features=feats
+    )
     cache.append(k[:, :, 0], v[:, :, 0], steps.expand(n, T), counts, slot0=slot0)
+    return [hidden[i, 0, : c.shape[0]] for i, c in enumerate(contexts)]

@@ -22,6 +22,9 @@ default, linear or Llama 3.x RoPE and optional attention/MLP biases; Mistral (wh
 window covers the whole context); Qwen2/2.5 (biased q/k/v); Qwen3 (RMSNorm on each q/k head).
 A draft may keep only part of the vocabulary in its output head (``head_vocab``): the head's
 matmul shrinks to the kept rows, and the ids it drops get logit -inf (probability exactly 0).
+A *feature draft* (EAGLE, ``feature_fc``) reads at each position fc([feature; embedding]),
+where the feature is the target's final-norm hidden state one position back (the forward
+returns those hidden states for every new token).
 """
 
 from __future__ import annotations
@@ -243,6 +246,7 @@ class Llama:
         group=None,
         *,
         head_vocab: torch.Tensor | None = None,  # [Vh] int64 sorted unique ids: a reduced head
+        feature_fc: torch.Tensor | None = None,  # [E, 2E]: a feature draft's input projection
     ):
         if spec.num_heads % world or spec.num_kv_heads % world or spec.intermediate_size % world:
             raise ValueError(f"heads/kv_heads/intermediate size must divide by {world} ranks")
@@ -276,6 +280,9 @@ class Llama:
             self.head_vocab = head_vocab.to(device=self.embed.device, dtype=torch.int64)
             lm_head = lm_head[self.head_vocab].contiguous()
         self.lm_head = lm_head  # [V or Vh, E]
+        # A feature draft (EAGLE) reads, at each position, its token's embedding and the
+        # target's feature one position back: h = fc([feature; embedding]).
+        self.feature_fc = feature_fc
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -321,11 +328,18 @@ class Llama:
         suffix: tuple[torch.Tensor, torch.Tensor] | None = None,  # extra per-row keys/values:
         # ([L, n, R, H_kv, S, D] k, v) seen by every new token (earlier draft-path tokens)
         slot0: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (logits [n, R, T, V] float32, new k, new v [L, n, R, H_kv, T, D])."""
+        features: torch.Tensor | None = None,  # [n, R, T, E]: a feature draft's input features
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (logits [n, R, T, V] float32, new k, new v [L, n, R, H_kv, T, D], features
+        [n, R, T, E]: the final-norm hidden states the head reads, which a feature draft
+        takes as input)."""
         spec, d = self.spec, self.spec.head_dim
         n, R, T = tokens.shape
         h = F.embedding(tokens, self.embed)  # [n, R, T, E]
+        if self.feature_fc is not None:
+            if features is None:
+                raise ValueError("a feature draft needs the target's features")
+            h = F.linear(torch.cat([features.to(h.dtype), h], dim=-1), self.feature_fc)
         cos, sin = _rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
         cos, sin = cos[:, :, None], sin[:, :, None]
         lengths = cache.lengths[slot0 : slot0 + n]
@@ -375,10 +389,11 @@ class Llama:
             x = _rms_norm(h, layer["mlp_norm"], spec.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
             h = h + self._row_parallel(F.silu(gate) * up, layer["down"], layer["down_bias"])
-        logits = F.linear(_rms_norm(h, self.norm, spec.rms_norm_eps), self.lm_head).float()
+        hidden = _rms_norm(h, self.norm, spec.rms_norm_eps)
+        logits = F.linear(hidden, self.lm_head).float()
         if self.head_vocab is not None:  # [n, R, T, Vh] -> [n, R, T, V], -inf at dropped ids
             full = logits.new_full((n, R, T, spec.vocab_size), -torch.inf)
             logits = full.index_copy_(-1, self.head_vocab, logits)
-        return logits, torch.stack(new_k), torch.stack(new_v)
+        return logits, torch.stack(new_k), torch.stack(new_v), hidden
 
     __call__ = forward

@@ -31,9 +31,13 @@ class LoadedModel:
     state: dict[str, torch.Tensor]  # HF parameter names -> tensors (on the target device/dtype)
     path: str
     head_vocab: torch.Tensor | None = None  # [Vh] int64: a draft's reduced output head, if any
+    feature_fc: torch.Tensor | None = None  # [E, 2E]: a feature draft's input projection
 
     def build(self, rank: int = 0, world: int = 1, group=None) -> Llama:
-        return Llama(self.spec, self.state, rank, world, group, head_vocab=self.head_vocab)
+        return Llama(
+            self.spec, self.state, rank, world, group,
+            head_vocab=self.head_vocab, feature_fc=self.feature_fc,
+        )  # fmt: skip
 
 
 def _model_dir(path: str | Path) -> Path:
@@ -61,6 +65,10 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 DRAFT_VOCAB = "draft_vocab.json"  # optional: a draft's reduced head (sorted unique token ids)
+# Optional: a feature draft (EAGLE) reads the target's features through this projection,
+# `weight` [E, 2E] ([feature; embedding] -> E). Transformers has no such model class, so the
+# layers load as a Llama checkpoint and the projection from its own file.
+FEATURE_FC = "feature_fc.safetensors"
 
 
 def _read_draft_vocab(file: Path, vocab_size: int) -> torch.Tensor:
@@ -95,7 +103,18 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     head_vocab = None
     if (path / DRAFT_VOCAB).exists():
         head_vocab = _read_draft_vocab(path / DRAFT_VOCAB, spec.vocab_size).to(device)
-    return LoadedModel(spec, state, str(path), head_vocab)
+    feature_fc = None
+    if (path / FEATURE_FC).exists():
+        from safetensors.torch import load_file
+
+        feature_fc = load_file(path / FEATURE_FC).get("weight")
+        E = spec.hidden_size
+        if feature_fc is None or tuple(feature_fc.shape) != (E, 2 * E):
+            raise ValueError(
+                f"{path / FEATURE_FC}: expected a tensor 'weight' of shape [{E}, {2 * E}]"
+            )
+        feature_fc = feature_fc.to(device=device, dtype=DTYPES[dtype])
+    return LoadedModel(spec, state, str(path), head_vocab, feature_fc)
 
 
 def render_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:
@@ -122,6 +141,11 @@ def check_pair(draft: str | Path, target: str | Path):
         raise ValueError(
             f"draft {draft} and target {target} do not share a vocabulary "
             f"(sizes {cfg_d.vocab_size} vs {cfg_t.vocab_size}): speculative decoding needs one"
+        )
+    if (draft / FEATURE_FC).exists() and cfg_d.hidden_size != cfg_t.hidden_size:
+        raise ValueError(
+            f"feature draft {draft} reads target features of its own width "
+            f"({cfg_d.hidden_size}), but target {target} has hidden_size {cfg_t.hidden_size}"
         )
     context = min(cfg_d.max_position_embeddings, cfg_t.max_position_embeddings)
     return tok_t, cfg_t.vocab_size, context

@@ -4,6 +4,8 @@ The cache holds each request's committed tokens except the last emitted one (the
 `score` runs the flattened trees (tree attention mask, positions = committed length + depth)
 and returns the processed target rows gathered per path; `commit` keeps the root and the
 accepted path's entries, so the cache equals a fresh prefill of the accepted sequence.
+`prefill` and `commit` return the features (final-norm hidden states) of the positions they
+add to the cache: what a feature draft (workers/draft.py) reads next.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ class TargetWorker:
     ):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
-        self._new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._new: tuple[torch.Tensor, ...] | None = None  # k, v, node_of, features
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
-    ) -> None:
-        prefill(self.model, self.cache, slot0, contexts, keep)
+    ) -> list[torch.Tensor]:
+        """Returns each context's features [T_i, E]."""
+        return prefill(self.model, self.cache, slot0, contexts, keep)
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)
@@ -42,18 +45,21 @@ class TargetWorker:
         """Raw logits of every tree node [n, N, V]; keeps the nodes' keys/values for commit."""
         n = tree.tokens.shape[0]
         positions = self.cache.lengths[:n, None] + tree.depth
-        logits, k, v = self.model(
+        logits, k, v, hidden = self.model(
             tree.tokens[:, None], positions[:, None], self.cache, tree.mask[:, None]
         )
-        self._new = (k[:, :, 0], v[:, :, 0], tree.node_of)
+        self._new = (k[:, :, 0], v[:, :, 0], tree.node_of, hidden[:, 0])
         return logits[:, 0]
 
-    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Keep the root and the first num_accepted nodes of each request's accepted path."""
-        k, v, node_of = self._new
+    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+        """Keep the root and the first num_accepted nodes of each request's accepted path.
+        Returns their features [n, γ+1, E] (the first num_accepted + 1 of each row are real)."""
+        k, v, node_of, hidden = self._new
         rows = torch.arange(path.shape[0], device=path.device)
-        self.cache.append(k, v, node_of[rows, path], num_accepted + 1)
+        nodes = node_of[rows, path]  # [n, γ+1]
+        self.cache.append(k, v, nodes, num_accepted + 1)
         self._new = None
+        return hidden[rows[:, None], nodes]
 
 
 def path_rows(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:

@@ -419,15 +419,15 @@ class TensorParallelTarget:
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
-    ) -> None:
+    ) -> list[torch.Tensor]:
         """contexts: [T_i] int64 each, into slots slot0.. after keep[i] cached tokens
-        (see workers.draft.prefill)."""
+        (see workers.draft.prefill). Returns their features [T_i, E] (rank 0's)."""
         if not 0 <= slot0 <= slot0 + len(contexts) <= self.max_batch:
             raise ValueError(f"slots {slot0}..{slot0 + len(contexts)} exceed max_batch")
         keep = keep or [0] * len(contexts)
         if any(c.shape[0] + s > self.max_len for c, s in zip(contexts, keep, strict=True)):
             raise ValueError(f"a context exceeds max_len={self.max_len}")
-        self._call("prefill", slot0, list(contexts), keep, collective=True)
+        return self._call("prefill", slot0, list(contexts), keep, collective=True)
 
     def move(self, src: int, dst: int) -> None:
         self._call("move", src, dst, collective=False)
@@ -447,8 +447,9 @@ class TensorParallelTarget:
         self,
         path: torch.Tensor,  # [n] int64: accepted path per request
         num_accepted: torch.Tensor,  # [n] int64
-    ) -> None:
-        self._call("commit", path, num_accepted, collective=False)
+    ) -> torch.Tensor:
+        """Returns the kept positions' features [n, γ+1, E] (TargetWorker.commit)."""
+        return self._call("commit", path, num_accepted, collective=False)
 
     # ---------------------------------------------------------------------------- lifetime
     @property

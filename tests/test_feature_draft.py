@@ -1,0 +1,215 @@
+"""A feature draft (EAGLE: reads the target's features) in the engine, on tiny random models.
+
+Checks: the draft's cache always equals a fresh prefill of the committed tokens with the
+target's true features (so the features the engine hands over sit at the right positions, after
+partial acceptances, plain steps and sessions); greedy output equals the target's for every
+method; seeded output does not depend on batch-mates; the law of the first γ + 2 tokens equals
+the target's exact law (chi-square); a feature draft loads from a directory, and a bad
+projection is refused naming its file.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from harness import ALPHA, chi_square
+from test_engine import exact_target_law, greedy_reference, make_engine, method_grid, tiny_pair
+
+from service.engine import GenerationRequest
+from workers.draft import prefill
+from workers.llama import KVCache, Llama
+from workers.sampling import SamplingParams
+
+
+def feature_draft(target: Llama, draft: Llama, scale: float, seed: int = 0) -> Llama:
+    """`draft`'s weights reading [feature; embedding] through a random projection: the
+    features change q (so a misplaced feature changes the output law), the embedding keeps it
+    close to the target."""
+    E = target.spec.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.cat([scale * torch.randn(E, E, generator=g) / E**0.5, torch.eye(E)], dim=1)
+    return Llama(draft.spec, draft_state(draft), feature_fc=fc)
+
+
+def draft_state(model: Llama) -> dict[str, torch.Tensor]:
+    """The HF-named weights a Llama was built from (unfused again; full head)."""
+    state = {
+        "model.embed_tokens.weight": model.embed,
+        "model.norm.weight": model.norm,
+        "lm_head.weight": model.lm_head,
+    }
+    heads, kv, d = model.heads, model.kv_heads, model.spec.head_dim
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer["qkv"].split([heads * d, kv * d, kv * d])
+        gate, up = layer["gate_up"].chunk(2)
+        state |= {
+            p + "input_layernorm.weight": layer["attn_norm"],
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": layer["o"],
+            p + "post_attention_layernorm.weight": layer["mlp_norm"],
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer["down"],
+        }
+    return state
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf, target, draft = tiny_pair(vocab=48)
+    # Small enough that greedy drafts are often accepted, far above the 1e-4 cache checks.
+    return hf, target, feature_draft(target, draft, scale=0.1)
+
+
+def fresh_draft_cache(target: Llama, draft: Llama, seq: list[int]) -> KVCache:
+    """The draft's cache after a prefill of `seq` with the target's true features."""
+    caches = [KVCache(m.spec, m.kv_heads, 1, 128, torch.float32, "cpu") for m in (target, draft)]
+    (features,) = prefill(target, caches[0], 0, [torch.tensor(seq[:-1])])
+    shifted = torch.cat([torch.zeros(1, features.shape[1]), features])
+    prefill(draft, caches[1], 0, [torch.tensor(seq)], features=[shifted])
+    return caches[1]
+
+
+def test_draft_cache_equals_a_prefill_with_true_features(pair):
+    _, target, draft = pair
+    engine = make_engine(target, draft, max_batch=4)
+    reqs = [
+        GenerationRequest([1, 2, 3], 40, "block", 1, 4, SamplingParams(), seed=3),
+        GenerationRequest([9, 8, 7, 6], 40, "traversal", 3, 3, SamplingParams(0.7), seed=4),
+        GenerationRequest([5], 40, "none", seed=5),  # plain: the draft catches it up
+    ]
+    for r in reqs:
+        engine.add(r)
+    for _ in range(6):
+        engine.step()
+    for slot, active in enumerate(engine.active):
+        seq = active.req.prompt_ids + active.output
+        committed = seq[: len(seq) - len(active.draft_pending)]
+        fresh = fresh_draft_cache(target, draft, committed)
+        n = len(committed)
+        assert int(engine.draft.cache.lengths[slot]) == n
+        assert (engine.draft.cache.k[:, slot, :, :n] - fresh.k[:, 0, :, :n]).abs().max() < 1e-4
+        assert (engine.draft.cache.v[:, slot, :, :n] - fresh.v[:, 0, :, :n]).abs().max() < 1e-4
+
+
+def test_greedy_output_equals_target_greedy_for_every_method(pair):
+    hf, target, draft = pair
+    engine = make_engine(target, draft)
+    prompts = [[3, 7, 1, 9, 2], [5]]
+    refs = [greedy_reference(hf, p, 20) for p in prompts]
+    requests, expected = [], []
+    for method, k in method_grid():
+        for prompt, ref in zip(prompts, refs, strict=True):
+            greedy = SamplingParams(temperature=0.0)
+            requests.append(GenerationRequest(prompt, 20, method, k, 3, greedy, seed=1))
+            expected.append(ref)
+    results = engine.generate(requests)
+    for req, res, ref in zip(requests, results, expected, strict=True):
+        assert res.token_ids == ref, (req.method, req.prompt_ids)
+    assert max(r.stats.tokens_per_call for r in results) > 1.5  # speculation did accept
+
+
+def test_seeded_output_does_not_depend_on_batch_mates(pair):
+    _, target, draft = pair
+    mixed = [("block", 1, 4), ("gbv", 3, 2), ("none", 1, 1), ("traversal", 2, 3)]
+
+    def requests() -> list[GenerationRequest]:
+        return [
+            GenerationRequest([5, 1 + i, 7], 16, m, k, g, SamplingParams(), seed=10 + i)
+            for i, (m, k, g) in enumerate(mixed)
+        ]
+
+    engine = make_engine(target, draft, max_batch=len(mixed))
+    alone = [engine.generate([r])[0].token_ids for r in requests()]
+    assert [r.token_ids for r in engine.generate(requests())] == alone
+
+
+def test_session_continuation_matches_greedy(pair):
+    hf, target, draft = pair
+    engine = make_engine(target, draft, max_batch=2, max_sessions=2)
+    greedy = SamplingParams(temperature=0.0)
+    first = [3, 7, 1, 9, 2]
+    (r1,) = engine.generate([GenerationRequest(first, 9, "block", 1, 4, greedy, session_id="s")])
+    turn2 = [*first, *r1.token_ids, 11, 12]
+    (r2,) = engine.generate([GenerationRequest(turn2, 10, "gbv", 2, 3, greedy, session_id="s")])
+    assert r2.cached_tokens > len(first)
+    assert r2.token_ids == greedy_reference(hf, turn2, 10)
+
+
+@pytest.mark.parametrize(
+    ("method", "k"), [("token", 1), ("block", 1), ("gbv", 3), ("traversal", 2)]
+)
+def test_sampled_output_law_equals_target_law(method, k):
+    """As test_engine's law test (same trials, α and power), with a feature draft whose
+    features move q far (scale 3): 4 tokens cross an iteration boundary at γ = 2."""
+    vocab, gamma, length, trials = 4, 2, 4, 12_000
+    _, target, draft = tiny_pair(vocab=vocab, seed=5, noise=0.3)
+    draft = feature_draft(target, draft, scale=3.0, seed=1)
+    prompt = [1, 3, 0]
+    law = exact_target_law(target, prompt, length, vocab)
+    engine = make_engine(target, draft, max_batch=trials, max_len=16)
+    reqs = [
+        GenerationRequest(prompt, length, method, k, gamma, SamplingParams(), seed=i)
+        for i in range(trials)
+    ]
+    results = engine.generate(reqs)
+    outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
+    _, _, pvalue = chi_square(outcomes, law, trials)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    assert sum(r.stats.accepted for r in results) > 0
+
+
+def test_a_feature_draft_loads_from_its_directory(tmp_path):
+    from safetensors.torch import save_file
+    from test_engine import save_tiny
+
+    from workers.models import FEATURE_FC, load_model
+
+    save_tiny(tmp_path, vocab=16)
+    save_file({"weight": torch.randn(32, 64)}, tmp_path / FEATURE_FC)
+    model = load_model(tmp_path).build()
+    assert model.feature_fc is not None and tuple(model.feature_fc.shape) == (32, 64)
+    save_file({"weight": torch.randn(32, 32)}, tmp_path / FEATURE_FC)
+    with pytest.raises(ValueError, match=FEATURE_FC):
+        load_model(tmp_path)
+
+
+def save_feature_draft(target_dir, out, scale: float = 0.3) -> None:
+    """A 1-layer feature draft for the checkpoint in `target_dir`: its first layer, norm and
+    head, reading the features through a random projection (as `feature_draft`)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from workers.models import FEATURE_FC
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    cfg = target.config
+    cfg.num_hidden_layers = 1
+    draft = LlamaForCausalLM(cfg)
+    draft.load_state_dict(target.state_dict(), strict=False)  # layer 0, embeddings, norm, head
+    draft.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out / name)
+    E = cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    fc = torch.cat([scale * torch.randn(E, E, generator=g) / E**0.5, torch.eye(E)], dim=1)
+    save_file({"weight": fc.contiguous()}, out / FEATURE_FC)
+
+
+def test_a_feature_draft_must_match_the_targets_width(tmp_path):
+    import shutil
+
+    from workers.models import FEATURE_FC, TINY_DRAFT, TINY_TARGET, check_pair
+
+    shutil.copytree(TINY_DRAFT, tmp_path / "draft")  # hidden 128; the tiny target's is 256
+    (tmp_path / "draft" / FEATURE_FC).write_bytes(b"")
+    with pytest.raises(ValueError, match="hidden_size 256"):
+        check_pair(tmp_path / "draft", TINY_TARGET)
