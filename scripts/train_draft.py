@@ -17,11 +17,25 @@ first two layers, the final norm, and the target's tied output head restricted t
 set get q = 0, which verification handles exactly (lossless); the head costs 1/6 of the full
 one. Only the layers and the norm are trained, and only they are committed.
 
+``--arch features`` (the default draft since issue 9's second round) makes it an EAGLE-style
+*feature draft*: each position reads fc([f; e(x)]), f the target's final-norm hidden state one
+position back, and its own output stands in for f deeper in the draft (workers/draft.py). It
+trains a projection fc [E, 2E] too (committed as ``feature_fc.safetensors``), on two passes
+per batch: the target's features (what depth 1 sees) and its own detached outputs (what
+depths >= 2 see), plus a small regression of its outputs onto the features.
+
 Stages (``--stage all`` runs them in order; each is resumable and time-boxed):
 1. ``generate``: sample answers with the target (bf16 on CPU: AMX makes batches cheap).
-2. ``train``: distil; 3. ``export``: write ``models/smollm2-draft/``.
+2. ``features`` (feature drafts only): the target's features at every sampled position.
+3. ``train``: distil; 4. ``export``: write ``models/smollm2-draft/``.
 
-    .venv/bin/python scripts/train_draft.py --stage all
+The committed feature draft was trained in two runs, the second warm-started from the first:
+
+    .venv/bin/python scripts/train_draft.py --stage all          # token-only draft, 33 + 25 min
+    .venv/bin/python scripts/train_draft.py --stage features     # 3.5 min
+    .venv/bin/python scripts/train_draft.py --stage train --arch features \
+        --init-draft models/smollm2-draft --train-minutes 35
+    .venv/bin/python scripts/train_draft.py --stage export
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ sys.path.insert(0, str(REPO))
 from loadtest.prompts import complete_function  # noqa: E402
 from workers.models import (  # noqa: E402
     DEFAULT_TARGET,
+    FEATURE_FC,
     SMOLLM2_DRAFT_WEIGHTS,
     render_chat,
     user_turn,
@@ -154,8 +169,51 @@ def generate(args) -> None:
         print(f"batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
 
 
-def load_answers(work: Path) -> list[dict]:
-    return [s for f in sorted((work / "answers").glob("*.pt")) for s in torch.load(f)]
+def load_answers(work: Path, features: bool = False) -> list[dict]:
+    """The sampled answers; with `features`, each also carries the target's features."""
+    samples = []
+    for f in sorted((work / "answers").glob("*.pt")):
+        shard = torch.load(f)
+        if features:
+            for s, feat in zip(shard, torch.load(work / "features" / f.name), strict=True):
+                s["feat"] = feat
+        samples += shard
+    return samples
+
+
+def target_hidden(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The target's last hidden state (after its final norm: what its head reads) [T_i, E] at
+    every position of each sequence [T_i], teacher-forced 8 sequences at a time."""
+    out = []
+    for i in range(0, len(seqs), 8):
+        chunk = seqs[i : i + 8]
+        T = max(len(x) for x in chunk)
+        ids = torch.zeros(len(chunk), T, dtype=torch.long)
+        attn = torch.zeros(len(chunk), T, dtype=torch.long)
+        for b, x in enumerate(chunk):
+            ids[b, : len(x)], attn[b, : len(x)] = x, 1
+        with torch.no_grad():
+            h = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+        out += [h[b, : len(x)].clone() for b, x in enumerate(chunk)]
+    return out
+
+
+def features(args) -> None:
+    """The target's features at every position of every sampled prompt + answer, bf16: a
+    feature draft's input."""
+    from transformers import AutoModelForCausalLM
+
+    out = args.work / "features"
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
+    t0, done = time.time(), 0
+    for f in sorted((args.work / "answers").glob("*.pt")):
+        if (out / f.name).exists():
+            continue
+        seqs = [torch.cat([s["prompt"], s["answer"]]) for s in torch.load(f)]
+        torch.save(target_hidden(model, seqs), out / f.name)
+        done += sum(len(x) for x in seqs)
+        print(f"{f.name}: {done} tokens, {done / (time.time() - t0):.0f} tok/s", flush=True)
 
 
 def head_vocab(samples: list[dict], size: int, vocab_size: int, eos: int) -> torch.Tensor:
@@ -194,6 +252,38 @@ class Draft(torch.nn.Module):
         return h @ self.head.T  # [B, T, V_kept]
 
 
+class FeatureDraft(Draft):
+    """EAGLE-style: position t reads fc([f_{t-1}; e(x_t)]) (the target's feature one position
+    back, and the token), runs trained Llama layers and a trained norm, and its output both
+    predicts x_{t+1} through the frozen head and stands in for the target's feature f_t when
+    the draft goes one token deeper (where the target has not run yet)."""
+
+    def __init__(self, target, layers: list[int], vocab: torch.Tensor, feat_rms: torch.Tensor):
+        super().__init__(target, layers, vocab)
+        E = target.config.hidden_size
+        # The target's features are ~16x the embeddings' scale, one dimension ~250x (RMS 34 vs
+        # 0.14): fed raw, they drown the token after the layer's input norm. Training reads
+        # them per dimension at the embeddings' scale; export folds the scale into fc.
+        self.register_buffer("feat_rms", feat_rms)  # [E]
+        emb_rms = target.model.embed_tokens.weight.detach().float().pow(2).mean().sqrt()
+        self.register_buffer("feat_scale", emb_rms / feat_rms)  # [E]
+        self.fc = torch.nn.Linear(2 * E, E, bias=False)
+        # Start as the token-only draft (u = e(x)); training lets the features in.
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, E:].copy_(torch.eye(E))
+
+    def forward(self, ids, attn, fin):  # fin [B, T, E]: the feature one position back
+        u = self.fc(torch.cat([fin * self.feat_scale, self.hf.model.embed_tokens(ids)], dim=-1))
+        h = self.hf.model(inputs_embeds=u, attention_mask=attn).last_hidden_state
+        return h @ self.head.T, h  # [B, T, V_kept], [B, T, E]
+
+
+def shifted(feats: torch.Tensor) -> torch.Tensor:
+    """[B, T, E] -> the feature one position back (zeros at position 0, as in prefill)."""
+    return torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
+
+
 def batches_of(samples, batch_tokens: int, rng: random.Random):
     order = list(range(len(samples)))
     rng.shuffle(order)
@@ -210,22 +300,29 @@ def batches_of(samples, batch_tokens: int, rng: random.Random):
 
 
 def collate(batch, vocab_pos: torch.Tensor, pad: int):
-    """Right-padded ids, and per answer position the teacher's log-probs on the kept vocab."""
+    """Right-padded ids, the target's features [B, T, E] (None without), and per answer
+    position the teacher's log-probs on the kept vocab."""
     T = max(len(s["prompt"]) + len(s["answer"]) for s in batch)
     ids = torch.full((len(batch), T), pad, dtype=torch.long)
     attn = torch.zeros(len(batch), T, dtype=torch.long)
+    feats = None
+    if "feat" in batch[0]:
+        feats = torch.zeros(len(batch), T, batch[0]["feat"].shape[-1])
     rows, cols, lp, ix = [], [], [], []
     for b, s in enumerate(batch):
         seq = torch.cat([s["prompt"], s["answer"]])
         ids[b, : len(seq)] = seq
         attn[b, : len(seq)] = 1
+        if feats is not None:
+            feats[b, : len(seq)] = s["feat"].float()
         P, G = len(s["prompt"]), len(s["answer"])
         # position P-1+j predicts answer token j; the teacher's row was recorded there
         rows.append(torch.full((G,), b))
         cols.append(torch.arange(P - 1, P - 1 + G))
         lp.append(s["logp"].float())
         ix.append(vocab_pos[s["index"].long()])  # -1: outside the kept vocabulary
-    return ids, attn, torch.cat(rows), torch.cat(cols), torch.cat(lp), torch.cat(ix)
+    targets = (torch.cat(rows), torch.cat(cols), torch.cat(lp), torch.cat(ix))
+    return ids, attn, feats, targets
 
 
 def distill_loss(logits, rows, cols, lp, ix):
@@ -238,13 +335,32 @@ def distill_loss(logits, rows, cols, lp, ix):
     return ce, torch.minimum(p, q).sum(-1).mean()
 
 
+def losses(draft, batch, vocab_pos, pad: int, reg_weight: float):
+    """(loss to minimise, acceptance on the top-k: [depth 1] or, for a feature draft,
+    [depth 1, depth 2]). A feature draft runs twice: first on the target's features (depth 1,
+    as after every verification), then on its own outputs one position back, detached (what
+    it reads from depth 2 on); the first pass's outputs also regress onto the features."""
+    ids, attn, feats, targets = collate(batch, vocab_pos, pad)
+    if feats is None:
+        ce, acc = distill_loss(draft(ids, attn), *targets)
+        return ce, [acc.item()]
+    logits, h = draft(ids, attn, shifted(feats))
+    ce1, acc1 = distill_loss(logits, *targets)
+    valid = attn.bool()
+    rms = draft.feat_rms  # each dimension in its own units (see FeatureDraft)
+    reg = torch.nn.functional.smooth_l1_loss(h[valid] / rms, feats[valid] / rms)
+    logits2, _ = draft(ids, attn, shifted(h.detach()))
+    ce2, acc2 = distill_loss(logits2, *targets)
+    return ce1 + ce2 + reg_weight * reg, [acc1.item(), acc2.item()]
+
+
 def train(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-    samples = load_answers(args.work)
+    samples = load_answers(args.work, features=args.arch == "features")
     rng = random.Random(args.seed)
     rng.shuffle(samples)
     n_val = max(8, len(samples) // 40)
@@ -262,23 +378,40 @@ def train(args) -> None:
         flush=True,
     )
     layers = [int(x) for x in args.init_layers.split(",")]
-    draft = Draft(target, layers, vocab)
+    if args.arch == "features":
+        feats = torch.cat([s["feat"] for s in tr[:200]]).float()
+        draft = FeatureDraft(target, layers, vocab, feats.pow(2).mean(0).sqrt())
+    else:
+        draft = Draft(target, layers, vocab)
     del target
+    if args.init_draft:  # warm start: an earlier draft's layers and norm (same shapes)
+        from safetensors.torch import load_file
+
+        state = load_file(args.init_draft / "model.safetensors")
+        mine = {k: v for k, v in state.items() if k.startswith(("model.layers.", "model.norm."))}
+        missing, unexpected = draft.hf.load_state_dict(
+            {k: v.float() for k, v in mine.items()}, strict=False
+        )
+        if unexpected or any(k.startswith("model.layers.") for k in missing):
+            raise SystemExit(f"--init-draft does not fit: {missing=} {unexpected=}")
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
+    def loss(batch):
+        return losses(draft, batch, vocab_pos, tok.pad_token_id, args.reg_weight)
+
     def evaluate():
         draft.eval()
-        ce = acc = 0.0
+        total, accs = 0.0, None
         with torch.no_grad():
             for batch in batches_of(val, args.batch_tokens, random.Random(0)):
-                ids, attn, *rest = collate(batch, vocab_pos, tok.pad_token_id)
-                c, a = distill_loss(draft(ids, attn), *rest)
-                ce, acc = ce + c.item() * len(batch), acc + a.item() * len(batch)
+                c, a = loss(batch)
+                total += c.item() * len(batch)
+                accs = [x + y * len(batch) for x, y in zip(accs or [0.0] * len(a), a, strict=True)]
         draft.train()
-        return ce / len(val), acc / len(val)
+        return total / len(val), [round(x / len(val), 4) for x in accs]
 
-    print("init: val ce {:.3f}, val alpha {:.3f}".format(*evaluate()), flush=True)
+    print("init: val loss {:.3f}, val alpha(top-k) {}".format(*evaluate()), flush=True)
     t0, step, total = time.time(), 0, None
     log = []
     for epoch in range(args.epochs):
@@ -298,8 +431,7 @@ def train(args) -> None:
             )
             for g in opt.param_groups:
                 g["lr"] = lr
-            ids, attn, *rest = collate(batch, vocab_pos, tok.pad_token_id)
-            ce, acc = distill_loss(draft(ids, attn), *rest)
+            ce, acc = loss(batch)
             opt.zero_grad()
             ce.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -307,19 +439,19 @@ def train(args) -> None:
             step += 1
             if step % 50 == 0:
                 print(
-                    f"step {step} epoch {epoch} ce {ce.item():.3f} alpha {acc.item():.3f} "
+                    f"step {step} epoch {epoch} loss {ce.item():.3f} alpha {acc} "
                     f"lr {lr:.2e} {time.time() - t0:.0f}s",
                     flush=True,
                 )
             if step % 400 == 0:
                 vce, vacc = evaluate()
                 log.append(dict(step=step, val_ce=vce, val_alpha=vacc))
-                print(f"  val ce {vce:.3f} alpha(top-k) {vacc:.3f}", flush=True)
+                print(f"  val loss {vce:.3f} alpha(top-k) {vacc}", flush=True)
         if total is not None and step >= total:
             break
     vce, vacc = evaluate()
     log.append(dict(step=step, val_ce=vce, val_alpha=vacc))
-    print(f"final: val ce {vce:.3f} alpha(top-k) {vacc:.3f}", flush=True)
+    print(f"final: val loss {vce:.3f} alpha(top-k) {vacc}", flush=True)
     meta = dict(
         steps=step,
         minutes=(time.time() - t0) / 60,
@@ -328,6 +460,8 @@ def train(args) -> None:
         head_vocab=len(vocab),
         head_mass=covered / tokens,
         init_layers=layers,
+        init_draft=str(args.init_draft or ""),
+        arch=args.arch,
         args={k: str(v) for k, v in vars(args).items()},
         log=log,
     )
@@ -354,6 +488,12 @@ def export(args) -> None:
     cfg.save_pretrained(out)
     vocab = ckpt["state"]["vocab"].tolist()
     (out / "draft_vocab.json").write_text(json.dumps(vocab))
+    (out / FEATURE_FC).unlink(missing_ok=True)
+    if "fc.weight" in ckpt["state"]:
+        fc = ckpt["state"]["fc.weight"].clone()  # [E, 2E]; the feature scale folded in
+        fc[:, : fc.shape[0]] *= ckpt["state"]["feat_scale"]
+        fc = fc.to(torch.bfloat16).contiguous()
+        save_file({"weight": fc}, out / FEATURE_FC, metadata={"format": "pt"})
     (out / "train_meta.json").write_text(json.dumps(ckpt["meta"], indent=1))
     print(f"wrote {out}")
 
@@ -382,10 +522,17 @@ def evaluate_pair(args) -> None:
     for prompt, answer in zip(prompts, answers, strict=True):
         seq, T = torch.tensor(prompt + answer), len(prompt) + len(answer)
         mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
-        rows = {}
-        for key, model in models.items():
+        rows, feats = {}, {}
+        for key, model in sorted(models.items(), key=lambda kv: kv[0][0] != "target"):
             cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
-            logits, _, _ = model(seq[None, None], torch.arange(T)[None, None], cache, mask)
+            back = None  # a feature draft reads the target's feature one position back
+            if model.feature_fc is not None:
+                f = feats[key[1]]
+                back = torch.cat([torch.zeros_like(f[..., :1, :]), f[..., :-1, :]], dim=-2)
+            logits, _, _, hidden = model(
+                seq[None, None], torch.arange(T)[None, None], cache, mask, features=back
+            )
+            feats[key[1]] = hidden
             rows[key] = logits[0, 0, len(prompt) - 1 : T - 1].softmax(-1)  # [answer, V]
         for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
             overlap = torch.minimum(rows["target", dtype], rows["draft", dtype])
@@ -410,7 +557,9 @@ def evaluate_pair(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--stage", choices=["generate", "train", "export", "eval", "all"], default="all"
+        "--stage",
+        choices=["generate", "features", "train", "export", "eval", "all"],
+        default="all",
     )
     ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache/blockspec/draft-train")
@@ -421,7 +570,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--gen-minutes", type=float, default=33)
     ap.add_argument("--head-vocab", type=int, default=8192)
+    ap.add_argument(
+        "--arch",
+        choices=["layers", "features"],
+        default="layers",
+        help="layers: a small LM on tokens alone; features: EAGLE-style, also reads the "
+        "target's last hidden state (needs --stage features first)",
+    )
+    ap.add_argument("--reg-weight", type=float, default=0.1, help="features: regression weight")
     ap.add_argument("--init-layers", default="0,1")
+    ap.add_argument(
+        "--init-draft",
+        type=Path,
+        help="start the layers and norm from this draft's model.safetensors instead",
+    )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--batch-tokens", type=int, default=4096)
@@ -431,7 +593,9 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    for stage in ("generate", "train", "export"):
+    for stage in ("generate", "features", "train", "export"):
+        if stage == "features" and args.stage == "all" and args.arch != "features":
+            continue
         if args.stage in (stage, "all"):
             globals()[stage](args)
     if args.stage == "eval":  # after setup.sh has assembled the exported draft
