@@ -35,7 +35,7 @@ from service.policy import AUTO
 from service.verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC, TOKEN_ONLY_DRAFT
 from workers.sampling import SamplingParams
 
 
@@ -132,14 +132,17 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted-generation baseline")
     ap.add_argument(
         "--hf-draft",
-        help="the draft HF assisted generation uses (default: --draft; a feature draft needs "
-        "the target's features, which HF cannot give it, so pass a token-only draft)",
+        help="the draft HF assisted generation uses (default: --draft, or the default pair's "
+        "token-only draft when --draft is a feature draft: HF cannot give a draft the target's "
+        "features)",
     )
     ap.add_argument("--out", default="docs/benchmarks", help="writes OUT.md and OUT.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     hf_draft = args.hf_draft or args.draft
+    if args.hf_draft is None and (Path(hf_draft) / FEATURE_FC).exists():
+        hf_draft = str(TOKEN_ONLY_DRAFT)
     if not args.no_hf and (Path(hf_draft) / FEATURE_FC).exists():
         ap.error(f"{hf_draft} is a feature draft, which HF cannot run: pass --hf-draft or --no-hf")
     engines = {b: build_engine(args.draft, args.target, b, dtype=args.dtype) for b in args.batch}

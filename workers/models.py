@@ -22,6 +22,10 @@ MODEL_CACHE = Path(os.environ.get("BLOCKSPEC_MODEL_CACHE", Path.home() / ".cache
 DEFAULT_TARGET = MODEL_CACHE / "smollm2-135m-instruct"
 DEFAULT_DRAFT = MODEL_CACHE / "smollm2-135m-draft"
 SMOLLM2_DRAFT_WEIGHTS = BUNDLED / "smollm2-draft"
+# The same pair's token-only draft (the default before it read the target's features): for
+# consumers that cannot feed a draft the target's features, e.g. HF assisted generation.
+TOKEN_ONLY_DRAFT = MODEL_CACHE / "smollm2-135m-draft-token-only"
+SMOLLM2_TOKEN_ONLY_WEIGHTS = BUNDLED / "smollm2-draft-token-only"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
