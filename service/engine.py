@@ -322,7 +322,7 @@ class SpeculativeEngine:
     ):
         self.draft, self.target = draft, target
         # EAGLE-style draft: reads the target's features (workers/draft.py)
-        self.feature_draft = bool(getattr(draft, "reads_features", False))
+        self.feature_draft = draft.reads_features
         self.policy = policy or AutoPolicy()
         self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
@@ -402,10 +402,9 @@ class SpeculativeEngine:
                 self.draft.move(parked.slot, slot)
                 self.target.move(parked.slot, slot)
                 self.free_slots.append(parked.slot)
-            if self.feature_draft:  # see _prefill
-                prompt = a.req.prompt_ids
-                kt = min(kt, kd - 1, len(prompt) - 2) if kd and len(prompt) > 1 else 0
-                kd = kt + 1 if kd and len(prompt) > 1 else 0
+            if self.feature_draft:  # the draft keeps one past the target, or both 0: _prefill
+                kt = min(kt, kd - 1, len(a.req.prompt_ids) - 2)
+                kt, kd = (kt, kt + 1) if kt >= 0 else (0, 0)
             a.cached_tokens = kt
             keep_draft.append(kd)
             keep_target.append(kt)
@@ -438,10 +437,9 @@ class SpeculativeEngine:
             self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft)
             return sum(len(c) for c in contexts)
         inputs = []
-        for a, f, kd in zip(batch, features, keep_draft, strict=True):
+        for a, f, kd, p in zip(batch, features, keep_draft, draft_pending, strict=True):
             if kd == 0:  # position 0 reads a zero feature
                 f = torch.cat([f.new_zeros(1, f.shape[-1]), f])
-            p = len(a.draft_pending)
             inputs.append(f[: len(f) - p])
             a.draft_features = f[len(f) - p :]
         self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft, inputs)
@@ -647,10 +645,9 @@ class SpeculativeEngine:
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
                 a.draft_pending = a.draft_pending + emitted
-            if self.feature_draft:
+            if self.feature_draft:  # the target's features before the new pending tokens
                 new = verdict.features[i, : t + 1]
-                old = a.draft_features if not plan.drafted else new[:0]
-                a.draft_features = torch.cat([old, new])
+                a.draft_features = new if plan.drafted else torch.cat([a.draft_features, new])
             reason = None
             before = len(a.output)
             for tok in emitted:

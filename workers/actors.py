@@ -304,11 +304,6 @@ class _Remote:
         seconds = [s for _, s in _gather(earlier)]
         return sum(seconds) / len(self.actors)
 
-    def prefill(
-        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
-    ) -> None:
-        self._post("prefill", slot0, contexts, keep)
-
     def move(self, src: int, dst: int) -> None:
         self._post("move", src, dst)
 

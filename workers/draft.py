@@ -88,8 +88,9 @@ class DraftWorker:
         self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), pending_count)
         rows_n = torch.arange(n, device=dev)
         root = logits[rows_n, 0, pending_count - 1]  # [n, V]
-        # A feature draft's output at the root stands in for the target's feature there.
-        feats = hidden[rows_n, 0, pending_count - 1][:, None, None].expand(n, k, 1, -1)
+        feats = None  # a feature draft's output at the root stands in for the target's there
+        if self.reads_features:
+            feats = hidden[rows_n, 0, pending_count - 1][:, None, None].expand(n, k, 1, -1)
         q_root = process(root[:, None], params)  # [n, 1, V]
         rows = [q_root.expand(n, k, -1)]
         tokens = [sample(rows[0], generators, drawn(0))]  # [n, K]
@@ -102,7 +103,7 @@ class DraftWorker:
             logits, nk, nv, hidden = self.model(
                 tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats
             )
-            feats = hidden
+            feats = hidden  # the next depth's input (read by a feature draft only)
             ks.append(nk)
             vs.append(nv)
             rows.append(process(logits[:, :, 0], params))
