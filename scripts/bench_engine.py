@@ -132,19 +132,20 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted-generation baseline")
     ap.add_argument(
         "--hf-draft",
-        help="the draft HF assisted generation uses (default: --draft, or the default pair's "
-        "token-only draft when --draft is a feature draft: HF cannot give a draft the target's "
-        "features)",
+        help="the draft HF assisted generation uses (default: --draft; for the default feature "
+        "draft, the default pair's token-only draft: HF cannot give a draft the target's features)",
     )
     ap.add_argument("--out", default="docs/benchmarks", help="writes OUT.md and OUT.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     hf_draft = args.hf_draft or args.draft
-    if args.hf_draft is None and (Path(hf_draft) / FEATURE_FC).exists():
-        hf_draft = str(TOKEN_ONLY_DRAFT)
     if not args.no_hf and (Path(hf_draft) / FEATURE_FC).exists():
-        ap.error(f"{hf_draft} is a feature draft, which HF cannot run: pass --hf-draft or --no-hf")
+        if args.hf_draft or Path(args.draft) != DEFAULT_DRAFT:
+            ap.error(
+                f"{hf_draft} is a feature draft, which HF cannot run: pass --hf-draft or --no-hf"
+            )
+        hf_draft = str(TOKEN_ONLY_DRAFT)  # the default pair's own token-only draft
     engines = {b: build_engine(args.draft, args.target, b, dtype=args.dtype) for b in args.batch}
     tokenizer = engines[args.batch[0]][1]
     # Keep each prompt's last tokens so that prompt + new tokens + a draft block fit the models'
