@@ -124,9 +124,8 @@ def main() -> None:
         (SMOLLM2_TOKEN_ONLY_WEIGHTS, TOKEN_ONLY_DRAFT),
     ):
         sha = hashlib.sha256()
-        for name in ("model.safetensors", FEATURE_FC):
-            if (src / name).exists():
-                sha.update((src / name).read_bytes())
+        for file in sorted(src.iterdir()):  # weights, config, kept vocabulary, projection
+            sha.update(file.name.encode() + file.read_bytes())
         stamp = sha.hexdigest()
         done = out / DONE
         if args.force or not done.exists() or done.read_text() != stamp:
