@@ -280,8 +280,8 @@ class FeatureDraft(Draft):
 
 
 def shifted(feats: torch.Tensor) -> torch.Tensor:
-    """[B, T, E] -> the feature one position back (zeros at position 0, as in prefill)."""
-    return torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
+    """[..., T, E] -> the feature one position back (zeros at position 0, as in prefill)."""
+    return torch.cat([torch.zeros_like(feats[..., :1, :]), feats[..., :-1, :]], dim=-2)
 
 
 def batches_of(samples, batch_tokens: int, rng: random.Random):
@@ -525,10 +525,8 @@ def evaluate_pair(args) -> None:
         rows, feats = {}, {}
         for key, model in sorted(models.items(), key=lambda kv: kv[0][0] != "target"):
             cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
-            back = None  # a feature draft reads the target's feature one position back
-            if model.feature_fc is not None:
-                f = feats[key[1]]
-                back = torch.cat([torch.zeros_like(f[..., :1, :]), f[..., :-1, :]], dim=-2)
+            # a feature draft reads the target's feature one position back
+            back = shifted(feats[key[1]]) if model.feature_fc is not None else None
             logits, _, _, hidden = model(
                 seq[None, None], torch.arange(T)[None, None], cache, mask, features=back
             )
