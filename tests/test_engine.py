@@ -26,8 +26,9 @@ from workers.target import TargetWorker
 from workers.tree import build_tree
 
 
-def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05):
-    """A random target and a draft that is a perturbed copy (acceptance well inside (0, 1))."""
+def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05, draft_fc: torch.Tensor | None = None):
+    """A random target and a draft that is a perturbed copy (acceptance well inside (0, 1));
+    with `draft_fc` [64, 128], a feature draft reading the target's features through it."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         hidden_size=64,
@@ -44,7 +45,7 @@ def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05):
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     draft_state = {k: v + noise * torch.randn_like(v) for k, v in state.items()}
     spec = LlamaSpec.from_hf_config(cfg)
-    return hf, Llama(spec, state), Llama(spec, draft_state)
+    return hf, Llama(spec, state), Llama(spec, draft_state, feature_fc=draft_fc)
 
 
 def make_engine(

@@ -27,47 +27,18 @@ from workers.llama import KVCache, Llama
 from workers.sampling import SamplingParams
 
 
-def feature_draft(target: Llama, draft: Llama, scale: float, seed: int = 0) -> Llama:
-    """`draft`'s weights reading [feature; embedding] through a random projection: the
-    features change q (so a misplaced feature changes the output law), the embedding keeps it
-    close to the target."""
-    E = target.spec.hidden_size
+def random_fc(E: int, scale: float, seed: int = 0) -> torch.Tensor:
+    """[E, 2E]: [feature; embedding] -> a random projection of the feature plus the embedding.
+    The features change q (so a misplaced feature changes the output law); the embedding keeps
+    the draft close to the target."""
     g = torch.Generator().manual_seed(seed)
-    fc = torch.cat([scale * torch.randn(E, E, generator=g) / E**0.5, torch.eye(E)], dim=1)
-    return Llama(draft.spec, draft_state(draft), feature_fc=fc)
-
-
-def draft_state(model: Llama) -> dict[str, torch.Tensor]:
-    """The HF-named weights a Llama was built from (unfused again; full head)."""
-    state = {
-        "model.embed_tokens.weight": model.embed,
-        "model.norm.weight": model.norm,
-        "lm_head.weight": model.lm_head,
-    }
-    heads, kv, d = model.heads, model.kv_heads, model.spec.head_dim
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer["qkv"].split([heads * d, kv * d, kv * d])
-        gate, up = layer["gate_up"].chunk(2)
-        state |= {
-            p + "input_layernorm.weight": layer["attn_norm"],
-            p + "self_attn.q_proj.weight": q,
-            p + "self_attn.k_proj.weight": k,
-            p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": layer["o"],
-            p + "post_attention_layernorm.weight": layer["mlp_norm"],
-            p + "mlp.gate_proj.weight": gate,
-            p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": layer["down"],
-        }
-    return state
+    return torch.cat([scale * torch.randn(E, E, generator=g) / E**0.5, torch.eye(E)], dim=1)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    hf, target, draft = tiny_pair(vocab=48)
     # Small enough that greedy drafts are often accepted, far above the 1e-4 cache checks.
-    return hf, target, feature_draft(target, draft, scale=0.1)
+    return tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
 
 
 def fresh_draft_cache(target: Llama, draft: Llama, seq: list[int]) -> KVCache:
@@ -151,8 +122,7 @@ def test_session_continuation_matches_greedy(pair):
 def test_sampled_output_law_equals_target_law(method, k):
     """As test_engine's law test (same trials, α and power), with a feature draft whose
     features move q far (scale 3): 4 tokens cross an iteration boundary at γ = 2."""
-    _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3)
-    draft = feature_draft(target, draft, scale=3.0, seed=1)
+    _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3, draft_fc=random_fc(64, 3.0, seed=1))
     pvalue, results = sampled_law_pvalue(target, draft, method, k)
     assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
     assert sum(r.stats.accepted for r in results) > 0
@@ -175,7 +145,7 @@ def test_a_feature_draft_loads_from_its_directory(tmp_path):
 
 def save_feature_draft(target_dir, out, scale: float = 0.3) -> None:
     """A 1-layer feature draft for the checkpoint in `target_dir`: its first layer, norm and
-    head, reading the features through a random projection (as `feature_draft`)."""
+    head, reading the features through `random_fc`."""
     import shutil
 
     from safetensors.torch import save_file
@@ -192,10 +162,7 @@ def save_feature_draft(target_dir, out, scale: float = 0.3) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (target_dir / name).exists():
             shutil.copy(target_dir / name, out / name)
-    E = cfg.hidden_size
-    g = torch.Generator().manual_seed(0)
-    fc = torch.cat([scale * torch.randn(E, E, generator=g) / E**0.5, torch.eye(E)], dim=1)
-    save_file({"weight": fc.contiguous()}, out / FEATURE_FC)
+    save_file({"weight": random_fc(cfg.hidden_size, scale)}, out / FEATURE_FC)
 
 
 def test_a_feature_draft_must_match_the_targets_width(tmp_path):
