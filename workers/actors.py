@@ -350,11 +350,14 @@ class RemoteTarget(_Remote):
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
     ) -> list[torch.Tensor] | None:
-        """Posted without waiting, unless a feature draft needs the features it returns."""
+        """Posted without waiting, unless a feature draft needs the features it returns. Then
+        every call posted so far is waited here, and the caller's wall time counts it (the
+        step's `prefill`), not the next step's posted-compute seconds: counted once."""
         refs = self._post("prefill", slot0, contexts, keep)
         if not self._send_features:
             return None
         try:
+            self._check_posted()
             return _gather(refs)[0][0]
         except ray.exceptions.RayActorError as exc:
             raise WorkerLost(str(exc)) from exc
