@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from service.engine import GenerationRequest, SpeculativeEngine
 from service.verification import METHODS, VERIFIERS
-from workers.draft import DraftWorker, prefill
+from workers.draft import DraftWorker, padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
@@ -172,6 +172,44 @@ def test_kv_cache_equals_fresh_prefill_after_commits(pair):
             diff = (worker.cache.k[:, slot, :, :n] - fresh.k[:, 0, :, :n]).abs().max()
             assert diff < 1e-4, float(diff)
             assert (worker.cache.v[:, slot, :, :n] - fresh.v[:, 0, :, :n]).abs().max() < 1e-4
+
+
+def test_padding_groups_bound_the_padding():
+    assert padding_groups([]) == []
+    assert padding_groups([7]) == [(0, 1)]
+    # 8 x 199 padded for 1436 tokens: within 25%, one batch
+    assert padding_groups([199, 164, 199, 166, 199, 124, 199, 186]) == [(0, 8)]
+    assert padding_groups([100, 400, 120, 390, 0, 0]) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
+    for lengths in ([3, 9, 9, 2, 50, 48, 47, 1], [5] * 6, [0, 4, 4]):
+        groups = padding_groups(lengths)
+        assert [lo for lo, _ in groups[1:]] == [hi for _, hi in groups[:-1]]  # consecutive, all
+        assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+        for lo, hi in groups:
+            run = lengths[lo:hi]
+            assert len(run) == 1 or len(run) * max(run) <= 1.25 * sum(run)
+
+
+def test_grouped_prefill_equals_one_context_at_a_time(pair):
+    """Contexts of very different lengths (and one slot keeping a warm prefix) prefill in
+    several padded batches: every slot's cache and features equal a prefill of it alone."""
+    _, target, _ = pair
+    gen = torch.Generator().manual_seed(5)
+    lengths, keep = [30, 4, 28, 0, 9], [0, 0, 6, 0, 0]
+    warm = torch.randint(0, 48, (6,), generator=gen)
+    contexts = [torch.randint(0, 48, (n,), generator=gen) for n in lengths]
+    assert len(padding_groups(lengths)) > 1
+    batched = KVCache(target.spec, target.kv_heads, 5, 64, torch.float32, "cpu")
+    prefill(target, batched, 2, [warm])
+    feats = prefill(target, batched, 0, contexts, keep)
+    for i, (context, kept) in enumerate(zip(contexts, keep, strict=True)):
+        alone = KVCache(target.spec, target.kv_heads, 1, 64, torch.float32, "cpu")
+        full = torch.cat([warm[:kept], context])
+        ref = prefill(target, alone, 0, [full])[0][kept:]
+        n = len(full)
+        assert int(batched.lengths[i]) == n
+        assert torch.allclose(batched.k[:, i, :, :n], alone.k[:, 0, :, :n], atol=1e-5)
+        assert torch.allclose(batched.v[:, i, :, :n], alone.v[:, 0, :, :n], atol=1e-5)
+        assert torch.allclose(feats[i], ref, atol=1e-5)
 
 
 def test_stop_tokens_and_max_new_tokens(pair):
