@@ -124,11 +124,9 @@ class DraftActor:
         """DraftWorker.propose with generators rebuilt from, and returned as, their states."""
         start = time.perf_counter()
         generators = [torch.Generator().set_state(state) for state in states]
-        x, q = self.worker.propose(
-            pending, pending_count, paths, depths, params, generators, features
+        x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
+            pending, pending_count, paths, depths, params, generators, features, whole_vocab=False
         )
-        if self.worker.model.head_vocab is not None:  # exact: q is 0 outside the head's ids
-            q = q.index_select(-1, self.worker.model.head_vocab)
         rows = q.cpu().numpy()  # numpy: zero-copy through the object store, unlike torch
         rows = ray.put(rows) if rows.nbytes > STORE_BYTES else rows
         states = [g.get_state() for g in generators]

@@ -63,14 +63,22 @@ class DraftWorker:
         params: list[SamplingParams],
         generators: list[torch.Generator],
         pending_features: torch.Tensor | None = None,  # [n, P, E]: feature draft, one back
+        whole_vocab: bool = True,  # False: rows on the head's ids only, [n, K, γ, Vh]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [n, K, γ] and the processed rows they were sampled from [n, K, γ, V]
-        (K, γ the batch's largest; entries past a request's own K or γ are never read)."""
+        (K, γ the batch's largest; entries past a request's own K or γ are never read).
+
+        A reduced head (head_vocab) gives a row zero probability outside its ids, so rows are
+        processed and sampled on the head's Vh ids (temperature, top-k, top-p and the draw
+        depend only on the tokens with finite logits) and widened to V once, at the end."""
         n, P = pending.shape
         k, gamma = max(paths), max(depths)
+        head_vocab = self.model.head_vocab
 
-        def drawn(depth: int) -> list[int]:  # rows each request samples at this depth
-            return [kk if depth < g else 0 for kk, g in zip(paths, depths, strict=True)]
+        def draw(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [n, K, Vh] -> ids [n, K]
+            drawn = [kk if depth < g else 0 for kk, g in zip(paths, depths, strict=True)]
+            picked = sample(rows, generators, drawn)
+            return picked if head_vocab is None else head_vocab[picked]
 
         dev = pending.device
         lengths = self.cache.lengths[:n].clone()
@@ -81,35 +89,36 @@ class DraftWorker:
             | torch.eye(P, dtype=torch.bool, device=dev)
         )
         feats = None if pending_features is None else pending_features[:, None]
-        logits, new_k, new_v, hidden = self.model(
+        _, new_k, new_v, hidden = self.model(
             pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
-            features=feats,
+            features=feats, head=False,
         )  # fmt: skip
         self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), pending_count)
         rows_n = torch.arange(n, device=dev)
-        root = logits[rows_n, 0, pending_count - 1]  # [n, V]
+        root = hidden[rows_n, 0, pending_count - 1]  # [n, E]: the last pending token's
         feats = None  # a feature draft's output at the root stands in for the target's there
         if self.reads_features:
-            feats = hidden[rows_n, 0, pending_count - 1][:, None, None].expand(n, k, 1, -1)
-        q_root = process(root[:, None], params)  # [n, 1, V]
+            feats = root[:, None, None].expand(n, k, 1, -1)
+        q_root = process(self.model.head_logits(root)[:, None], params)  # [n, 1, Vh]
         rows = [q_root.expand(n, k, -1)]
-        tokens = [sample(rows[0], generators, drawn(0))]  # [n, K]
+        tokens = [draw(rows[0], 0)]  # [n, K]
         base = self.cache.lengths[:n]
         ks, vs = [], []
         ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=dev)
         for i in range(1, gamma):
             suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
             pos = (base + i - 1)[:, None, None].expand(n, k, 1)
-            logits, nk, nv, hidden = self.model(
-                tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats
+            _, nk, nv, hidden = self.model(
+                tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats, head=False
             )
             feats = hidden  # the next depth's input (read by a feature draft only)
             ks.append(nk)
             vs.append(nv)
-            rows.append(process(logits[:, :, 0], params))
-            tokens.append(sample(rows[-1], generators, drawn(i)))
+            rows.append(process(self.model.head_logits(hidden[:, :, 0]), params))
+            tokens.append(draw(rows[-1], i))
         self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
-        return torch.stack(tokens, dim=2), torch.stack(rows, dim=2)
+        q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
+        return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
 
     def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Append the accepted draft tokens that were run (at most γ - 1) of each request's path

@@ -391,12 +391,20 @@ class Llama:
             gate, up = F.linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
             h = h + self._row_parallel(F.silu(gate) * up, layer["down"], layer["down_bias"])
         hidden = _rms_norm(h, self.norm, spec.rms_norm_eps)
-        if not head:
-            return None, torch.stack(new_k), torch.stack(new_v), hidden
-        logits = F.linear(hidden, self.lm_head).float()
-        if self.head_vocab is not None:  # [n, R, T, Vh] -> [n, R, T, V], -inf at dropped ids
-            full = logits.new_full((n, R, T, spec.vocab_size), -torch.inf)
-            logits = full.index_copy_(-1, self.head_vocab, logits)
+        logits = self.to_vocab(self.head_logits(hidden), -torch.inf) if head else None
         return logits, torch.stack(new_k), torch.stack(new_v), hidden
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., E] final-norm hidden states -> float32 logits [..., Vh] on the head's own ids
+        (head_vocab; all V when the head is whole)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def to_vocab(self, rows: torch.Tensor, fill: float) -> torch.Tensor:
+        """[..., Vh] on the head's ids -> [..., V], `fill` at the ids the head drops (-inf for
+        logits, 0 for probabilities)."""
+        if self.head_vocab is None:
+            return rows
+        full = rows.new_full((*rows.shape[:-1], self.spec.vocab_size), fill)
+        return full.index_copy_(-1, self.head_vocab, rows)
 
     __call__ = forward
