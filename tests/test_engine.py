@@ -26,9 +26,16 @@ from workers.target import TargetWorker
 from workers.tree import build_tree
 
 
-def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05, draft_fc: torch.Tensor | None = None):
+def tiny_pair(
+    vocab: int,
+    seed: int = 0,
+    noise: float = 0.05,
+    draft_fc: torch.Tensor | None = None,
+    draft_head: list[int] | None = None,
+):
     """A random target and a draft that is a perturbed copy (acceptance well inside (0, 1));
-    with `draft_fc` [64, 128], a feature draft reading the target's features through it."""
+    with `draft_fc` [64, 128], a feature draft reading the target's features through it; with
+    `draft_head` (sorted ids), a draft whose output head keeps only those ids."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         hidden_size=64,
@@ -45,7 +52,8 @@ def tiny_pair(vocab: int, seed: int = 0, noise: float = 0.05, draft_fc: torch.Te
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     draft_state = {k: v + noise * torch.randn_like(v) for k, v in state.items()}
     spec = LlamaSpec.from_hf_config(cfg)
-    return hf, Llama(spec, state), Llama(spec, draft_state, feature_fc=draft_fc)
+    head = None if draft_head is None else torch.tensor(draft_head)
+    return hf, Llama(spec, state), Llama(spec, draft_state, feature_fc=draft_fc, head_vocab=head)
 
 
 def make_engine(
@@ -268,6 +276,43 @@ def test_sampled_output_law_equals_target_law(method, k):
     _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3)
     pvalue, _ = sampled_law_pvalue(target, draft, method, k)
     assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize(("method", "k"), [("token", 1), ("gbv", 2)])
+def test_sampled_output_law_with_a_reduced_draft_head(method, k):
+    """The draft samples on its head's ids ([0, 1, 3] of 4) and widens q with zeros: the
+    output still has the target's law, token 2 (never drafted) included."""
+    _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3, draft_head=[0, 1, 3])
+    pvalue, results = sampled_law_pvalue(target, draft, method, k)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    assert any(2 in r.token_ids for r in results) and sum(r.stats.accepted for r in results) > 0
+
+
+def test_a_reduced_head_draft_proposes_on_its_ids():
+    """Draft tokens come from the head's ids; q is the row on those ids, widened with zeros
+    (whole_vocab=False, what the draft actor sends, is the same row unwidened)."""
+    kept = sorted(torch.randperm(48, generator=torch.Generator().manual_seed(3))[:20].tolist())
+    _, _, draft = tiny_pair(vocab=48, draft_head=kept)
+    worker = DraftWorker(draft, 2, 64)
+    worker.prefill(0, [torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+    args = (torch.tensor([[7, 0], [8, 9]]), torch.tensor([1, 2]), [2, 3], [3, 2])
+    params = [SamplingParams(1.0), SamplingParams(0.7, top_k=5)]
+
+    def propose(whole_vocab: bool):
+        lengths = worker.cache.lengths.clone()
+        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        out = worker.propose(*args, params, gens, whole_vocab=whole_vocab)
+        worker.cache.lengths.copy_(lengths)  # propose appended the pending tokens: undo
+        return out
+
+    x, q = propose(whole_vocab=True)
+    x_h, q_h = propose(whole_vocab=False)
+    assert torch.equal(x, x_h) and q.shape[-1] == 48 and q_h.shape[-1] == len(kept)
+    assert torch.isin(x[0, :2, :3], torch.tensor(kept)).all()  # the entries request 0 drew
+    assert torch.isin(x[1, :3, :2], torch.tensor(kept)).all()
+    assert torch.equal(q[..., kept], q_h) and (q.index_fill(-1, torch.tensor(kept), 0) == 0).all()
+    drawn = q.gather(-1, x.unsqueeze(-1))[0, :2, :3]
+    assert (drawn > 0).all()  # each token has mass in the row it was drawn from
 
 
 def sampled_law_pvalue(target, draft, method: str, k: int, trials: int = 12_000):

@@ -87,3 +87,31 @@ def test_processing_equals_hugging_face_on_random_rows(ties):
         theirs = hf_process(logits, params)
         assert torch.equal(ours > 0, theirs > 0), params  # the same kept tokens
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=str(params))
+
+
+def test_a_reduced_head_processes_alike_on_its_own_ids():
+    """A draft with a reduced head (draft_vocab.json) processes and samples its rows on the
+    head's ids only: every setting keeps the same tokens, with the same probabilities, as on
+    the whole vocabulary with -inf at the dropped ids (greedy ties included: ids stay sorted)."""
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 32, 60
+    kept = torch.randperm(vocab, generator=gen)[:25].sort().values
+    logits = 3 * torch.randn(rows, len(kept), generator=gen)
+    logits[0, :2] = logits[0].max() + 1  # a greedy tie: the lower kept id wins on both
+    whole = torch.full((rows, vocab), -torch.inf).index_copy_(-1, kept, logits)
+    for params in [
+        SamplingParams(t, k, p)
+        for t in (0.0, 1.0, 0.7)
+        for k in (0, 3, 25, 40)
+        for p in (1.0, 0.9, 1e-6)
+    ]:
+        reduced = process(logits, [params] * rows)
+        widened = process(whole, [params] * rows)
+        assert (widened.index_fill(-1, kept, 0) == 0).all(), params
+        # Which of tied top logits top-p keeps is the sort's choice (module docstring), and a
+        # different row length may sort them differently: row 0's tie is checked without it.
+        rows_checked = slice(None) if params.top_p == 1 else slice(1, None)
+        torch.testing.assert_close(
+            reduced[rows_checked], widened[rows_checked][:, kept], rtol=1e-5, atol=1e-7,
+            msg=str(params),
+        )  # fmt: skip
