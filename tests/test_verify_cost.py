@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from service.verification import METHODS, VERIFIERS, verify
+from service.verification import METHODS, VERIFIERS, top_down, verify
 
 # Ops whose result the host must read before it can go on: on an accelerator, a wait.
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
@@ -40,8 +40,9 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         "spectr_gbv": 120 + 180 * k,
         # Top-down walks: one node per depth, sequential by definition.
         "naive": 80 + 30 * depths,
-        "specinfer": 100 + depths * (40 + 40 * k),  # RRS tests the node's candidates in turn
-        "spectr": 100 + depths * (80 + 20 * k + (300 if k > 1 else 0)),  # + the ρ* solve
+        # RRS tests the node's candidates in turn; one candidate a node is TV, one pass.
+        "specinfer": 80 if k == 1 else 100 + depths * (40 + 40 * k),
+        "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 300),  # + the ρ* solve
         "traversal": 100 + 120 * (k * gamma + 1),  # up to Kγ + 1 deletion steps, in order
     }[method]
 
@@ -58,8 +59,8 @@ def host_read_budget(method: str, k: int, gamma: int) -> int:
         "greedy_block": 6,
         "spectr_gbv": 6,
         "naive": 1 + depths,  # the walk drops finished requests at each depth
-        "specinfer": 1 + depths,
-        "spectr": 1 + depths * 14,  # + the ρ* solver's convergence test, ≤ 13 per node
+        "specinfer": 1 if k == 1 else 1 + depths,
+        "spectr": 1 if k == 1 else 1 + depths * 14,  # + the ρ* solver's test, ≤ 13 a node
         "traversal": 1 + 7 * (k * gamma + 1),  # each step splits the live requests
     }[method]
 
@@ -162,3 +163,21 @@ def test_cuda_host_waits_within_budget(method):
         torch.cuda.set_sync_debug_mode("default")
     waits = sum("synchroniz" in str(w.message) for w in caught)
     assert waits <= host_read_budget(method, k, gamma), waits
+
+
+@pytest.mark.parametrize("vocab", [3, 64])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+@pytest.mark.parametrize("method", ["specinfer", "spectr"])
+def test_one_candidate_a_node_skips_the_walk_with_the_same_draws(method, regime, vocab):
+    """At K = 1 SpecInfer and SpecTr are token verification (spec §6, §7) and run it over the
+    whole path at once, reading the uniforms the walk would: the same seeds give the same
+    tokens, τ and path as the per-depth walk."""
+    tokens, q, p = inputs(regime, 256, 1, 8, vocab)
+    uniforms = torch.rand(
+        256, 9 * 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    rule = {"specinfer": top_down.specinfer_rule, "spectr": top_down.spectr_rule}[method]
+    walked = top_down.walk_tree(rule, tokens, q, p, uniforms)
+    fast = VERIFIERS[method].fn(tokens, q, p, uniforms)
+    for a, b in zip(walked, fast, strict=True):
+        assert torch.equal(a, b)

@@ -76,7 +76,7 @@ VERIFIERS: dict[str, Verifier] = {
         ),
         Verifier(
             "specinfer",
-            lambda *a: top_down.walk_tree(top_down.specinfer_rule, *a),
+            top_down.single_candidate_is_token(top_down.specinfer_rule),
             top_down.num_uniforms,
             False,
             False,
@@ -84,7 +84,7 @@ VERIFIERS: dict[str, Verifier] = {
         ),
         Verifier(
             "spectr",
-            lambda *a: top_down.walk_tree(top_down.spectr_rule, *a),
+            top_down.single_candidate_is_token(top_down.spectr_rule),
             top_down.num_uniforms,
             False,
             False,

@@ -13,6 +13,27 @@ def num_uniforms(k: int, gamma: int) -> int:
     return gamma + 1  # one accept test per position, one for the recovered/bonus sample
 
 
+def token_verify_rows(
+    x: torch.Tensor,  # [B, γ] int64: the path
+    q: torch.Tensor,  # [B, γ, V]: draft rows the path was sampled from
+    p: torch.Tensor,  # [B, γ+1, V]: target rows
+    tests: torch.Tensor,  # [B, γ] float64: the accept test's uniform at each position
+    draws: torch.Tensor,  # [B, γ+1] float64: the recovered/bonus draw's uniform, by τ
+):
+    """TV on one path per request; returns (τ [B], y [B]). Shared with SpecInfer and SpecTr,
+    which are TV at K = 1 (spec §6, §7) and draw their uniforms per depth of the walk."""
+    gamma = x.shape[1]
+    px = p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    accepted = tests * qx < px  # u < p/q without dividing
+    tau = accepted.long().cumprod(-1).sum(-1)  # [B]
+
+    p_row = take_rows(p, tau)  # [B, V]
+    q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)  # q := 0 at γ
+    y = sample_from_weights(positive_part_or(p_row - q_row, p_row), take_rows(draws, tau))
+    return tau, y
+
+
 def token_verify(
     draft_tokens: torch.Tensor,  # [B, 1, γ] int64
     draft_probs: torch.Tensor,  # [B, 1, γ, V]
@@ -20,14 +41,7 @@ def token_verify(
     uniforms: torch.Tensor,  # [B, γ+1] float64
 ):
     """Accept X_i w.p. min(1, p/q) until the first rejection; recover from (p - q)_+."""
-    x, q, p = draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0]
-    gamma = x.shape[1]
-    px = p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-    qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-    accepted = uniforms[:, :gamma] * qx < px  # u < p/q without dividing
-    tau = accepted.long().cumprod(-1).sum(-1)  # [B]
-
-    p_row = take_rows(p, tau)  # [B, V]
-    q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)  # q := 0 at γ
-    y = sample_from_weights(positive_part_or(p_row - q_row, p_row), uniforms[:, gamma])
+    x, gamma = draft_tokens[:, 0], draft_tokens.shape[2]
+    draws = uniforms[:, gamma:].expand(-1, gamma + 1)  # one draw, whichever τ
+    tau, y = token_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms[:, :gamma], draws)
     return emit(x, tau, y), tau, torch.zeros_like(tau)

@@ -17,6 +17,7 @@ from workers.sampling import sample_from_weights
 
 from .common import emit, positive_part_or, take_rows
 from .sorting import ascending_order
+from .token import token_verify_rows
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
 #   -> token [B]
@@ -62,6 +63,26 @@ def walk_tree(
             break
     path = on_path.to(torch.int8).argmax(-1)
     return emit(take_rows(draft_tokens, path), tau, last), tau, path
+
+
+def single_candidate_is_token(rule: NodeRule) -> Callable:
+    """The verifier of a rule whose one-candidate node is token verification (SpecInfer and
+    SpecTr: spec §6, §7): at K = 1 it runs TV over the whole path at once, with the uniforms
+    the walk would read (depth d's test u[d, 0], the draw at the stopping depth u[τ, 1]), so
+    the same seeds give the same tokens without a per-depth walk."""
+
+    def verify(draft_tokens, draft_probs, target_probs, uniforms):
+        B, K, gamma = draft_tokens.shape
+        if K > 1:
+            return walk_tree(rule, draft_tokens, draft_probs, target_probs, uniforms)
+        u = uniforms.view(B, gamma + 1, 2)  # [B, γ+1, K+1]
+        x = draft_tokens[:, 0]
+        tau, y = token_verify_rows(
+            x, draft_probs[:, 0], target_probs[:, 0], u[:, :-1, 0], u[..., 1]
+        )
+        return emit(x, tau, y), tau, torch.zeros_like(tau)
+
+    return verify
 
 
 def naive_rule(p_row, q_row, cand, is_cand, u):
