@@ -34,6 +34,7 @@ from workers.models import (  # noqa: E402
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     FEATURE_FC,
+    HEAD_SCALE,
     SMOLLM2_DRAFT_WEIGHTS,
     SMOLLM2_TOKEN_ONLY_WEIGHTS,
     TOKEN_ONLY_DRAFT,
@@ -87,15 +88,19 @@ def convert_target(out: Path) -> None:
 
 
 def assemble_draft(target: Path, src: Path, out: Path) -> None:
-    """The committed draft layers + the target's embedding -> a full HF checkpoint."""
+    """The committed draft layers + the target's embedding -> a full HF checkpoint (its head the
+    embedding times the committed logit scale, if any)."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig.from_pretrained(src)
-    model = LlamaForCausalLM(config)
     embed = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
     state = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
     state["model.embed_tokens.weight"] = embed
+    if (src / HEAD_SCALE).exists():  # calibrated logits: a head of its own, scaled
+        config.tie_word_embeddings = False
+        state["lm_head.weight"] = embed * json.loads((src / HEAD_SCALE).read_text())["logit_scale"]
+    model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise SystemExit(f"draft weights do not fit its config: {missing=} {unexpected=}")

@@ -28,6 +28,8 @@ Stages (``--stage all`` runs them in order; each is resumable and time-boxed):
 1. ``generate``: sample answers with the target (bf16 on CPU: AMX makes batches cheap).
 2. ``features`` (feature drafts only): the target's features at every sampled position.
 3. ``train``: distil; 4. ``export``: write ``models/smollm2-draft/``.
+After set-up has assembled it: ``calibrate`` chooses the draft's logit scale (set-up folds it
+into the head; run set-up again), ``eval`` measures α on the held-out problems.
 
 The committed feature draft was trained in two runs, the second warm-started from the first:
 
@@ -36,6 +38,8 @@ The committed feature draft was trained in two runs, the second warm-started fro
     .venv/bin/python scripts/train_draft.py --stage train --arch features \
         --init-draft models/smollm2-draft --train-minutes 35
     .venv/bin/python scripts/train_draft.py --stage export
+    bash scripts/setup.sh && .venv/bin/python scripts/train_draft.py --stage calibrate  # 8 min
+    bash scripts/setup.sh && .venv/bin/python scripts/train_draft.py --stage eval
 """
 
 from __future__ import annotations
@@ -498,21 +502,49 @@ def export(args) -> None:
     print(f"wrote {out}")
 
 
+def answer_logits(model, prompt: list[int], answer: list[int], target_hidden=None):
+    """Teacher-forced: the model's logits at the positions that predict the answer [A, V], and
+    its final-norm hidden states [1, 1, T, E]. A feature draft reads `target_hidden` (the
+    target's, from the same call) one position back."""
+    from workers.llama import KVCache
+
+    seq, T = torch.tensor(prompt + answer), len(prompt) + len(answer)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
+    back = shifted(target_hidden) if model.feature_fc is not None else None
+    logits, _, _, hidden = model(
+        seq[None, None], torch.arange(T)[None, None], cache, mask, features=back
+    )
+    return logits[0, 0, len(prompt) - 1 : T - 1], hidden
+
+
+def target_answers(args, first: int, count: int, temperature: float):
+    """HumanEval problems first..first+count-1 in the chat template, and the target's answers
+    (`--eval-tokens` tokens, the engine's plain decoding in fp32, seed = problem index)."""
+    from loadtest.prompts import prompt_ids
+    from service.engine import GenerationRequest, build_engine
+    from workers.models import DEFAULT_DRAFT
+    from workers.sampling import SamplingParams
+
+    engine, tok = build_engine(str(DEFAULT_DRAFT), str(args.target), max_batch=8, max_len=1024)
+    prompts = prompt_ids(tok, "humaneval", first + count, 1024 - args.eval_tokens - 8)[first:]
+    sampling = SamplingParams(temperature)
+    reqs = [
+        GenerationRequest(p, args.eval_tokens, "none", sampling=sampling, seed=first + i)
+        for i, p in enumerate(prompts)
+    ]
+    return prompts, [r.token_ids for r in engine.generate(reqs)]
+
+
 def evaluate_pair(args) -> None:
     """α on held-out prompts: the target answers the first `--eval-prompts` HumanEval problems
     (chat template, T = 1, the engine's plain decoding, fp32); then, teacher-forced on those
     answers, α = mean over answer positions of sum_x min(p, q) with the served draft (kept-vocab
     head) and target, in fp32 and in bf16, and the total-variation distance between the fp32
     and bf16 targets (what serving in bf16 changes). Writes models/smollm2-draft/eval.json."""
-    from loadtest.prompts import prompt_ids
-    from service.engine import GenerationRequest, build_engine
-    from workers.llama import KVCache
     from workers.models import DEFAULT_DRAFT, load_model
 
-    engine, tok = build_engine(str(DEFAULT_DRAFT), str(args.target), max_batch=8, max_len=1024)
-    prompts = prompt_ids(tok, "humaneval", args.eval_prompts, 1024 - args.eval_tokens - 8)
-    reqs = [GenerationRequest(p, args.eval_tokens, "none", seed=i) for i, p in enumerate(prompts)]
-    answers = [r.token_ids for r in engine.generate(reqs)]
+    prompts, answers = target_answers(args, 0, args.eval_prompts, 1.0)
     models = {
         (role, dtype): load_model(path, dtype).build()
         for role, path in (("target", args.target), ("draft", DEFAULT_DRAFT))
@@ -520,18 +552,10 @@ def evaluate_pair(args) -> None:
     }
     sums: dict[str, list[torch.Tensor]] = {"fp32": [], "bf16": [], "tv": []}
     for prompt, answer in zip(prompts, answers, strict=True):
-        seq, T = torch.tensor(prompt + answer), len(prompt) + len(answer)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
         rows, feats = {}, {}
         for key, model in sorted(models.items(), key=lambda kv: kv[0][0] != "target"):
-            cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
-            # a feature draft reads the target's feature one position back
-            back = shifted(feats[key[1]]) if model.feature_fc is not None else None
-            logits, _, _, hidden = model(
-                seq[None, None], torch.arange(T)[None, None], cache, mask, features=back
-            )
-            feats[key[1]] = hidden
-            rows[key] = logits[0, 0, len(prompt) - 1 : T - 1].softmax(-1)  # [answer, V]
+            logits, feats[key[1]] = answer_logits(model, prompt, answer, feats.get(key[1]))
+            rows[key] = logits.softmax(-1)  # [answer, V]
         for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
             overlap = torch.minimum(rows["target", dtype], rows["draft", dtype])
             sums[name].append(overlap.sum(-1))
@@ -552,11 +576,67 @@ def evaluate_pair(args) -> None:
     (SMOLLM2_DRAFT_WEIGHTS / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
+CALIBRATION_SCALES = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)
+CALIBRATION_TEMPERATURES = (1.0, 0.7)
+
+
+def calibrate(args) -> None:
+    """Choose the draft's logit scale s, q = softmax(s z / T): a distilled draft comes out less
+    confident than its teacher, and α = Σ min(p, q) rewards matching p's peaks.
+
+    The target answers HumanEval problems `--eval-prompts`..2·`--eval-prompts`-1 (disjoint from
+    the held-out problems of `--stage eval`) at T = 1 and 0.7; teacher-forced on those answers,
+    the s of CALIBRATION_SCALES with the highest α averaged over both temperatures, relative
+    to the served draft's, is written to models/smollm2-draft/head_scale.json, and set-up folds
+    it into the draft's head (scripts/fetch_models.py). A rerun on a calibrated draft keeps its
+    scale unless another is better."""
+    from workers.models import DEFAULT_DRAFT, HEAD_SCALE, load_model
+
+    target = load_model(args.target, "float32").build()
+    draft = load_model(DEFAULT_DRAFT, "float32").build()
+    n = args.eval_prompts
+    alpha = {}  # temperature -> [scales]: mean α over answer positions
+    for temp in CALIBRATION_TEMPERATURES:
+        per_position = []
+        for prompt, answer in zip(*target_answers(args, n, n, temp), strict=True):
+            p_logits, hidden = answer_logits(target, prompt, answer)
+            q_logits, _ = answer_logits(draft, prompt, answer, hidden)
+            p = (p_logits / temp).softmax(-1)
+            per_position.append(
+                torch.stack(
+                    [
+                        torch.minimum(p, (s * q_logits / temp).softmax(-1)).sum(-1)
+                        for s in CALIBRATION_SCALES
+                    ],
+                    dim=-1,
+                )
+            )
+        alpha[temp] = torch.cat(per_position).double().mean(0)
+    best = int(torch.stack(list(alpha.values())).mean(0).argmax())
+    file = SMOLLM2_DRAFT_WEIGHTS / HEAD_SCALE
+    served = json.loads(file.read_text())["logit_scale"] if file.exists() else 1.0
+    result = dict(
+        logit_scale=round(served * CALIBRATION_SCALES[best], 4),
+        relative_to_served=CALIBRATION_SCALES[best],
+        served_before=served,
+        problems=f"HumanEval {n}..{2 * n - 1} (chat template), {args.eval_tokens} tokens each",
+        alpha_by_scale={
+            f"T={t}": {
+                f"{s}": round(float(a), 4) for s, a in zip(CALIBRATION_SCALES, v, strict=True)
+            }
+            for t, v in alpha.items()
+        },
+        command="python scripts/train_draft.py --stage calibrate",
+    )
+    print(json.dumps(result, indent=1))
+    file.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--stage",
-        choices=["generate", "features", "train", "export", "eval", "all"],
+        choices=["generate", "features", "train", "export", "calibrate", "eval", "all"],
         default="all",
     )
     ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
@@ -596,7 +676,10 @@ def main() -> None:
             continue
         if args.stage in (stage, "all"):
             globals()[stage](args)
-    if args.stage == "eval":  # after setup.sh has assembled the exported draft
+    # After setup.sh has assembled the exported draft (calibrate: then again, to fold the scale).
+    if args.stage == "calibrate":
+        calibrate(args)
+    if args.stage == "eval":
         evaluate_pair(args)
 
 

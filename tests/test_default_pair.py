@@ -18,6 +18,8 @@ from service.requests import InvalidArgument, Limits, check_request, prompt_ids
 from workers.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
+    HEAD_SCALE,
+    SMOLLM2_DRAFT_WEIGHTS,
     TOKEN_ONLY_DRAFT,
     check_pair,
     load_model,
@@ -114,3 +116,17 @@ def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):
         main(["serve", "--draft", str(TINY_DRAFT), "--target", str(DEFAULT_TARGET)])
     assert str(TINY_DRAFT) in str(exit_.value) and str(DEFAULT_TARGET) in str(exit_.value)
     assert "vocabulary" in str(exit_.value)
+
+
+def test_the_draft_head_is_the_target_embedding_times_its_calibrated_scale(tokenizer):
+    """scripts/train_draft.py --stage calibrate chose a logit scale; set-up folded it into an
+    untied head (the token-only draft keeps the tied one)."""
+    from safetensors.torch import load_file
+
+    scale = json.loads((SMOLLM2_DRAFT_WEIGHTS / HEAD_SCALE).read_text())["logit_scale"]
+    embed = load_file(DEFAULT_TARGET / "model.safetensors")["model.embed_tokens.weight"]
+    draft = load_file(DEFAULT_DRAFT / "model.safetensors")
+    assert scale > 1
+    torch.testing.assert_close(draft["model.embed_tokens.weight"], embed)
+    torch.testing.assert_close(draft["lm_head.weight"], embed * scale)
+    assert "lm_head.weight" not in load_file(TOKEN_ONLY_DRAFT / "model.safetensors")
