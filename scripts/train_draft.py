@@ -588,8 +588,8 @@ def calibrate(args) -> None:
     the held-out problems of `--stage eval`) at T = 1 and 0.7; teacher-forced on those answers,
     the s of CALIBRATION_SCALES with the highest α averaged over both temperatures, relative
     to the served draft's, is written to models/smollm2-draft/head_scale.json, and set-up folds
-    it into the draft's head (scripts/fetch_models.py). A rerun on a calibrated draft keeps its
-    scale unless another is better."""
+    it into the draft's head (scripts/fetch_models.py). The grid starts at the served scale, so
+    a rerun on a calibrated draft keeps its scale or raises it."""
     from workers.models import DEFAULT_DRAFT, HEAD_SCALE, load_model
 
     target = load_model(args.target, "float32").build()
