@@ -518,9 +518,10 @@ def answer_logits(model, prompt: list[int], answer: list[int], target_hidden=Non
     return logits[0, 0, len(prompt) - 1 : T - 1], hidden
 
 
-def target_answers(args, first: int, count: int, temperature: float):
+def target_answers(args, first: int, count: int, temperatures: tuple[float, ...]):
     """HumanEval problems first..first+count-1 in the chat template, and the target's answers
-    (`--eval-tokens` tokens, the engine's plain decoding in fp32, seed = problem index)."""
+    at each temperature ({T: answers}; `--eval-tokens` tokens, the engine's plain decoding in
+    fp32, seed = problem index), from one engine."""
     from loadtest.prompts import prompt_ids
     from service.engine import GenerationRequest, build_engine
     from workers.models import DEFAULT_DRAFT
@@ -528,12 +529,14 @@ def target_answers(args, first: int, count: int, temperature: float):
 
     engine, tok = build_engine(str(DEFAULT_DRAFT), str(args.target), max_batch=8, max_len=1024)
     prompts = prompt_ids(tok, "humaneval", first + count, 1024 - args.eval_tokens - 8)[first:]
-    sampling = SamplingParams(temperature)
-    reqs = [
-        GenerationRequest(p, args.eval_tokens, "none", sampling=sampling, seed=first + i)
-        for i, p in enumerate(prompts)
-    ]
-    return prompts, [r.token_ids for r in engine.generate(reqs)]
+    answers = {}
+    for temp in temperatures:
+        reqs = [
+            GenerationRequest(p, args.eval_tokens, "none", sampling=SamplingParams(temp), seed=i)
+            for i, p in enumerate(prompts, start=first)
+        ]
+        answers[temp] = [r.token_ids for r in engine.generate(reqs)]
+    return prompts, answers
 
 
 def evaluate_pair(args) -> None:
@@ -544,14 +547,14 @@ def evaluate_pair(args) -> None:
     and bf16 targets (what serving in bf16 changes). Writes models/smollm2-draft/eval.json."""
     from workers.models import DEFAULT_DRAFT, load_model
 
-    prompts, answers = target_answers(args, 0, args.eval_prompts, 1.0)
+    prompts, answers = target_answers(args, 0, args.eval_prompts, (1.0,))
     models = {
         (role, dtype): load_model(path, dtype).build()
         for role, path in (("target", args.target), ("draft", DEFAULT_DRAFT))
         for dtype in ("float32", "bfloat16")
     }
     sums: dict[str, list[torch.Tensor]] = {"fp32": [], "bf16": [], "tv": []}
-    for prompt, answer in zip(prompts, answers, strict=True):
+    for prompt, answer in zip(prompts, answers[1.0], strict=True):
         rows, feats = {}, {}
         for key, model in sorted(models.items(), key=lambda kv: kv[0][0] != "target"):
             logits, feats[key[1]] = answer_logits(model, prompt, answer, feats.get(key[1]))
@@ -595,10 +598,11 @@ def calibrate(args) -> None:
     target = load_model(args.target, "float32").build()
     draft = load_model(DEFAULT_DRAFT, "float32").build()
     n = args.eval_prompts
+    prompts, answers = target_answers(args, n, n, CALIBRATION_TEMPERATURES)
     alpha = {}  # temperature -> [scales]: mean α over answer positions
     for temp in CALIBRATION_TEMPERATURES:
         per_position = []
-        for prompt, answer in zip(*target_answers(args, n, n, temp), strict=True):
+        for prompt, answer in zip(prompts, answers[temp], strict=True):
             p_logits, hidden = answer_logits(target, prompt, answer)
             q_logits, _ = answer_logits(draft, prompt, answer, hidden)
             p = (p_logits / temp).softmax(-1)
