@@ -691,10 +691,12 @@ def build_engine(
     tensor_parallel: int = 1,
     max_sessions: int = 0,
     auto_arms: list[str] | None = None,
+    packed: bool | None = None,
 ):
     """Engine over a local draft/target pair; the target split over `tensor_parallel` ranks
     (spawned processes, gloo on CPU) when > 1. `max_len` is capped at the models' context.
-    Returns (engine, tokenizer)."""
+    `packed=False` keeps F.linear on dense weights where a CPU would pack them (a benchmark's
+    baseline; see workers.llama.Linear). Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
 
@@ -702,11 +704,11 @@ def build_engine(
     # Positions past either model's trained context are refused, not silently extrapolated.
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
-    draft = DraftWorker(d.build(), slots, max_len, DTYPES[dtype], device)
+    draft = DraftWorker(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
-        target = TargetWorker(t.build(), slots, max_len, DTYPES[dtype], device)
+        target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
         draft, target, max_batch, max_len, t.spec.vocab_size, max_sessions, policy

@@ -160,12 +160,30 @@ def test_tree_batch_logits_equal_hugging_face(family):
     assert name in TIED or not torch.equal(
         state["lm_head.weight"], state["model.embed_tokens.weight"]
     )
-    models = [loaded.build()]
+    models = [loaded.build(), loaded.build(packed=False)]  # oneDNN-packed and F.linear
     if name in TIED:  # a checkpoint without lm_head.weight reads the embeddings instead
         models.append(Llama(loaded.spec, {k: v for k, v in state.items() if k != "lm_head.weight"}))
     for model in models:
         for got, seq in tree_logits(model):
             assert torch.allclose(got, hf_last_logits(hf, seq), atol=TOL), (name, seq)
+
+
+def linears(model: Llama) -> list[workers.llama.Linear]:
+    per_layer = [layer[key] for layer in model.layers for key in ("qkv", "o", "gate_up", "down")]
+    return [model.lm_head, *per_layer] + ([model.feature_fc] if model.feature_fc else [])
+
+
+def test_float32_cpu_weights_are_packed_for_onednn(family):
+    """By default every projection of a float32 model on a CPU runs on oneDNN-packed weights,
+    and none in bfloat16; either layout gives the other's logits up to summation order."""
+    name, _, path = family
+    loaded = load_model(path)
+    packed, plain = loaded.build(), loaded.build(packed=False)
+    assert all(w.packed and w.weight.is_mkldnn for w in linears(packed)), name
+    assert not any(w.packed for w in linears(plain))
+    assert not any(w.packed for w in linears(load_model(path, "bfloat16").build()))
+    for (got, _), (want, _) in zip(tree_logits(packed), tree_logits(plain), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_greedy_equals_hugging_face_generate(family):

@@ -25,6 +25,10 @@ matmul shrinks to the kept rows, and the ids it drops get logit -inf (probabilit
 A *feature draft* (EAGLE, ``feature_fc``) reads at each position fc([feature; embedding]),
 where the feature is the target's final-norm hidden state one position back (the forward
 returns those hidden states for every new token).
+
+Every projection is a ``Linear``: on a CPU in float32 its weight is packed once at load for
+oneDNN, which runs the few-row products of decoding and of a tree pass much closer to the
+memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear``).
 """
 
 from __future__ import annotations
@@ -230,6 +234,37 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+class Linear:
+    """y = x @ weight.T + bias over the last dimension; weight [out, in], bias [out] or None.
+
+    Why a class: with ``packed`` the weight is reordered once into oneDNN's blocked layout
+    (``mkldnn._reorder_linear_weight``, the pre-packing torch.compile's CPU backend does) and
+    multiplied by oneDNN. On the project's AVX2 CPU, in float32, MKL's GEMM behind F.linear runs
+    a 2-9-row product at 1.5-3x the cost of one row although both read the same weights once;
+    oneDNN on the packed weight stays near the one-row cost (docs/benchmarks.md, "Packed
+    weights"). The packed tensor replaces the dense one: no extra memory. The products differ
+    from F.linear's in the last bits only (another summation order)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed=False):
+        self.shape, self.bias, self.packed = tuple(weight.shape), bias, packed
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def packs_weights(weight: torch.Tensor) -> bool:
+    """Whether ``Llama`` packs a weight like this one by default: float32 on a CPU with oneDNN.
+    (bf16 on a CPU without AMX is slow either way; on a GPU F.linear is cuBLAS.)"""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
 class Llama:
     """Causal LM forward over (shared prefix cache, per-row new tokens with a mask).
 
@@ -247,12 +282,19 @@ class Llama:
         *,
         head_vocab: torch.Tensor | None = None,  # [Vh] int64 sorted unique ids: a reduced head
         feature_fc: torch.Tensor | None = None,  # [E, 2E]: a feature draft's input projection
+        packed: bool | None = None,  # oneDNN-packed projections (Linear); None: packs_weights
     ):
         if spec.num_heads % world or spec.num_kv_heads % world or spec.intermediate_size % world:
             raise ValueError(f"heads/kv_heads/intermediate size must divide by {world} ranks")
         self.spec, self.group, self.world = spec, group, world
         self.heads, self.kv_heads = spec.num_heads // world, spec.num_kv_heads // world
         d = spec.head_dim
+        self.embed = state["model.embed_tokens.weight"]
+        if packed is None:
+            packed = packs_weights(self.embed)
+
+        def linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(w, bias, packed)
 
         def col(w: torch.Tensor, rows_per_rank: int) -> torch.Tensor:  # split output features
             return w[rank * rows_per_rank : (rank + 1) * rows_per_rank].contiguous()
@@ -267,11 +309,10 @@ class Llama:
             parts = list(zip(names, rows, strict=True))
             w = torch.cat([col(state[f"{prefix}{m}.weight"], r) for m, r in parts])
             if f"{prefix}{names[0]}.bias" not in state:
-                return w, None
-            return w, torch.cat([col(state[f"{prefix}{m}.bias"], r) for m, r in parts])
+                return linear(w)
+            return linear(w, torch.cat([col(state[f"{prefix}{m}.bias"], r) for m, r in parts]))
 
         inter = spec.intermediate_size // world
-        self.embed = state["model.embed_tokens.weight"]
         self.norm = state["model.norm.weight"]
         self.inv_freq = spec.inv_freq().to(self.embed.device)  # [D/2] float32, once
         lm_head = state.get("lm_head.weight", self.embed)  # absent: tied to the embeddings
@@ -279,41 +320,39 @@ class Llama:
         if head_vocab is not None:  # keep only those rows, gathered once
             self.head_vocab = head_vocab.to(device=self.embed.device, dtype=torch.int64)
             lm_head = lm_head[self.head_vocab].contiguous()
-        self.lm_head = lm_head  # [V or Vh, E]
+        # [V or Vh, E]. Tied and packed, the head is a second copy of the embeddings (F.embedding
+        # reads the dense one): V·E more floats, 113 MB for SmolLM2 in float32.
+        self.lm_head = linear(lm_head)
         # A feature draft (EAGLE) reads, at each position, its token's embedding and the
         # target's feature one position back: h = fc([feature; embedding]).
-        self.feature_fc = feature_fc
+        self.feature_fc = None if feature_fc is None else linear(feature_fc)
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            qkv, qkv_bias = fused(
-                attn, ["q_proj", "k_proj", "v_proj"], [self.heads * d] + [self.kv_heads * d] * 2
-            )
-            gate_up, gate_up_bias = fused(p + "mlp.", ["gate_proj", "up_proj"], [inter, inter])
             self.layers.append(
                 dict(
                     attn_norm=state[p + "input_layernorm.weight"],
-                    qkv=qkv,
-                    qkv_bias=qkv_bias,
+                    qkv=fused(
+                        attn,
+                        ["q_proj", "k_proj", "v_proj"],
+                        [self.heads * d] + [self.kv_heads * d] * 2,
+                    ),
                     # Per head_dim, the same for every head: replicated on every rank.
                     q_norm=state[attn + "q_norm.weight"] if spec.qk_norm else None,
                     k_norm=state[attn + "k_norm.weight"] if spec.qk_norm else None,
-                    o=row(state[attn + "o_proj.weight"], self.heads * d),
+                    o=linear(row(state[attn + "o_proj.weight"], self.heads * d)),
                     o_bias=state.get(attn + "o_proj.bias"),  # unsharded: added after the sum
                     mlp_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=gate_up,
-                    gate_up_bias=gate_up_bias,
-                    down=row(state[p + "mlp.down_proj.weight"], inter),
+                    gate_up=fused(p + "mlp.", ["gate_proj", "up_proj"], [inter, inter]),
+                    down=linear(row(state[p + "mlp.down_proj.weight"], inter)),
                     down_bias=state.get(p + "mlp.down_proj.bias"),
                 )
             )
 
-    def _row_parallel(
-        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: Linear, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T summed over the ranks' input shards, then the bias (once, not once a rank)."""
-        y = F.linear(x, w)
+        y = w(x)
         if self.world > 1:
             dist.all_reduce(y, group=self.group)
         return y if bias is None else y + bias
@@ -340,7 +379,7 @@ class Llama:
         if self.feature_fc is not None:
             if features is None:
                 raise ValueError("a feature draft needs the target's features")
-            h = F.linear(torch.cat([features.to(h.dtype), h], dim=-1), self.feature_fc)
+            h = self.feature_fc(torch.cat([features.to(h.dtype), h], dim=-1))
         cos, sin = _rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
         cos, sin = cos[:, :, None], sin[:, :, None]
         lengths = cache.lengths[slot0 : slot0 + n]
@@ -352,7 +391,7 @@ class Llama:
         new_k, new_v = [], []
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["attn_norm"], spec.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
             q = q.view(n, R, T, self.heads, d)
             k = k.view(n, R, T, self.kv_heads, d)
@@ -388,7 +427,7 @@ class Llama:
             out = out.view(n, R, self.heads, T, d).transpose(2, 3).reshape(n, R, T, self.heads * d)
             h = h + self._row_parallel(out, layer["o"], layer["o_bias"])
             x = _rms_norm(h, layer["mlp_norm"], spec.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             h = h + self._row_parallel(F.silu(gate) * up, layer["down"], layer["down_bias"])
         hidden = _rms_norm(h, self.norm, spec.rms_norm_eps)
         logits = self.to_vocab(self.head_logits(hidden), -torch.inf) if head else None
@@ -397,7 +436,7 @@ class Llama:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., E] final-norm hidden states -> float32 logits [..., Vh] on the head's own ids
         (head_vocab; all V when the head is whole)."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def to_vocab(self, rows: torch.Tensor, fill: float) -> torch.Tensor:
         """[..., Vh] on the head's ids -> [..., V], `fill` at the ids the head drops (-inf for
