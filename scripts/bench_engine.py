@@ -39,18 +39,21 @@ from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC, TOKEN_ONLY
 from workers.sampling import SamplingParams
 
 
-def forward_ms(model: Llama, new: int = 1, context: int = 200, repeats: int = 30) -> float:
-    """Median batch-1 forward of `new` tokens (a causal chain, as in a γ-token tree pass) after
-    a KV cache of `context` tokens."""
+def forward_ms(
+    model: Llama, new: int = 1, context: int = 200, repeats: int = 30, batch: int = 1
+) -> float:
+    """Median forward of `new` tokens per request (a causal chain, as in a γ-token tree pass)
+    for `batch` requests, each after a KV cache of `context` tokens."""
     dtype, E = model.embed.dtype, model.spec.hidden_size
-    cache = KVCache(model.spec, model.kv_heads, 1, context + new + 2, dtype, "cpu")
+    cache = KVCache(model.spec, model.kv_heads, batch, context + new + 2, dtype, "cpu")
     reads = model.feature_fc is not None  # a feature draft: zero features cost the same
-    ctx = [torch.zeros(context, E)] if reads else None
-    prefill(model, cache, 0, [torch.randint(0, model.spec.vocab_size, (context,))], features=ctx)
-    tok = torch.zeros(1, 1, new, dtype=torch.int64)
-    pos = (context + torch.arange(new)).view(1, 1, new)
-    mask = torch.ones(new, new, dtype=torch.bool).tril().view(1, 1, new, new)
-    features = torch.zeros(1, 1, new, E) if reads else None
+    ctx = [torch.zeros(context, E)] * batch if reads else None
+    contexts = [torch.randint(0, model.spec.vocab_size, (context,)) for _ in range(batch)]
+    prefill(model, cache, 0, contexts, features=ctx)
+    tok = torch.zeros(batch, 1, new, dtype=torch.int64)
+    pos = (context + torch.arange(new)).view(1, 1, new).expand(batch, 1, new)
+    mask = torch.ones(new, new, dtype=torch.bool).tril().expand(batch, 1, new, new)
+    features = torch.zeros(batch, 1, new, E) if reads else None
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
