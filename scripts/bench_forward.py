@@ -3,8 +3,9 @@
     .venv/bin/python scripts/bench_forward.py [--threads 1 2] [--new 1 5] [--batch 1 8] \\
         [--prompts 6] [--new-tokens 64] [--repeats 2] [--e2e-threads 1]
 
-Builds each model of the pair twice from the same loaded weights, packed (the default on a
-CPU, workers.llama.Linear) and plain (`packed=False`), then:
+Builds each model of the pair twice from the same loaded weights, as served by default
+("packed": every weight that workers.llama.packs_weights picks, all of the default pair's) and
+plain (`packed=False`: F.linear on dense weights), then:
 1. forwards: for every thread count × batch × new-token count, the target's and the draft's
    median forward (200-token cache), the two layouts alternating cell by cell;
 2. end to end (unless `--prompts 0`): the in-process engine at batch 1, `none` and `block`
@@ -25,18 +26,14 @@ from loadtest.prompts import prompt_ids
 from service.engine import build_engine
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
-LAYOUTS = (True, False)  # packed, plain
-
-
-def name(packed: bool) -> str:
-    return "packed" if packed else "plain"
+LAYOUTS = {"packed": None, "plain": False}  # name: Llama's `packed` argument
 
 
 def forwards(args) -> None:
     models = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         loaded = load_model(path, "float32")
-        models[role] = {p: loaded.build(packed=p) for p in LAYOUTS}
+        models[role] = {name: loaded.build(packed=p) for name, p in LAYOUTS.items()}
     print("| threads | batch | new | target packed | target plain | × | draft packed "
           "| draft plain | × |")  # fmt: skip
     print("|" + "---|" * 9)
@@ -52,7 +49,7 @@ def forwards(args) -> None:
                 }
                 cells = []
                 for role in ("target", "draft"):
-                    packed, plain = ms[role, True], ms[role, False]
+                    packed, plain = ms[role, "packed"], ms[role, "plain"]
                     cells += [f"{packed:.1f}", f"{plain:.1f}", f"{plain / packed:.2f}"]
                 print(f"| {threads} | {batch} | {new} | " + " | ".join(cells) + " |", flush=True)
                 for p in LAYOUTS:
@@ -60,26 +57,26 @@ def forwards(args) -> None:
                         one[threads, batch, p] = ms["target", p]
                     elif (threads, batch, p) in one:
                         ratio = ms["target", p] / one[threads, batch, p]
-                        print(f"    target, {new} tokens, {name(p)}: {ratio:.2f}× one token")
+                        print(f"    target, {new} tokens, {p}: {ratio:.2f}× one token")
 
 
 def end_to_end(args) -> None:
     torch.set_num_threads(args.e2e_threads)
     engines = {}
-    for p in LAYOUTS:
-        engines[p], tokenizer = build_engine(args.draft, args.target, 1, packed=p)
+    for name, p in LAYOUTS.items():
+        engines[name], tokenizer = build_engine(args.draft, args.target, 1, packed=p)
     prompts = prompt_ids(tokenizer, "humaneval", args.prompts, 1024 - args.new_tokens - 6)
     configs = {"none": ("none", 1, 1), "block": ("block", 1, 4)}
     for engine in engines.values():  # warm-up, discarded
         for method, k, gamma in configs.values():
             run_engine(engine, prompts[:1], method, k, gamma, 1.0, 16)
-    runs: dict[tuple[bool, str], list[dict]] = {}
+    runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for p in LAYOUTS:
             for label, (method, k, gamma) in configs.items():
                 res = run_engine(engines[p], prompts, method, k, gamma, 1.0, args.new_tokens)
                 runs.setdefault((p, label), []).append(res)
-                print(f"  {name(p)} {label}: {res['tokens_per_s']:.2f} tok/s, "
+                print(f"  {p} {label}: {res['tokens_per_s']:.2f} tok/s, "
                       f"BE {res['block_efficiency']:.2f}", flush=True)  # fmt: skip
     print(f"\n| layout | none tok/s | block tok/s | block BE | block × its none "
           f"(batch 1, {args.e2e_threads} thread(s), median of {args.repeats}) |")  # fmt: skip
@@ -87,7 +84,7 @@ def end_to_end(args) -> None:
     for p in LAYOUTS:
         tps = {c: statistics.median(r["tokens_per_s"] for r in runs[p, c]) for c in configs}
         be = statistics.median(r["block_efficiency"] for r in runs[p, "block"])
-        print(f"| {name(p)} | {tps['none']:.2f} | {tps['block']:.2f} | {be:.2f} | "
+        print(f"| {p} | {tps['none']:.2f} | {tps['block']:.2f} | {be:.2f} | "
               f"{tps['block'] / tps['none']:.2f} |")  # fmt: skip
 
 

@@ -64,6 +64,15 @@ def test_the_token_only_draft_is_a_plain_hugging_face_checkpoint(tokenizer):
     assert hf.config.num_hidden_layers == 2
 
 
+def test_every_projection_of_the_default_pair_is_packed():
+    """In float32 on a CPU every weight of both models is large enough to run on oneDNN
+    (workers.llama.PACK_MIN_ELEMENTS): the speed docs/benchmarks.md measured."""
+    from test_model_families import linears
+
+    for path in (DEFAULT_DRAFT, DEFAULT_TARGET):
+        assert all(w.packed for w in linears(load_model(path).build())), path
+
+
 def test_greedy_chat_answer_equals_hugging_face(tokenizer):
     """Our engine on the default pair, plain and speculative, writes exactly what HF's greedy
     `generate` writes for the same chat prompt (T = 0: every method reproduces the target)."""

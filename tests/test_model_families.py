@@ -173,17 +173,30 @@ def linears(model: Llama) -> list[workers.llama.Linear]:
     return [model.lm_head, *per_layer] + ([model.feature_fc] if model.feature_fc else [])
 
 
-def test_float32_cpu_weights_are_packed_for_onednn(family):
-    """By default every projection of a float32 model on a CPU runs on oneDNN-packed weights,
-    and none in bfloat16; either layout gives the other's logits up to summation order."""
+def test_onednn_packed_weights_give_dense_logits(family):
+    """packed=True runs every projection on oneDNN-packed weights, packed=False none; either
+    layout gives the other's logits up to summation order."""
     name, _, path = family
     loaded = load_model(path)
-    packed, plain = loaded.build(), loaded.build(packed=False)
+    packed, plain = loaded.build(packed=True), loaded.build(packed=False)
     assert all(w.packed and w.weight.is_mkldnn for w in linears(packed)), name
     assert not any(w.packed for w in linears(plain))
-    assert not any(w.packed for w in linears(load_model(path, "bfloat16").build()))
     for (got, _), (want, _) in zip(tree_logits(packed), tree_logits(plain), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_default_packs_large_float32_cpu_weights():
+    """By default (packed=None) a projection is packed when it is float32 on a CPU and at least
+    PACK_MIN_ELEMENTS; no bfloat16 one."""
+    cfg = LlamaConfig(**{**COMMON, "hidden_size": 512, "intermediate_size": 768})
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    spec, state = LlamaSpec.from_hf_config(cfg), hf.state_dict()
+    big = Llama(spec, state)
+    sizes = {id(w): w.shape[0] * w.shape[1] for w in linears(big)}
+    assert all(w.packed == (sizes[id(w)] >= workers.llama.PACK_MIN_ELEMENTS) for w in linears(big))
+    assert {w.packed for w in linears(big)} == {True, False}  # the 256-token head stays dense
+    bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    assert not any(w.packed for w in linears(Llama(spec, bf16)))
 
 
 def test_greedy_equals_hugging_face_generate(family):
