@@ -3,11 +3,13 @@ actors) against the in-process engine, on the same requests, in one run.
 
     .venv/bin/python scripts/bench_service.py [--pairs tiny default] [--batch 1 8] \
         [--requests 16] [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
-        [--out docs/service_benchmark]    # writes <out>.json and <out>.table.md
+        [--threads 1] [--out docs/service_benchmark]    # writes <out>.json and <out>.table.md
 
 Reports, per model pair and batch size (concurrent clients, closed loop): per-request latency,
 tokens/s, the service / engine ratio, per-step time and its breakdown (draft / tree / target /
-transfer / verify / overhead). Also the bare gRPC round trip (Info) and a session's second turn
+transfer / verify / overhead). `--threads`: torch threads of the in-process engine and of each
+actor (the replica's torch_threads); the actors of a step run one after the other, so each may
+use every core. Also the bare gRPC round trip (Info) and a session's second turn
 on its warm KV cache versus the same context prefilled cold.
 """
 
@@ -147,8 +149,9 @@ def bench_pair(args, name: str) -> dict:
     draft, target = PAIRS[name]
     most = max(args.batch)
     replica_cfg = dict(
-        draft_dir=draft, target_dir=target, dtype=args.dtype, max_batch=most, max_queued=most
-    )
+        draft_dir=draft, target_dir=target, dtype=args.dtype, max_batch=most, max_queued=most,
+        torch_threads=args.threads,
+    )  # fmt: skip
     settings = Settings(port=0, metrics_port=0, replica=replica_cfg)
     rows = {}
     tokenizer = ids = None
@@ -195,9 +198,10 @@ def main() -> None:
     ap.add_argument("--method", default="block")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads: engine, each actor")
     ap.add_argument("--out", default="docs/service_benchmark")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     pairs = {name: bench_pair(args, name) for name in args.pairs}
     meta = dict(
         requests=args.requests,
@@ -205,6 +209,7 @@ def main() -> None:
         method=args.method,
         gamma=args.gamma,
         dtype=args.dtype,
+        threads=args.threads,
         torch=torch.__version__,
         machine=platform.machine(),
     )
@@ -213,7 +218,8 @@ def main() -> None:
         f"Command: `python scripts/bench_service.py {' '.join(sys.argv[1:])}`  ",
         f"{args.requests} HumanEval prompts (last 200 tokens) × {args.new_tokens} new tokens, "
         f"method {args.method}, γ = {args.gamma}, T = 1, {args.dtype}; torch "
-        f"{torch.__version__}, 1 thread per process; batch = concurrent clients (closed loop).",
+        f"{torch.__version__}, {args.threads} torch thread(s) for the engine and each actor; "
+        "batch = concurrent clients (closed loop).",
         "",
         "| pair | path | batch | tok/s | service / engine | median request s | step ms | "
         + " | ".join(PHASES)
