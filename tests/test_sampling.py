@@ -115,3 +115,22 @@ def test_a_reduced_head_processes_alike_on_its_own_ids():
             reduced[rows_checked], widened[rows_checked][:, kept], rtol=1e-5, atol=1e-7,
             msg=str(params),
         )  # fmt: skip
+
+
+def test_a_row_is_processed_alike_whatever_its_batch_mates_ask():
+    """process skips the steps no request of the batch asks for; a row's probabilities must
+    not depend on that: every row of a mixed batch equals the row processed alone, bit for bit
+    (seeded output is independent of batch-mates), and the logits are left as they were."""
+    gen = torch.Generator().manual_seed(9)
+    settings = [
+        SamplingParams(t, k, p)
+        for t in (0.0, 1.0, 0.7)
+        for k in (0, 3, 60)
+        for p in (1.0, 0.9)
+    ]
+    logits = 3 * torch.randn(len(settings), 2, 50, generator=gen)  # [n, R, V]
+    before = logits.clone()
+    batch = process(logits, settings)
+    assert torch.equal(logits, before)
+    for i, params in enumerate(settings):
+        assert torch.equal(batch[i], process(logits[i : i + 1], [params])[0]), params

@@ -38,30 +38,43 @@ class SamplingParams:
 
 
 def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [n, ..., V] (one SamplingParams per leading row) -> probabilities, same shape."""
+    """logits [n, ..., V] (one SamplingParams per leading row) -> probabilities, same shape.
+
+    Only the steps some request asks for run, decided from ``params`` on the host (no device
+    read): a whole-vocabulary temporary costs a pass and, above glibc's mmap threshold, fresh
+    pages, so the common batch (T = 1, no top-k/top-p, nobody greedy) is one softmax, ~11x
+    cheaper than running every step on every row ([8, 5, 49152]: 38.8 -> 3.5 ms). Skipped steps
+    are identities (x / 1.0 == x), so the rows are the same bits either way."""
     n, vocab = logits.shape[0], logits.shape[-1]
     dev = logits.device
-    view = logits.float().reshape(n, -1, vocab)
-    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None, None]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)[:, None, None]
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)[:, None, None]
-    greedy = temp == 0
-    scaled = view / torch.where(greedy, 1.0, temp)
-    if bool((top_k < vocab).any()):
-        largest = scaled.topk(int(top_k.max()), dim=-1).values  # [n, R, max k]
+    scaled = logits.float().reshape(n, -1, vocab)
+    temps = [p.temperature for p in params]
+    if any(t not in (0.0, 1.0) for t in temps):  # greedy rows keep their logits: argmax only
+        divisor = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)
+        scaled = scaled / divisor[:, None, None]
+    ks = [min(p.top_k or vocab, vocab) for p in params]
+    if min(ks) < vocab:
+        top_k = torch.tensor(ks, device=dev)[:, None, None]
+        largest = scaled.topk(max(ks), dim=-1).values  # [n, R, max k]
         kth = largest.gather(-1, (top_k - 1).expand(*largest.shape[:2], 1))  # [n, R, 1]
         scaled = scaled.masked_fill(scaled < kth, -torch.inf)
-    if bool((top_p < 1).any()):
+    if min(p.top_p for p in params) < 1:
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
         # HF's computation exactly (the same sort call, the same cumulative sum): a kept set can
         # flip on the last float bit, or on the order the sort gives tied logits.
         ascending, order = scaled.sort(dim=-1)
         cumulative = ascending.softmax(-1).cumsum(-1)
-        drop = cumulative <= (1 - top_p).float()  # [n, R, V] ascending; 1 - p in double as HF
+        drop = cumulative <= (1 - top_p[:, None, None]).float()  # 1 - p in double as HF
         drop[..., -1] = False  # the most likely token always stays
         scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
     probs = scaled.softmax(-1)
-    one_hot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, one_hot, probs).reshape(logits.shape)
+    greedy = [i for i, t in enumerate(temps) if t == 0]
+    if greedy:  # one-hot on the argmax, ties to the lowest id
+        rows = torch.tensor(greedy, device=dev)
+        top = scaled.index_select(0, rows).argmax(-1, keepdim=True)  # [g, R, 1]
+        one_hot = torch.zeros(len(greedy), *probs.shape[1:], device=dev).scatter_(-1, top, 1.0)
+        probs = probs.index_copy(0, rows, one_hot)
+    return probs.reshape(logits.shape)
 
 
 def sample(
