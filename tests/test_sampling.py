@@ -123,10 +123,7 @@ def test_a_row_is_processed_alike_whatever_its_batch_mates_ask():
     (seeded output is independent of batch-mates), and the logits are left as they were."""
     gen = torch.Generator().manual_seed(9)
     settings = [
-        SamplingParams(t, k, p)
-        for t in (0.0, 1.0, 0.7)
-        for k in (0, 3, 60)
-        for p in (1.0, 0.9)
+        SamplingParams(t, k, p) for t in (0.0, 1.0, 0.7) for k in (0, 3, 60) for p in (1.0, 0.9)
     ]
     logits = 3 * torch.randn(len(settings), 2, 50, generator=gen)  # [n, R, V]
     before = logits.clone()
