@@ -26,9 +26,9 @@ A *feature draft* (EAGLE, ``feature_fc``) reads at each position fc([feature; em
 where the feature is the target's final-norm hidden state one position back (the forward
 returns those hidden states for every new token).
 
-Every projection is a ``Linear``: on a CPU in float32 its weight is packed once at load for
-oneDNN, which runs the few-row products of decoding and of a tree pass much closer to the
-memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear``).
+Every projection is a ``Linear``: on a CPU in float32 a weight of 1 MiB or more is packed once
+at load for oneDNN, which runs the few-row products of decoding and of a tree pass much closer
+to the memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ class LoadedModel:
     head_vocab: torch.Tensor | None = None  # [Vh] int64: a draft's reduced output head, if any
     feature_fc: torch.Tensor | None = None  # [E, 2E]: a feature draft's input projection
 
-    def build(self, rank: int = 0, world: int = 1, group=None, packed: bool | None = None):
-        """The forward pass of this rank; ``packed``: see ``Llama`` (None packs fp32 on a CPU)."""
+    def build(self, rank: int = 0, world: int = 1, group=None, packed: bool | None = None) -> Llama:
+        """This rank's forward pass; ``packed``: see ``Llama`` (None: llama.packs_weights)."""
         return Llama(
             self.spec, self.state, rank, world, group,
             head_vocab=self.head_vocab, feature_fc=self.feature_fc, packed=packed,
