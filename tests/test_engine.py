@@ -23,7 +23,7 @@ from workers.draft import DraftWorker, padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
-from workers.tree import build_tree
+from workers.tree import build_tree, gather_rows
 
 
 def tiny_pair(
@@ -90,6 +90,20 @@ def test_llama_matches_hugging_face(pair):
     )
     assert torch.allclose(logits[0, 0], ref[:12], atol=1e-4)
     assert torch.allclose(rest[0, 0], ref[12:], atol=1e-4)
+
+
+def test_gather_rows_equals_advanced_indexing():
+    """gather_rows (path rows out of node rows, take_rows in the verifiers) gives what
+    rows[arange(B), index] gives: index of any shape, and rows whose B and L dims do not merge
+    (a slice of a larger tensor), which take the advanced-indexing fallback."""
+    g = torch.Generator().manual_seed(3)
+    whole = torch.rand(4, 3, 6, 5, generator=g)
+    for rows in (whole[:, 0], whole[:, :, 0]):  # mergeable [4, 6, 5], not mergeable [4, 3, 5]
+        L = rows.shape[1]
+        for shape in ((4,), (4, 2, 3)):
+            index = torch.randint(0, L, shape, generator=g)
+            arange = torch.arange(4).view(4, *[1] * (len(shape) - 1))
+            assert torch.equal(gather_rows(rows, index), rows[arange, index]), (rows.shape, shape)
 
 
 def test_tree_forward_equals_per_path_forwards(pair):

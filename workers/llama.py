@@ -258,8 +258,12 @@ class Linear:
     from F.linear's in the last bits only (another summation order)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed=False):
-        self.shape, self.bias, self.packed = tuple(weight.shape), bias, packed
+        self.bias, self.packed = bias, packed
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight
+
+    @property
+    def shape(self) -> torch.Size:  # [out, in]; a packed tensor keeps its logical shape
+        return self.weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.packed:

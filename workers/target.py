@@ -15,7 +15,7 @@ import torch
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
 from workers.sampling import SamplingParams, process
-from workers.tree import DraftTree
+from workers.tree import DraftTree, gather_rows
 
 
 class TargetWorker:
@@ -65,12 +65,6 @@ class TargetWorker:
 def path_rows(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
     """Node logits [n, N, V] -> processed rows per path [n, K, γ+1, V].
 
-    Processing runs once per tree node (shared prefixes once), then rows are gathered per path:
-    one index_select over the n·N rows, 1.3-5x faster on CPU than advanced indexing
-    ``probs[arange(n)[:, None, None], node_of]`` for the same values.
+    Processing runs once per tree node (shared prefixes once), then rows are gathered per path.
     """
-    probs = process(logits, params)
-    n, N = probs.shape[:2]
-    flat_index = torch.arange(n, device=probs.device)[:, None, None] * N + tree.node_of
-    rows = probs.flatten(0, 1).index_select(0, flat_index.flatten())
-    return rows.view(*tree.node_of.shape, probs.shape[-1])
+    return gather_rows(process(logits, params), tree.node_of)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.tree import gather_rows
+
 if TYPE_CHECKING:  # modification.py imports this module
     from .modification import TargetModification
 
@@ -162,17 +164,9 @@ def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Ten
 
 
 def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows [B, L, ...], index [B] -> rows[b, index[b]]: [B, ...] (a view when L = 1: index
-    can only be 0). The rows are read as one index_select over B·L, which copies whole rows;
-    advanced indexing ``rows[arange(B), index]`` took 2-3x as long on CPU ([8, 9, 49152] rows:
-    11.8 against 4.0 ms), and the same values come out."""
-    B, L = rows.shape[:2]
-    if L == 1:
-        return rows[:, 0]
-    if rows.stride(0) != rows.stride(1) * L:  # B and L do not merge without a copy
-        return rows[torch.arange(B, device=rows.device), index]
-    flat_index = torch.arange(0, B * L, L, device=rows.device) + index
-    return rows.flatten(0, 1).index_select(0, flat_index)
+    """rows [B, L, ...], index [B] -> rows[b, index[b]]: [B, ...]; a view when L = 1 (index can
+    only be 0: a single path is never copied)."""
+    return rows[:, 0] if rows.shape[1] == 1 else gather_rows(rows, index)
 
 
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
