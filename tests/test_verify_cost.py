@@ -35,9 +35,10 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         "token": 80,
         "block": 120,
         "gbv": 150 + 25 * gamma,  # the selection compares one key per depth: [B, K] ops
-        # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k).
-        "greedy_block": 120 + 180 * k,
-        "spectr_gbv": 120 + 180 * k,
+        # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k); level
+        # 0 has no forced prefix yet, so it skips that bookkeeping (202 ops at K = 1).
+        "greedy_block": 60 + 170 * k,
+        "spectr_gbv": 60 + 170 * k,
         # Top-down walks: one node per depth, sequential by definition.
         "naive": 80 + 30 * depths,
         # RRS tests the node's candidates in turn; one candidate a node is TV, one pass.

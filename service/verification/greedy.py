@@ -20,7 +20,7 @@ import torch
 
 from workers.sampling import sample_from_weights
 
-from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks
+from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks, take_rows
 from .modification import T_MAX, ResidualRows, as_row_scalars, m_new, residual_prob
 
 
@@ -34,17 +34,17 @@ def _path_logp(
     rows: ResidualRows,  # [B, P, γ]: the level's rows where not forced
     tokens: torch.Tensor,  # [B, P, γ] int64
     accepted: torch.Tensor,  # [B, γ] int64: forced prefix A (first `length` entries)
-    length: torch.Tensor,  # [B] int64
+    forced: torch.Tensor | None,  # [B, γ] bool: lengths < |A|; None: A is empty (level 0)
 ) -> torch.Tensor:
     """log joint of every prefix of each path under a level's law: [B, P, γ+1] float64.
 
     Rows at prefix lengths < |A| are one-hot on A (ForcedPrefix): probability 1 on A's token,
-    0 off it; the others are (p - t q)_+ / z.
+    0 off it; the others are (p - t q)_+ / z (p itself on unmodified rows, bit for bit).
     """
-    gamma = tokens.shape[-1]
-    forced = torch.arange(gamma, device=tokens.device)[None, None, :] < length[:, None, None]
-    on_a = (tokens == accepted[:, None, :]).double()
-    prob = torch.where(forced, on_a, residual_prob(p_tok, q_tok, rows.t, rows.z))
+    prob = p_tok if rows.unmodified else residual_prob(p_tok, q_tok, rows.t, rows.z)
+    if forced is not None:
+        on_a = (tokens == accepted[:, None, :]).double()
+        prob = torch.where(forced[:, None, :], on_a, prob)
     return exclusive_cumsum(prob.log())
 
 
@@ -54,8 +54,8 @@ def _greedy_levels(
     rows: ResidualRows,  # [B, γ]: the law verified against, where not forced
     log_joint: torch.Tensor,  # [B, γ+1]: log P(prefix) under that law
     log_joint_q: torch.Tensor,  # [B, γ+1]
-    q_forced: torch.Tensor,  # [B, γ] float64: q of A's token at each length (forced rows)
-    forced: torch.Tensor,  # [B, γ] bool: rows that are one-hot on A
+    q_forced: torch.Tensor | None,  # [B, γ] float64: q of A's token at each length
+    forced: torch.Tensor | None,  # [B, γ] bool: rows that are one-hot on A; None: no row is
 ) -> torch.Tensor:
     """Acceptance probability of every level i = 1..γ of one path (Alg. 4): [B, γ].
 
@@ -72,17 +72,25 @@ def _greedy_levels(
     s = (z * (log_q - log_p).exp()).clamp_max(T_MAX)  # P(X^i) = 0: s = T_MAX, acceptance 0
 
     def masses(p, q, t, s):
-        e = torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
-        e = e.addcmul_(q, as_row_scalars(s, p), value=-1)
-        return e.clamp_min(0).sum(-1).double(), e.clamp_max_(0).sum(-1).double().neg()
+        if rows.unmodified:  # m = p
+            e = torch.addcmul(p, q, as_row_scalars(s, p), value=-1)
+        else:
+            e = torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
+            e = e.addcmul_(q, as_row_scalars(s, p), value=-1)
+        # premain = Σe + prej: one pass fewer than summing e's positive part. Exact at the
+        # edges: with no positive e the two sums add the same values in the same order.
+        total = e.sum(-1).double()
+        prej = e.clamp_max_(0).sum(-1).double().neg()
+        return (total + prej).clamp_min_(0), prej
 
     premain, prej = over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s)
     acc = torch.where(prej > 0, (premain / prej.clamp_min(1e-300)).clamp_max(1), 1.0)
     acc = torch.where(log_p > -torch.inf, acc, 0.0)  # P(X^i) = 0: nothing left to accept
-    rho = (log_p - log_q).exp()
-    qa = q_forced[:, 1:]
-    acc_forced = ((rho - qa).clamp_min(0) / ((1 - qa) + (qa - rho).clamp_min(0))).clamp_max(1)
-    acc = torch.where(forced[:, 1:], acc_forced.nan_to_num(1.0), acc)
+    if forced is not None:
+        rho = (log_p - log_q).exp()
+        qa = q_forced[:, 1:]
+        acc_forced = ((rho - qa).clamp_min(0) / ((1 - qa) + (qa - rho).clamp_min(0))).clamp_max(1)
+        acc = torch.where(forced[:, 1:], acc_forced.nan_to_num(1.0), acc)
     last = (log_joint[:, gamma] - log_joint_q[:, gamma]).clamp_max(0).exp()
     return torch.cat([acc, last.unsqueeze(1)], dim=1)
 
@@ -112,12 +120,15 @@ def sequential_greedy_verify(
     rows = modified
     joints = []  # joints[k]: log P_k(prefix) on paths k..K-1, [B, K-k, γ+1]
     for k in range(K):
-        done = length == gamma  # a full block was accepted: later drafts are not tested
-        forced = positions[None, :] < length[:, None]  # [B, γ]: P_k is one-hot on A there
-        log_p = _path_logp(p_tok[:, k:], q_tok[:, k:], rows, draft_tokens[:, k:], accepted, length)
+        # Level 0 starts from an empty A: no row is forced and no block is done yet.
+        done = length == gamma if k else None  # a full block was accepted: no more tests
+        forced = positions[None, :] < length[:, None] if k else None  # [B, γ]: one-hot on A
+        q_forced = None
+        if k:
+            q_forced = draft_probs[:, k].gather(-1, accepted.unsqueeze(-1)).squeeze(-1).double()
+        log_p = _path_logp(p_tok[:, k:], q_tok[:, k:], rows, draft_tokens[:, k:], accepted, forced)
         joints.append(log_p)
-        q_forced = draft_probs[:, k].gather(-1, accepted.unsqueeze(-1)).squeeze(-1).double()
-        path_rows = ResidualRows(rows.t[:, 0], rows.z[:, 0])
+        path_rows = ResidualRows(rows.t[:, 0], rows.z[:, 0], rows.unmodified)
         acc = _greedy_levels(
             target_probs[:, k],
             draft_probs[:, k],
@@ -128,7 +139,7 @@ def sequential_greedy_verify(
             forced,
         )
         tau_k = last_passing_level(uniforms[:, k * gamma : (k + 1) * gamma], acc)
-        longer = (tau_k > length) & ~done
+        longer = tau_k > length if done is None else (tau_k > length) & ~done
         accepted = torch.where(longer[:, None], draft_tokens[:, k], accepted)
         length = torch.where(longer, tau_k, length)
         best_path = torch.where(longer, k, best_path)
@@ -148,24 +159,30 @@ def sequential_greedy_verify(
     # y ~ P_{K+1}(·|A). Along A, P_{k+1}(·|A) = M_new(P_k)(·|A) (|A| >= |A_k|, never forced),
     # so one row per level suffices. P_k(A) is on record for k <= best_path (path best_path
     # was among the paths of level k); for later levels A is forced, P_k(A) = 1.
-    p_row = target_probs[ar, best_path, length]  # [B, V]
     at = length.clamp_max(gamma - 1)
-    q_row = draft_probs[ar, best_path, at]
+    p_row = take_rows(target_probs.flatten(1, 2), best_path * (gamma + 1) + length)  # [B, V]
+    q_row = take_rows(draft_probs.flatten(1, 2), best_path * gamma + at)
     log_q_a = log_q[ar, best_path, length]
     modifiable = length < gamma  # the bonus row (|A| = γ) is never modified
-    t = torch.where(modifiable, modified.t[ar, best_path, at], 0.0)
-    z = torch.where(modifiable, modified.z[ar, best_path, at], 1.0)
+    if modified.unmodified:
+        t, z = torch.zeros_like(log_q_a), torch.ones_like(log_q_a)
+    else:
+        t = torch.where(modifiable, modified.t[ar, best_path, at], 0.0)
+        z = torch.where(modifiable, modified.z[ar, best_path, at], 1.0)
     level_t, level_z, level_joints = [], [], []
     for k in range(K):
-        joint = joints[k][ar, (best_path - k).clamp_min(0), length]
-        joint = torch.where(best_path >= k, joint, 0.0)
+        if k:
+            joint = joints[k][ar, (best_path - k).clamp_min(0), length]
+            joint = torch.where(best_path >= k, joint, 0.0)
+        else:
+            joint = joints[0][ar, best_path, length]
         level_t.append(t)
         level_z.append(z)
         level_joints.append(joint)
         t_new, z_new = m_new(p_row, q_row, t, z, joint, log_q_a)
         t, z = torch.where(modifiable, t_new, t), torch.where(modifiable, z_new, z)
     weights = torch.addcmul(p_row, q_row, as_row_scalars(t, p_row), value=-1).clamp_min_(0)
-    y = sample_from_weights(weights / z.to(weights.dtype).unsqueeze(-1), uniforms[:, K * gamma])
+    y = sample_from_weights(weights, uniforms[:, K * gamma])  # (p - t q)_+, unnormalised
 
     # Record k: joint of (A, y) under P_k and under the draft; window = lengths |A|+1..γ-1.
     y_col = y.unsqueeze(-1)

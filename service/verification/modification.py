@@ -91,12 +91,15 @@ class ResidualRows:
 
     t: torch.Tensor  # [B, P, L] float64 offsets
     z: torch.Tensor  # [B, P, L] float64 normalisers F(t) (1 where t = 0)
+    # Known on the host to be the base rows (every t = 0): a pass may then read p itself for
+    # (p - 0 q)_+, bit for bit the same, and skip two passes over V.
+    unmodified: bool = False
 
     @staticmethod
     def base(like: torch.Tensor) -> ResidualRows:
         """Unmodified rows for a [B, P, L] tensor's shape and device."""
         t = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
-        return ResidualRows(t, torch.ones_like(t))
+        return ResidualRows(t, torch.ones_like(t), unmodified=True)
 
 
 def as_row_scalars(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
