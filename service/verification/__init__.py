@@ -157,12 +157,13 @@ def verify(
         return VerifyOutput(tokens, tau + 1, tau, path)
 
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
-    modified = apply_records(carry, draft_tokens, draft_probs, target_probs)[0]
+    modified, record_rows = apply_records(carry, draft_tokens, draft_probs, target_probs)
     tokens, tau, path, (log_p, log_q, rows_left) = spec.fn(
         draft_tokens, draft_probs, target_probs, uniforms, modified
     )
     new_carry = advance_records(
         carry,
+        record_rows,
         emitted=tokens[:, :gamma],
         num_emitted=tau + 1,
         path=path,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import exclusive_cumsum, over_batch_chunks, take_rows
+from .common import exclusive_cumsum, over_batch_chunks
 
 
 @dataclass(frozen=True)
@@ -149,22 +149,21 @@ def apply_records(
     tokens: torch.Tensor,  # [B, P, L] int64: the paths whose rows are given
     draft_probs: torch.Tensor,  # [B, P, L, V]: q rows along the paths
     target_probs: torch.Tensor,  # [B, P, L+1, V]: unmodified target rows along the paths
-) -> tuple[ResidualRows, torch.Tensor]:
+) -> tuple[ResidualRows, ResidualRows]:
     """Apply every live record, oldest first.
 
     Returns (the modified target rows of prefix lengths 0..L-1 as :class:`ResidualRows`
-    [B, P, L]; the row of length L is never modified; token_logp [B, R, P, L]) where
-    token_logp[:, r] = log of each path token under record r's base rows, which is what the
-    record's running joint P absorbs as tokens are generated.
+    [B, P, L]; the row of length L is never modified; each record's base rows [B, R, P, L]:
+    the rows before record r was applied, under which the record's running joint P absorbs
+    the tokens generated next, see :func:`advance_records`).
     """
     B, P, L = tokens.shape
     R = mod.rows_left.shape[1]
     rows = ResidualRows.base(tokens)
-    token_logp = torch.zeros(B, R, P, L, dtype=torch.float64, device=tokens.device)
     most = mod.max_rows  # a host read: once
     width = min(most, L + 1)  # rows beyond every record's window are untouched
     if R == 0 or width == 0:
-        return rows, token_logp
+        return rows, ResidualRows.base(tokens.new_empty(B, R, P, L))
     if most > L:
         raise ValueError(
             f"carry modifies {most} upcoming rows but only {L} draft rows were given: "
@@ -176,21 +175,24 @@ def apply_records(
     joint_q = exclusive_cumsum(q_tok.log())[..., :width]  # [B, P, W]
     p, q = target_probs[:, :, :width], draft_probs[:, :, :width]  # [B, P, W, V]
     t, z = rows.t, rows.z
+    base_t, base_z = [], []
     in_window = torch.arange(width, device=tokens.device)  # [W]
     for r in range(R):
+        base_t.append(t)
+        base_z.append(z)
         base_logp = residual_prob(p_tok, q_tok, t, z).log()  # under the rows before record r
-        token_logp[:, r] = base_logp
         joint_p = mod.log_p[:, r, None, None] + exclusive_cumsum(base_logp)[..., :width]
         joint_qr = mod.log_q[:, r, None, None] + joint_q
         t_new, z_new = m_new(p, q, t[..., :width], z[..., :width], joint_p, joint_qr)
         active = in_window[None, None, :] < mod.rows_left[:, r, None, None]  # [B, 1, W]
         t = torch.cat([torch.where(active, t_new, t[..., :width]), t[..., width:]], dim=-1)
         z = torch.cat([torch.where(active, z_new, z[..., :width]), z[..., width:]], dim=-1)
-    return ResidualRows(t, z), token_logp
+    return ResidualRows(t, z), ResidualRows(torch.stack(base_t, 1), torch.stack(base_z, 1))
 
 
 def advance_records(
     mod: TargetModification,
+    record_rows: ResidualRows,  # [B, R, K, γ]: each record's base rows (from apply_records)
     emitted: torch.Tensor,  # [B, γ] int64: emitted tokens in the first min(n, γ) slots
     num_emitted: torch.Tensor,  # [B] int64: n = τ + 1
     path: torch.Tensor,  # [B] int64: the draft path whose prefix was accepted
@@ -204,19 +206,22 @@ def advance_records(
 
     A record whose window ends within the emitted tokens dies, so only the first
     min(n, rows_left) <= γ - 1 tokens matter; emitted[:, i] must be the i-th emitted token there.
+    The emitted tokens sit at prefix lengths 0..τ of ``path`` (its first τ draft tokens, then
+    the recovered one), whose rows ``record_rows`` already holds: only the tokens' own
+    probabilities are read here, no row over V.
     """
     gamma = emitted.shape[1]
     if mod.max_rows > 0:
-        path_draft_probs = take_rows(draft_probs, path)  # [B, γ, V]
-        path_target_probs = take_rows(target_probs, path)  # [B, γ+1, V]
-        tok = emitted.clamp_min(0).unsqueeze(1)  # [B, 1, γ]
-        _, token_logp = apply_records(
-            mod, tok, path_draft_probs.unsqueeze(1), path_target_probs.unsqueeze(1)
-        )
+        ar = torch.arange(emitted.shape[0], device=emitted.device)
+        tok = emitted.clamp_min(0)  # [B, γ]
+        at = (ar[:, None], path[:, None], torch.arange(gamma, device=emitted.device), tok)
+        p_tok = target_probs[at].double()  # [B, γ]: p of each emitted token in its row
+        q_tok = draft_probs[at].double()
+        base = ResidualRows(record_rows.t[ar, :, path], record_rows.z[ar, :, path])  # [B, R, γ]
+        token_logp = residual_prob(p_tok[:, None], q_tok[:, None], base.t, base.z).log()
         used = torch.arange(gamma, device=emitted.device)[None, :] < num_emitted[:, None]  # [B, γ]
-        log_q_tok = path_draft_probs.gather(-1, tok[:, 0].unsqueeze(-1)).squeeze(-1).double().log()
-        d_logp = torch.where(used[:, None, :], token_logp[:, :, 0], 0.0).sum(-1)  # [B, R]
-        d_logq = torch.where(used, log_q_tok, 0.0).sum(-1, keepdim=True)  # [B, 1]
+        d_logp = torch.where(used[:, None, :], token_logp, 0.0).sum(-1)  # [B, R]
+        d_logq = torch.where(used, q_tok.log(), 0.0).sum(-1, keepdim=True)  # [B, 1]
         rows_left = (mod.rows_left - num_emitted[:, None]).clamp_min(0)
         alive = rows_left > 0
         # Dead records keep finite placeholders (their values are never read again).
