@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from harness import (
@@ -47,7 +48,7 @@ from harness import (
     sequence_codes,
 )
 
-from service.verification import METHODS, VERIFIERS, verify
+from service.verification import METHODS, VERIFIERS, gbv, verify
 from service.verification import token as token_module
 
 V = 16
@@ -115,6 +116,59 @@ def test_adversarial_positions_slow(method, k, sigma):
     pvalues = run(method_step(method), k, N_SLOW, sigma, seed)
     bad = {name: p for name, p in pvalues.items() if p <= ALPHA}
     assert not bad, f"{method} K={k} σ={sigma}: rejected {bad}"
+
+
+def reduced_head_pair(keep: int = 6, seed: int = 2024) -> tuple[WindowModel, WindowModel]:
+    """The adversarial pair with a draft that can only say `keep` of the V tokens, the same
+    ones after every context (a reduced head, as the default pair's draft has): q = 0 on the
+    rest, which the target likes most. GBV then ranks only the draft's support."""
+    support = np.random.default_rng(seed).permutation(V)[:keep]
+    negated = random_rows(V, seed, scale=-1.0)
+
+    def head_only(prefix):
+        row = np.zeros(V)
+        row[support] = np.asarray(negated(prefix))[support]
+        return list(row / row.sum())
+
+    target = WindowModel(TableModel(V, 1, random_rows(V, seed)))
+    return target, WindowModel(TableModel(V, 1, head_only))
+
+
+@pytest.mark.parametrize("method", ["gbv", "spectr", "traversal"])
+def test_reduced_draft_head_positions(method):
+    target, draft = reduced_head_pair()
+    seed = 500 + METHODS.index(method)
+    seq = decode_loop(method_step(method), target, draft, N_DEFAULT, 3, GAMMA, LENGTH, seed)
+    bad = {name: p for name, p in position_pvalues(seq, target).items() if p <= ALPHA}
+    assert not bad, f"{method}: rejected {bad}"
+
+
+def test_gbv_ranks_a_small_draft_support_exactly(monkeypatch):
+    """GBV on a draft support of a quarter of V ranks and skews only those columns; its rows
+    q̃ and its seeded output equal the whole-vocabulary computation bit for bit (tied ratios
+    included: the support keeps the ids' order, which breaks ties)."""
+    g = torch.Generator().manual_seed(3)
+    B, K, gamma, vocab = 6, 3, 4, 1000
+    compact = gbv.SUPPORT_SHARE
+    for tied in (False, True):
+        logits = torch.randn(B, K, gamma + 1, vocab, generator=g) * 3
+        if tied:
+            logits = logits.round().clamp(-1, 1)
+        logits[:, 1:, 0] = logits[:, :1, 0]
+        off = torch.full((vocab,), -torch.inf)
+        off[torch.randperm(vocab, generator=g)[: vocab // 4]] = 0
+        q = (logits[:, :, :gamma] + torch.randn(B, K, gamma, vocab, generator=g) + off).softmax(-1)
+        p = logits.softmax(-1)
+        tokens = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(B, K, gamma)
+        x, rows_q, rows_p = tokens[:, 0], q[:, 0], p[:, 0]
+        runs = []
+        for share in (compact, -1.0):  # -1: never compact
+            monkeypatch.setattr(gbv, "SUPPORT_SHARE", share)
+            assert (gbv.draft_support(rows_q) is not None) == (share == compact)
+            out = verify("gbv", tokens, q, p, generator=torch.Generator().manual_seed(9))
+            runs.append((gbv.skewed_draft(x, rows_q, rows_p, K), out.tokens, out.path))
+        for a, b in zip(*runs, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_power_residual_shortcut_is_rejected(monkeypatch):

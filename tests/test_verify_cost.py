@@ -34,7 +34,7 @@ def op_budget(method: str, k: int, gamma: int) -> int:
     return {
         "token": 80,
         "block": 120,
-        "gbv": 150 + 25 * gamma,  # the selection compares one key per depth: [B, K] ops
+        "gbv": 160 + 25 * gamma,  # the selection compares one key per depth: [B, K] ops
         # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k); level
         # 0 has no forced prefix yet, so it skips that bookkeeping (202 ops at K = 1).
         "greedy_block": 60 + 170 * k,
@@ -54,7 +54,9 @@ def host_read_budget(method: str, k: int, gamma: int) -> int:
     return {
         "token": 1,
         "block": 1,
-        "gbv": 1,
+        # + at K > 1 on CPU only: whether the draft's support is small enough to rank alone
+        # (one row's count, then the support's size; never read on an accelerator).
+        "gbv": 1 if k == 1 else 3,
         # + carry bookkeeping: how many rows the records still modify, and dropping the records
         # that died this step (a test, then a masked select of each of the 3 columns).
         "greedy_block": 6,

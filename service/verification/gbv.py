@@ -64,15 +64,54 @@ def skewed_probs(
     return _power_sum(a, b, k).mul_(q).div_(_power_sum(torch.ones_like(t), t, k))
 
 
+# Rank only the draft's support when it is at most this share of the vocabulary.
+SUPPORT_SHARE = 0.5
+
+
+def draft_support(q: torch.Tensor) -> torch.Tensor | None:
+    """Ids [V'] (ascending) outside which every row of q [..., V] is 0, when they are few:
+    a draft with a reduced head (the default pair's keeps 8,192 of 49,152 tokens) or top-k.
+    CPU only: the count is a host read, free there and a wait on an accelerator."""
+    rows = q.flatten(0, -2)  # [N, V]
+    most = SUPPORT_SHARE * rows.shape[-1]
+    if q.device.type != "cpu" or not rows.shape[0] or int((rows[0] > 0).sum()) > most:
+        return None  # a dense first row settles it for one row's cost
+    ids = (rows > 0).any(0).nonzero().squeeze(-1)
+    return ids if ids.numel() <= most else None
+
+
 def skewed_draft(
     x: torch.Tensor,  # [n, γ] int64: the selected path
     q: torch.Tensor,  # [n, γ, V]: its draft rows
     p: torch.Tensor,  # [n, γ+1, V]: its target rows
     k: int,
 ) -> torch.Tensor:
-    """q̃ along the selected path, the law of the best of k i.i.d. draft paths: [n, γ, V]."""
+    """q̃ along the selected path, the law of the best of k i.i.d. draft paths: [n, γ, V].
+
+    Tokens with q = 0 rank above all others (key +inf) and get q̃ = 0 wherever they stand, so
+    on a small draft support only the support is ranked and skewed, bit for bit the same
+    values (the support keeps the ids' order, which breaks ties)."""
     n, gamma, V = q.shape
-    key = ranking_key(p[:, :gamma], q)  # [n, γ, V]: the same key as in the selection
+    support = draft_support(q)
+    if support is None:
+        return _skewed_on(x, q, p[:, :gamma], k)
+    skewed = _skewed_on(
+        torch.searchsorted(support, x.contiguous()),  # q(x) > 0: x is in the support
+        q.index_select(-1, support),
+        p[:, :gamma].index_select(-1, support),
+        k,
+    )
+    return q.new_zeros(n, gamma, V).index_copy_(-1, support, skewed)
+
+
+def _skewed_on(
+    x: torch.Tensor,  # [n, γ] int64: the path, as column ids of q and p
+    q: torch.Tensor,  # [n, γ, V]: its draft rows
+    p: torch.Tensor,  # [n, γ, V]: its target rows (not the bonus row)
+    k: int,
+) -> torch.Tensor:
+    n, gamma, V = q.shape
+    key = ranking_key(p, q)  # [n, γ, V]: the same key as in the selection
     below = mass_ranked_below(key.view(n * gamma, V), q.reshape(n * gamma, V)).view(n, gamma, V)
     q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [n, γ]
     below_x = below.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
