@@ -48,7 +48,7 @@ from harness import (
     sequence_codes,
 )
 
-from service.verification import METHODS, VERIFIERS, gbv, verify
+from service.verification import METHODS, VERIFIERS, common, gbv, top_down, verify
 from service.verification import token as token_module
 
 V = 16
@@ -143,13 +143,14 @@ def test_reduced_draft_head_positions(method):
     assert not bad, f"{method}: rejected {bad}"
 
 
-def test_gbv_ranks_a_small_draft_support_exactly(monkeypatch):
-    """GBV on a draft support of a quarter of V ranks and skews only those columns; its rows
-    q̃ and its seeded output equal the whole-vocabulary computation bit for bit (tied ratios
-    included: the support keeps the ids' order, which breaks ties)."""
+def test_ranking_on_a_small_draft_support_is_exact(monkeypatch):
+    """GBV and SpecTr's ρ* rank tokens by p/q; on a draft support of a quarter of V they rank
+    only those columns. GBV's rows q̃, SpecTr's (ρ*, β) and both methods' seeded outputs equal
+    the whole-vocabulary computation bit for bit (tied ratios included: the support keeps the
+    ids' order, which breaks ties)."""
     g = torch.Generator().manual_seed(3)
     B, K, gamma, vocab = 6, 3, 4, 1000
-    compact = gbv.SUPPORT_SHARE
+    compact = common.SUPPORT_SHARE
     for tied in (False, True):
         logits = torch.randn(B, K, gamma + 1, vocab, generator=g) * 3
         if tied:
@@ -163,10 +164,14 @@ def test_gbv_ranks_a_small_draft_support_exactly(monkeypatch):
         x, rows_q, rows_p = tokens[:, 0], q[:, 0], p[:, 0]
         runs = []
         for share in (compact, -1.0):  # -1: never compact
-            monkeypatch.setattr(gbv, "SUPPORT_SHARE", share)
-            assert (gbv.draft_support(rows_q) is not None) == (share == compact)
-            out = verify("gbv", tokens, q, p, generator=torch.Generator().manual_seed(9))
-            runs.append((gbv.skewed_draft(x, rows_q, rows_p, K), out.tokens, out.path))
+            monkeypatch.setattr(common, "SUPPORT_SHARE", share)
+            assert (common.draft_support(rows_q) is not None) == (share == compact)
+            run = [gbv.skewed_draft(x, rows_q, rows_p, K)]
+            run += top_down.kseq_rho(rows_p[:, 0], rows_q[:, 0], torch.full((B,), K))
+            for method in ("gbv", "spectr"):
+                out = verify(method, tokens, q, p, generator=torch.Generator().manual_seed(9))
+                run += [out.tokens, out.path]
+            runs.append(run)
         for a, b in zip(*runs, strict=True):
             assert torch.equal(a, b)
 

@@ -163,6 +163,24 @@ def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Ten
     return torch.where(w.sum(-1, keepdim=True) > 0, w, fallback)
 
 
+# Rank only the draft's support when it is at most this share of the vocabulary.
+SUPPORT_SHARE = 0.5
+
+
+def draft_support(q: torch.Tensor) -> torch.Tensor | None:
+    """Ids [V'] (ascending) outside which every row of q [..., V] is 0, when they are few:
+    a draft with a reduced head (the default pair's keeps 8,192 of 49,152 tokens) or top-k.
+    Methods that rank a row's tokens by p/q (GBV, SpecTr's ρ*) rank only these: the others
+    have ratio +inf and rank last, by id, and carry no q mass. CPU only: the count is a host
+    read, free there and a wait on an accelerator."""
+    rows = q.flatten(0, -2)  # [N, V]
+    most = SUPPORT_SHARE * rows.shape[-1]
+    if q.device.type != "cpu" or not rows.shape[0] or int((rows[0] > 0).sum()) > most:
+        return None  # a dense first row settles it for one row's cost
+    ids = (rows > 0).any(0).nonzero().squeeze(-1)
+    return ids if ids.numel() <= most else None
+
+
 def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """rows [B, L, ...], index [B] -> rows[b, index[b]]: [B, ...]; a view when L = 1 (index can
     only be 0: a single path is never copied)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .block import block_verify_rows
-from .common import emit, over_batch_chunks, take_rows
+from .common import draft_support, emit, over_batch_chunks, take_rows
 from .sorting import ascending_order
 
 
@@ -62,22 +62,6 @@ def skewed_probs(
     b = torch.addcmul(t, below, inv)
     a = torch.addcmul(b, q, inv)
     return _power_sum(a, b, k).mul_(q).div_(_power_sum(torch.ones_like(t), t, k))
-
-
-# Rank only the draft's support when it is at most this share of the vocabulary.
-SUPPORT_SHARE = 0.5
-
-
-def draft_support(q: torch.Tensor) -> torch.Tensor | None:
-    """Ids [V'] (ascending) outside which every row of q [..., V] is 0, when they are few:
-    a draft with a reduced head (the default pair's keeps 8,192 of 49,152 tokens) or top-k.
-    CPU only: the count is a host read, free there and a wait on an accelerator."""
-    rows = q.flatten(0, -2)  # [N, V]
-    most = SUPPORT_SHARE * rows.shape[-1]
-    if q.device.type != "cpu" or not rows.shape[0] or int((rows[0] > 0).sum()) > most:
-        return None  # a dense first row settles it for one row's cost
-    ids = (rows > 0).any(0).nonzero().squeeze(-1)
-    return ids if ids.numel() <= most else None
 
 
 def skewed_draft(

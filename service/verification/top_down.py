@@ -15,7 +15,7 @@ import torch
 
 from workers.sampling import sample_from_weights
 
-from .common import emit, positive_part_or, take_rows
+from .common import draft_support, emit, positive_part_or, take_rows
 from .sorting import ascending_order
 from .token import token_verify_rows
 
@@ -158,6 +158,11 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: i
     # min(q, p/ρ) = q iff ratio >= ρ, so β(ρ) = Q(ratio >= ρ) + P(ratio < ρ)/ρ: one sort of
     # each row by ratio and prefix masses of p and q make every evaluation a binary search,
     # instead of a pass over V per solver iteration.
+    # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
+    # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
+    support = draft_support(q_row)
+    if support is not None:
+        p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
     ratio = torch.where(q_row > 0, p_row / q_row, torch.inf)  # [n, V]
     order = ascending_order(ratio)
     ratio_sorted = ratio.gather(-1, order)
