@@ -89,26 +89,38 @@ def traversal_verify(
     mod_q = draft_probs.new_zeros(B, gamma + 1, V)
     modified = torch.zeros(B, gamma + 1, dtype=torch.bool, device=dev)
     final_row = target_probs.new_zeros(B, V)
+    flat_p = target_probs.contiguous().view(-1, V)  # [B·K·(γ+1), V]
+    flat_q = draft_probs.contiguous().view(-1, V)  # [B·K·γ, V]
+    flat_mod_p, flat_mod_q = mod_p.view(-1, V), mod_q.view(-1, V)  # [B·(γ+1), V]
     levels = torch.arange(gamma + 1, device=dev)[None, :]
     live = torch.arange(B, device=dev)
 
-    def rows_at(idx: torch.Tensor, d: torch.Tensor):
-        is_mod = modified[idx, d, None]
-        p = torch.where(is_mod, mod_p[idx, d], target_probs[idx, path[idx], d])
-        q = torch.where(is_mod, mod_q[idx, d], draft_probs[idx, path[idx], d.clamp_max(gamma - 1)])
-        return p, q
+    # Rows are read by one index_select over merged leading dims (flat ids of (request, path,
+    # depth) in the inputs, of (request, depth) in mod_*): advanced indexing copies the same
+    # rows 2-4x slower on CPU. The row at depth γ is never modified, never a parent's q.
+    def target_row(idx: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [n, V]
+        base = flat_p.index_select(0, (idx * K + path[idx]) * (gamma + 1) + d)
+        return torch.where(
+            modified[idx, d, None], flat_mod_p.index_select(0, idx * (gamma + 1) + d), base
+        )
+
+    def draft_row(idx: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [n, V]
+        base = flat_q.index_select(0, (idx * K + path[idx]) * gamma + d.clamp_max(gamma - 1))
+        return torch.where(
+            modified[idx, d, None], flat_mod_q.index_select(0, idx * (gamma + 1) + d), base
+        )
 
     for step in range(K * gamma + 1):
         d = depth[live]
         accept = uniforms[live, step].log() < log_alpha[live, d]
         done = live[accept]
-        final_row[done] = rows_at(done, depth[done])[0]
+        final_row[done] = target_row(done, depth[done])
         live, d = live[~accept], d[~accept]
         if live.numel() == 0:
             break
         # Delete the tested node and update its parent u (the root, α = 1, always accepts).
         parent = d - 1
-        p_u, q_u = rows_at(live, parent)
+        p_u, q_u = target_row(live, parent), draft_row(live, parent)
         alpha_u = log_alpha[live, parent].exp().to(p_u.dtype)
         excess = (alpha_u[:, None] * p_u - q_u).clamp_min(0)
         mass = excess.sum(-1)
