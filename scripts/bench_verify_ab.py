@@ -1,0 +1,136 @@
+"""verify() of this checkout against a baseline revision's, alternating in one process.
+
+    .venv/bin/python scripts/bench_verify_ab.py --baseline HEAD~1 --methods gbv spectr \\
+        --shapes 8x2x49152 1x2x32000 [--gamma 8] [--support 8192] [--carry-steps 3] \\
+        [--rounds 5] [--calls 7] [--threads 2]
+
+Checks `--baseline` out into a temporary git worktree and imports its `service` and `workers`
+packages next to this checkout's. Each cell (method, B x K x V) times one `verify` call on
+the same inputs for both revisions (`bench_verify.make_inputs`; with `--support S` every draft
+row is zero outside one random S of the V tokens, as a reduced draft head makes them; with
+`--carry-steps N` greedy methods carry the modification of N earlier calls, as the engine's
+steady state does), alternating revisions round by round so that this VM's drift falls on
+both. Prints the median over rounds of each round's median call, every round, the ratio, and
+whether the two revisions' seeded outputs (tokens, path) are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_verify import make_inputs  # noqa: E402
+
+
+def load_verification(root: Path):
+    """`service.verification` as it is under `root` (its own `workers` too)."""
+    for name in [n for n in sys.modules if n.split(".")[0] in ("service", "workers")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module("service.verification")
+    finally:
+        sys.path.remove(str(root))
+
+
+def inputs(b: int, k: int, gamma: int, vocab: int, support: int | None):
+    tokens, q, p = make_inputs(b, k, gamma, vocab, "cpu")
+    if support is not None:
+        keep = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:support]
+        off = torch.ones(vocab, dtype=torch.bool)
+        off[keep] = False
+        q = q.masked_fill(off, 0.0)
+        q = q / q.sum(-1, keepdim=True)
+        tokens = torch.multinomial(q.view(-1, vocab), 1, generator=torch.Generator().manual_seed(2))
+        tokens = tokens.view(b, k, gamma)
+    return tokens, q, p
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default="HEAD~1", help="git revision to compare against")
+    ap.add_argument("--methods", nargs="+", default=["token", "gbv"])
+    ap.add_argument("--shapes", nargs="+", default=["8x2x49152"], help="BxKxV")
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--support", type=int, default=None, help="draft support size (default: V)")
+    ap.add_argument("--carry-steps", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "baseline"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            revisions = {"baseline": load_verification(base), "now": load_verification(ROOT)}
+            run(revisions, args)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
+
+
+def run(revisions: dict, args) -> None:
+    cells = []
+    for shape in args.shapes:
+        b, k, vocab = (int(x) for x in shape.split("x"))
+        data = inputs(b, k, args.gamma, vocab, args.support)
+        for method in args.methods:
+            if revisions["now"].VERIFIERS[method].single_path and k != 1:
+                continue
+            cells.append((method, b, k, vocab, data))
+
+    def call(verification, method, data):
+        gen = torch.Generator().manual_seed(0)
+        carry = None
+        for _ in range(args.carry_steps if verification.VERIFIERS[method].modifies_target else 0):
+            carry = verification.verify(method, *data, generator=gen, carry=carry, validate=False)
+            carry = carry.carry
+        start = time.perf_counter()
+        out = verification.verify(method, *data, generator=gen, carry=carry, validate=False)
+        return time.perf_counter() - start, out
+
+    rounds = {}  # (cell, revision) -> per-round medians (ms)
+    outputs = {}
+    for _ in range(args.rounds):
+        for name, verification in revisions.items():
+            for i, (method, _, _, _, data) in enumerate(cells):
+                call(verification, method, data)  # warm-up
+                times = []
+                for _ in range(args.calls):
+                    seconds, out = call(verification, method, data)
+                    times.append(seconds * 1e3)
+                rounds.setdefault((i, name), []).append(statistics.median(times))
+                outputs[(i, name)] = (out.tokens, out.path)
+    print(
+        f"# baseline {args.baseline}; γ={args.gamma}, support={args.support or 'V'}, "
+        f"carry steps={args.carry_steps}, {args.threads} thread(s), torch {torch.__version__}"
+    )
+    print("| method | B | K | V | baseline ms | now ms | now / baseline | same output | rounds |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, (method, b, k, vocab, _) in enumerate(cells):
+        before, after = (statistics.median(rounds[(i, n)]) for n in ("baseline", "now"))
+        pairs = zip(outputs[(i, "baseline")], outputs[(i, "now")], strict=True)
+        same = all(torch.equal(x, y) for x, y in pairs)
+        spread = " / ".join(
+            ", ".join(f"{t:.1f}" for t in rounds[(i, n)]) for n in ("baseline", "now")
+        )
+        print(f"| {method} | {b} | {k} | {vocab} | {before:.2f} | {after:.2f} | "
+              f"{after / before:.2f} | {same} | {spread} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
