@@ -11,7 +11,8 @@ row is zero outside one random S of the V tokens, as a reduced draft head makes 
 `--carry-steps N` greedy methods carry the modification of N earlier calls, as the engine's
 steady state does), alternating revisions round by round so that this VM's drift falls on
 both. Prints the median over rounds of each round's median call, every round, the ratio, and
-whether the two revisions' seeded outputs (tokens, path) are identical.
+whether the two revisions' seeded outputs (tokens, path, and a greedy method's carried
+log-joints) are identical: a check of the output, not of every intermediate value.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def run(revisions: dict, args) -> None:
                     seconds, out = call(verification, method, data)
                     times.append(seconds * 1e3)
                 rounds.setdefault((i, name), []).append(statistics.median(times))
-                outputs[(i, name)] = (out.tokens, out.path)
+                carry = () if out.carry is None else (out.carry.log_p, out.carry.rows_left)
+                outputs[(i, name)] = (out.tokens, out.path, *carry)
     print(
         f"# baseline {args.baseline}; γ={args.gamma}, support={args.support or 'V'}, "
         f"carry steps={args.carry_steps}, {args.threads} thread(s), torch {torch.__version__}"

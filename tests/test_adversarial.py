@@ -174,6 +174,15 @@ def test_ranking_on_a_small_draft_support_is_exact(monkeypatch):
             runs.append(run)
         for a, b in zip(*runs, strict=True):
             assert torch.equal(a, b)
+    # An unvalidated call whose drafted token has q = 0 (an inconsistent pipeline) ranks the
+    # whole vocabulary, as before, rather than a neighbouring column of the support.
+    tokens[0, 0, 0] = int((q[0, 0, 0] == 0).nonzero()[0])
+    runs = []
+    for share in (compact, -1.0):
+        monkeypatch.setattr(common, "SUPPORT_SHARE", share)
+        out = verify("gbv", tokens, q, p, torch.Generator().manual_seed(9), validate=False)
+        runs.append((out.tokens, out.path))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_power_residual_shortcut_is_rejected(monkeypatch):

@@ -55,15 +55,16 @@ def host_read_budget(method: str, k: int, gamma: int) -> int:
         "token": 1,
         "block": 1,
         # + at K > 1 on CPU only: whether the draft's support is small enough to rank alone
-        # (one row's count, then the support's size; never read on an accelerator).
-        "gbv": 1 if k == 1 else 3,
+        # (one row's count, the support's size, the path inside it; never on an accelerator).
+        "gbv": 1 if k == 1 else 4,
         # + carry bookkeeping: how many rows the records still modify, and dropping the records
         # that died this step (a test, then a masked select of each of the 3 columns).
         "greedy_block": 6,
         "spectr_gbv": 6,
         "naive": 1 + depths,  # the walk drops finished requests at each depth
         "specinfer": 1 if k == 1 else 1 + depths,
-        "spectr": 1 if k == 1 else 1 + depths * 14,  # + the ρ* solver's test, ≤ 13 a node
+        # + the ρ* solver's test, ≤ 13 a node, and its support check (CPU), ≤ 2 a node
+        "spectr": 1 if k == 1 else 1 + depths * 16,
         "traversal": 1 + 7 * (k * gamma + 1),  # each step splits the live requests
     }[method]
 

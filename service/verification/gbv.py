@@ -77,13 +77,14 @@ def skewed_draft(
     values (the support keeps the ids' order, which breaks ties)."""
     n, gamma, V = q.shape
     support = draft_support(q)
+    if support is not None:
+        cols = torch.searchsorted(support, x.contiguous()).clamp_max(support.numel() - 1)
+        if not bool((support[cols] == x).all()):  # q(x) = 0: an unvalidated, inconsistent call
+            support = None
     if support is None:
         return _skewed_on(x, q, p[:, :gamma], k)
     skewed = _skewed_on(
-        torch.searchsorted(support, x.contiguous()),  # q(x) > 0: x is in the support
-        q.index_select(-1, support),
-        p[:, :gamma].index_select(-1, support),
-        k,
+        cols, q.index_select(-1, support), p[:, :gamma].index_select(-1, support), k
     )
     return q.new_zeros(n, gamma, V).index_copy_(-1, support, skewed)
 

@@ -20,7 +20,7 @@ import torch
 
 from workers.sampling import sample_from_weights
 
-from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks, take_rows
+from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks, rows_at
 from .modification import T_MAX, ResidualRows, as_row_scalars, m_new, residual_prob
 
 
@@ -77,11 +77,7 @@ def _greedy_levels(
         else:
             e = torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
             e = e.addcmul_(q, as_row_scalars(s, p), value=-1)
-        # premain = Σe + prej: one pass fewer than summing e's positive part. Exact at the
-        # edges: with no positive e the two sums add the same values in the same order.
-        total = e.sum(-1).double()
-        prej = e.clamp_max_(0).sum(-1).double().neg()
-        return (total + prej).clamp_min_(0), prej
+        return e.clamp_min(0).sum(-1).double(), e.clamp_max_(0).sum(-1).double().neg()
 
     premain, prej = over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s)
     acc = torch.where(prej > 0, (premain / prej.clamp_min(1e-300)).clamp_max(1), 1.0)
@@ -160,8 +156,8 @@ def sequential_greedy_verify(
     # so one row per level suffices. P_k(A) is on record for k <= best_path (path best_path
     # was among the paths of level k); for later levels A is forced, P_k(A) = 1.
     at = length.clamp_max(gamma - 1)
-    p_row = take_rows(target_probs.flatten(1, 2), best_path * (gamma + 1) + length)  # [B, V]
-    q_row = take_rows(draft_probs.flatten(1, 2), best_path * gamma + at)
+    p_row = rows_at(target_probs, ar, best_path, length)  # [B, V]
+    q_row = rows_at(draft_probs, ar, best_path, at)
     log_q_a = log_q[ar, best_path, length]
     modifiable = length < gamma  # the bonus row (|A| = γ) is never modified
     if modified.unmodified:
@@ -182,7 +178,7 @@ def sequential_greedy_verify(
         t_new, z_new = m_new(p_row, q_row, t, z, joint, log_q_a)
         t, z = torch.where(modifiable, t_new, t), torch.where(modifiable, z_new, z)
     weights = torch.addcmul(p_row, q_row, as_row_scalars(t, p_row), value=-1).clamp_min_(0)
-    y = sample_from_weights(weights, uniforms[:, K * gamma])  # (p - t q)_+, unnormalised
+    y = sample_from_weights(weights / z.to(weights.dtype).unsqueeze(-1), uniforms[:, K * gamma])
 
     # Record k: joint of (A, y) under P_k and under the draft; window = lengths |A|+1..γ-1.
     y_col = y.unsqueeze(-1)
