@@ -36,7 +36,7 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         "block": 120,
         "gbv": 160 + 25 * gamma,  # the selection compares one key per depth: [B, K] ops
         # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k); level
-        # 0 has no forced prefix yet, so it skips that bookkeeping (202 ops at K = 1).
+        # 0 has no forced prefix yet, so it skips that bookkeeping (204 ops at K = 1).
         "greedy_block": 60 + 170 * k,
         "spectr_gbv": 60 + 170 * k,
         # Top-down walks: one node per depth, sequential by definition.
