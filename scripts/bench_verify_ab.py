@@ -98,8 +98,8 @@ def run(revisions: dict, args) -> None:
         gen = torch.Generator().manual_seed(0)
         carry = None
         for _ in range(args.carry_steps if verification.VERIFIERS[method].modifies_target else 0):
-            carry = verification.verify(method, *data, generator=gen, carry=carry, validate=False)
-            carry = carry.carry
+            out = verification.verify(method, *data, generator=gen, carry=carry, validate=False)
+            carry = out.carry
         start = time.perf_counter()
         out = verification.verify(method, *data, generator=gen, carry=carry, validate=False)
         return time.perf_counter() - start, out

@@ -23,7 +23,7 @@ from workers.draft import DraftWorker, padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
-from workers.tree import build_tree, gather_rows
+from workers.tree import build_tree, gather_rows, rows_at
 
 
 def tiny_pair(
@@ -104,6 +104,12 @@ def test_gather_rows_equals_advanced_indexing():
             index = torch.randint(0, L, shape, generator=g)
             arange = torch.arange(4).view(4, *[1] * (len(shape) - 1))
             assert torch.equal(gather_rows(rows, index), rows[arange, index]), (rows.shape, shape)
+    # rows_at: (request, path, depth) triples for a subset of requests, contiguous or not
+    for rows in (whole, whole.transpose(1, 2)):
+        b, k, d = torch.tensor([3, 0, 3]), torch.tensor([1, 2, 0]), torch.tensor([4, 0, 2])
+        _, K, D, _ = rows.shape
+        assert torch.equal(rows_at(rows, b, k % K, d % D), rows[b, k % K, d % D])
+        assert torch.equal(rows_at(rows, b, 0, 1), rows[b, 0, 1])
 
 
 def test_tree_forward_equals_per_path_forwards(pair):

@@ -93,3 +93,18 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return rows.flatten(0, 1).index_select(0, starts + index)
     flat = rows.flatten(0, 1).index_select(0, (starts.view(B, *extra) + index).flatten())
     return flat.view(*index.shape, *rows.shape[2:])
+
+
+def rows_at(
+    rows: torch.Tensor,  # [B, K, D, V]
+    b: torch.Tensor,  # [n] int64
+    k: torch.Tensor | int,  # [n] int64 or one index for all
+    d: torch.Tensor | int,  # [n] int64 or one index for all
+) -> torch.Tensor:
+    """rows[b, k, d]: [n, V] for requests b (any subset), paths k and depths d: one
+    index_select over the B·K·D rows, as in :func:`gather_rows`; rows that are not contiguous
+    (merging their dims would copy them all) take advanced indexing."""
+    B, K, D, V = rows.shape
+    if not rows.is_contiguous():
+        return rows[b, k, d]
+    return rows.view(B * K * D, V).index_select(0, (b * K + k) * D + d)

@@ -181,21 +181,6 @@ def draft_support(q: torch.Tensor) -> torch.Tensor | None:
     return ids if 0 < ids.numel() <= most else None
 
 
-def rows_at(
-    rows: torch.Tensor,  # [B, K, D, V]
-    b: torch.Tensor,  # [n] int64
-    k: torch.Tensor | int,  # [n] int64 or one index for all
-    d: torch.Tensor | int,  # [n] int64 or one index for all
-) -> torch.Tensor:
-    """rows[b, k, d]: [n, V], by one index_select over the B·K·D rows (advanced indexing
-    copies the same rows 2-4x slower on CPU); rows that are not contiguous (merging their
-    dims would copy them all) take advanced indexing."""
-    B, K, D, V = rows.shape
-    if not rows.is_contiguous():
-        return rows[b, k, d]
-    return rows.view(B * K * D, V).index_select(0, (b * K + k) * D + d)
-
-
 def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """rows [B, L, ...], index [B] -> rows[b, index[b]]: [B, ...]; a view when L = 1 (index can
     only be 0: a single path is never copied)."""

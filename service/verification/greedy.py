@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from workers.sampling import sample_from_weights
+from workers.tree import rows_at
 
-from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks, rows_at
+from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks
 from .modification import T_MAX, ResidualRows, as_row_scalars, m_new, residual_prob
 
 
@@ -116,12 +117,12 @@ def sequential_greedy_verify(
     rows = modified
     joints = []  # joints[k]: log P_k(prefix) on paths k..K-1, [B, K-k, γ+1]
     for k in range(K):
-        # Level 0 starts from an empty A: no row is forced and no block is done yet.
-        done = length == gamma if k else None  # a full block was accepted: no more tests
-        forced = positions[None, :] < length[:, None] if k else None  # [B, γ]: one-hot on A
-        q_forced = None
         if k:
+            done = length == gamma  # a full block was accepted: later drafts are not tested
+            forced = positions[None, :] < length[:, None]  # [B, γ]: P_k is one-hot on A there
             q_forced = draft_probs[:, k].gather(-1, accepted.unsqueeze(-1)).squeeze(-1).double()
+        else:  # level 0 starts from an empty A: no row is forced and no block is done yet
+            done = forced = q_forced = None
         log_p = _path_logp(p_tok[:, k:], q_tok[:, k:], rows, draft_tokens[:, k:], accepted, forced)
         joints.append(log_p)
         path_rows = ResidualRows(rows.t[:, 0], rows.z[:, 0], rows.unmodified)

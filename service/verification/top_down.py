@@ -14,8 +14,9 @@ from collections.abc import Callable
 import torch
 
 from workers.sampling import sample_from_weights
+from workers.tree import rows_at
 
-from .common import draft_support, emit, positive_part_or, rows_at, take_rows
+from .common import draft_support, emit, positive_part_or, take_rows
 from .sorting import ascending_order
 from .token import token_verify_rows
 

@@ -97,7 +97,8 @@ def traversal_verify(
 
     # Rows are read by one index_select over merged leading dims (flat ids of (request, path,
     # depth) in the inputs, of (request, depth) in mod_*): advanced indexing copies the same
-    # rows 2-4x slower on CPU. The row at depth γ is never modified, never a parent's q.
+    # rows 2-4x slower on CPU. The row at depth γ is never modified, never a parent's q. Not
+    # workers.tree.rows_at: its per-call view costs an op a step, and this walk is op-bound.
     def target_row(idx: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [n, V]
         base = flat_p.index_select(0, (idx * K + path[idx]) * (gamma + 1) + d)
         return torch.where(
