@@ -45,7 +45,7 @@ import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.verification import VERIFIERS, TargetModification, verify
-from workers.draft import DraftWorker
+from workers.draft import DraftWorker, padding_groups, split_features
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree
@@ -432,17 +432,27 @@ class SpeculativeEngine:
 
         draft_pending = [len(a.draft_pending) for a in batch]
         contexts = rest(keep_target, [1] * len(tokens))
-        features = self.target.prefill(slot0, contexts, keep_target)
         if not self.feature_draft:
+            self.target.prefill(slot0, contexts, keep_target)
             self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft)
             return sum(len(c) for c in contexts)
-        inputs = []
-        for a, f, kd, p in zip(batch, features, keep_draft, draft_pending, strict=True):
-            if kd == 0:  # position 0 reads a zero feature
-                f = torch.cat([f.new_zeros(1, f.shape[-1]), f])
-            inputs.append(f[: len(f) - p])
-            a.draft_features = f[len(f) - p :]
-        self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft, inputs)
+        draft_contexts = rest(keep_draft, draft_pending)
+
+        def draft_prefill(lo: int, hi: int, inputs) -> None:  # one of the target's groups
+            self.draft.prefill(slot0 + lo, draft_contexts[lo:hi], keep_draft[lo:hi], inputs)
+
+        remote = getattr(self.target, "prefill_features", None)
+        if remote is not None:  # Ray actors: the draft prefills a group while the target
+            # runs the next one, its features sent from rank 0 to the draft actor
+            args = (slot0, contexts, keep_target, keep_draft, draft_pending, draft_prefill)
+            tails = remote(*args)
+        else:  # the same draft calls, so the same batches and bits
+            features = self.target.prefill(slot0, contexts, keep_target)
+            inputs, tails = split_features(features, keep_draft, draft_pending)
+            for lo, hi in padding_groups([len(c) for c in contexts]):
+                draft_prefill(lo, hi, inputs[lo:hi])
+        for a, tail in zip(batch, tails, strict=True):
+            a.draft_features = tail
         return sum(len(c) for c in contexts)
 
     def _park(self, index: int) -> None:

@@ -27,6 +27,7 @@ from service.engine import GenerationRequest, StepTimes, build_engine
 from service.sessions import RedisStore
 from service.verification import VERIFIERS
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR
+from workers.draft import padding_groups
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
@@ -559,7 +560,9 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     every request of a sampled, seeded mixed batch the tokens the in-process engine gives it:
     same code, same shapes, so the same bits. Drafts: a reduced head (its rows travel on the
     head's ids and are widened on the target), or a feature draft (the target's rank 0 of 2
-    sends the features of what it prefills and commits back for the draft's next step)."""
+    sends the features of what it prefills, padding group by group, to the draft actor, and
+    those of what it commits back for the draft's next step). Prompts of several lengths join
+    at once (several prefill groups), then each continues as a session (warm caches)."""
     import json
     import shutil
     from pathlib import Path
@@ -582,25 +585,35 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
         draft_dir=str(draft),
         target_dir=TINY_PAIR["target_dir"],
         max_batch=len(MIXED),
+        max_sessions=len(MIXED),
         tensor_parallel=world,
     )
     engine, _ = build_remote_engine(cfg)
     # Both sides split the target alike: all-reduce sums are the same bits.
     local, tokenizer = build_engine(
-        cfg.draft_dir, cfg.target_dir, len(MIXED), tensor_parallel=world
+        cfg.draft_dir, cfg.target_dir, len(MIXED), tensor_parallel=world, max_sessions=len(MIXED)
     )
+    prompts = [
+        tokenizer(f"def f{i}(x):" + "\n    x = x + 1" * (2 * i))["input_ids"]
+        for i in range(len(MIXED))
+    ]
+    assert len(padding_groups([len(p) - 1 for p in prompts])) > 2
 
-    def requests():
-        prompts = [tokenizer(f"def f{i}(x):")["input_ids"] for i in range(len(MIXED))]
+    def requests(prompts):
         params = SamplingParams(1.0)
         return [
-            GenerationRequest(prompt, 24, method, k, gamma, params, seed=70 + i)
+            GenerationRequest(prompt, 24, method, k, gamma, params, seed=70 + i, session_id=f"s{i}")
             for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
         ]
 
     try:
-        remote = [r.token_ids for r in engine.generate(requests())]
-        assert remote == [r.token_ids for r in local.generate(requests())]
+        for turn in range(2):
+            results = engine.generate(requests(prompts))
+            remote = [r.token_ids for r in results]
+            assert remote == [r.token_ids for r in local.generate(requests(prompts))]
+            assert turn == 0 or all(r.cached_tokens > 0 for r in results)
+            more = tokenizer("\n\ny = 2")["input_ids"]
+            prompts = [p + out + more for p, out in zip(prompts, remote, strict=True)]
         assert engine.times.transfer > 0 and engine.times.prefill > 0
     finally:
         if world > 1:

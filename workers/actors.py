@@ -11,8 +11,10 @@
 Each tensor moves once, from the actor that makes it to the one that reads it: the draft's rows
 q ([n, K, γ, V], the largest payload) go as a numpy array, through the shared-memory object
 store when large (zero-copy on one node), never through the coordinator; the target's rows p
-never leave rank 0. The coordinator still drives the step and owns every request's state: its
-tokens, its generator (its state travels with the call and comes back) and its carry.
+never leave rank 0. With a feature draft, the target's features of a prefill go from rank 0 to
+the draft actor by reference; only the pending tokens' come back (`prefill_features`). The
+coordinator still drives the step and owns every request's state: its tokens, its generator
+(its state travels with the call and comes back) and its carry.
 
 Calls that return nothing (prefill, move, commit) are sent without waiting: Ray runs one caller's
 calls on an actor in submission order, so the next call that waits also waits for them, and any
@@ -29,7 +31,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.draft import DraftWorker
+from workers.draft import DraftWorker, padding_groups, split_features
 from workers.models import DTYPES, load_model
 from workers.sampling import SamplingParams
 from workers.target import path_rows
@@ -109,6 +111,8 @@ class DraftActor:
         if op not in DRAFT_OPS:  # ops come from RemoteDraft only: a wrong one is our bug
             raise RuntimeError(f"unknown draft op {op!r}; expected one of {DRAFT_OPS}")
         start = time.perf_counter()
+        if op == "prefill" and isinstance(args[-1], ray.ObjectRef):  # see prefill_features
+            args = (*args[:-1], ray.get(args[-1]))
         out = getattr(self.worker, op)(*args)
         return out, time.perf_counter() - start
 
@@ -176,17 +180,35 @@ class TargetShardActor:
         join_group(self.shard.rank, self.shard.world, port, self.device, timeout_s, self._store)
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def call(self, op: str, args: tuple) -> tuple[Any, float]:
-        """Runs a TargetWorker op; returns rank 0's prefill features when a feature draft
-        reads them (nothing otherwise: they would only cross the wire)."""
+    def call(self, op: str, args: tuple) -> tuple[None, float]:
+        """Runs a TargetWorker op; its output stays here (prefill's features go to a feature
+        draft by prefill_features)."""
         start = time.perf_counter()
-        out = self.shard.execute(op, args)
-        send = op == "prefill" and self._send_features and self.shard.rank == 0
-        return (out if send else None), time.perf_counter() - start
+        self.shard.execute(op, args)
+        return None, time.perf_counter() - start
+
+    @ray.method(num_returns="streaming", enable_task_events=False)  # as prefill: STEP_CALLS
+    def prefill_features(
+        self,
+        args: tuple,  # TargetWorker.prefill's (slot0, contexts, keep)
+        draft_keep: list[int],
+        draft_pending: list[int],
+    ) -> Iterator[list[torch.Tensor]]:
+        """Rank 0, feature draft: prefill one padding group at a time. Yields, per group, what
+        the draft's prefill reads of it (workers.draft.split_features; it goes to the draft
+        actor by reference), then the pending tokens' features, for the coordinator."""
+        tails, lo = [], 0
+        for features in self.shard.worker.prefill_groups(*args):
+            hi = lo + len(features)
+            inputs, pending = split_features(features, draft_keep[lo:hi], draft_pending[lo:hi])
+            tails += pending
+            lo = hi
+            yield inputs
+        yield tails
 
     def use_draft(self, head_vocab: torch.Tensor | None, reads_features: bool) -> None:
         """The ids the draft's rows arrive on ([Vh] int64; None: the whole vocabulary), and
-        whether it reads the target's features (rank 0 then returns them)."""
+        whether it reads the target's features (rank 0 then returns those of what it commits)."""
         self._draft_vocab = None if head_vocab is None else head_vocab.to(self.device)
         self._send_features = reads_features
 
@@ -347,16 +369,38 @@ class RemoteTarget(_Remote):
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
-    ) -> list[torch.Tensor] | None:
-        """Posted without waiting, unless a feature draft needs the features it returns. Then
-        every call posted so far is waited here, and the caller's wall time counts it (the
-        step's `prefill`), not the next step's posted-compute seconds: counted once."""
-        refs = self._post("prefill", slot0, contexts, keep)
-        if not self._send_features:
-            return None
+    ) -> None:
+        """Posted without waiting."""
+        self._post("prefill", slot0, contexts, keep)
+
+    def prefill_features(
+        self,
+        slot0: int,
+        contexts: list[torch.Tensor],
+        keep: list[int],
+        draft_keep: list[int],
+        draft_pending: list[int],
+        to_draft: Callable[[int, int, ray.ObjectRef], None],
+    ) -> list[torch.Tensor]:
+        """Prefill for a feature draft. Rank 0 prefills one padding group at a time
+        (workers.draft.padding_groups of the contexts' lengths, in order); as each is done,
+        to_draft(lo, hi, ref) gets a reference to what the draft's prefill reads of contexts
+        lo..hi, so that the draft prefills it while rank 0 runs the next group, and the
+        features go from rank 0 to the draft actor, not through here. Returns the pending
+        tokens' features [pending_i, E], which the requests' next step sends.
+
+        Waits for every call posted so far: the caller's wall time counts them (the step's
+        `prefill`), not the next step's posted-compute seconds, so they count once."""
+        args = (slot0, contexts, keep)
+        payload = ray.put(args) if len(self.actors) > 1 else args  # serialized once for all
+        stream = self.actors[0].prefill_features.remote(payload, draft_keep, draft_pending)
+        self._unwaited += [a.call.remote("prefill", payload) for a in self.actors[1:]]
         try:
+            for lo, hi in padding_groups([len(c) for c in contexts]):  # rank 0's groups
+                to_draft(lo, hi, next(stream))
+            tails = ray.get(next(stream))
             self._check_posted()
-            return _gather(refs)[0][0]
+            return tails
         except ray.exceptions.RayActorError as exc:
             raise WorkerLost(str(exc)) from exc
 

@@ -20,6 +20,8 @@ accepted ones come back as pending tokens with the target's true features).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from workers.llama import KVCache, Llama
@@ -142,6 +144,23 @@ class DraftWorker:
 PREFILL_PADDING = 0.25
 
 
+def split_features(
+    features: list[torch.Tensor],  # [T_i, E] each: the target's features of what it prefilled
+    keep: list[int],  # [n]: tokens the draft's slot keeps (0: a fresh slot)
+    pending: list[int],  # [n]: tokens the draft has yet to run (its next propose runs them)
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A feature draft's position t reads the target's feature at t - 1 (zero at t = 0).
+    Returns what the draft's prefill reads ([T_i - pending_i, E], one more row on a fresh
+    slot) and the pending tokens' features ([pending_i, E]), which its next propose reads."""
+    inputs, tails = [], []
+    for f, kept, p in zip(features, keep, pending, strict=True):
+        if kept == 0:  # position 0 reads a zero feature
+            f = torch.cat([f.new_zeros(1, f.shape[-1]), f])
+        inputs.append(f[: len(f) - p])
+        tails.append(f[len(f) - p :])
+    return inputs, tails
+
+
 def padding_groups(lengths: list[int], slack: float = PREFILL_PADDING) -> list[tuple[int, int]]:
     """Consecutive runs [lo, hi) of contexts whose padded size (count x longest) is at most
     (1 + slack) x their tokens."""
@@ -154,7 +173,6 @@ def padding_groups(lengths: list[int], slack: float = PREFILL_PADDING) -> list[t
     return groups
 
 
-@torch.inference_mode()
 def prefill(
     model: Llama,
     cache: KVCache,
@@ -167,17 +185,30 @@ def prefill(
     (both workers). keep = 0 is a fresh prefill; contexts of similar length run batched, with
     padding (:func:`padding_groups`). Returns each context's features [T_i, E] (what a feature
     draft reads of the target)."""
+    groups = prefill_groups(model, cache, slot0, contexts, keep, features)
+    return [f for group in groups for f in group]
+
+
+@torch.inference_mode()
+def prefill_groups(
+    model: Llama,
+    cache: KVCache,
+    slot0: int,
+    contexts: list[torch.Tensor],  # [T_i] int64 each
+    keep: list[int] | None = None,
+    features: list[torch.Tensor] | None = None,
+) -> Iterator[list[torch.Tensor]]:
+    """:func:`prefill`, one padding group at a time: yields the features [T_i, E] of the
+    contexts of each group of ``padding_groups`` (in order) once that group is in the cache."""
     n = len(contexts)
     dev = cache.lengths.device
     kept = torch.tensor(keep if keep is not None else [0] * n, dtype=torch.int64, device=dev)
     if bool((kept > cache.lengths[slot0 : slot0 + n]).any()):
         raise ValueError("prefill: cannot keep more tokens than a slot holds")
     cache.lengths[slot0 : slot0 + n] = kept
-    out = []
     for lo, hi in padding_groups([c.shape[0] for c in contexts]):
         group_features = None if features is None else features[lo:hi]
-        out += _prefill_batch(model, cache, slot0 + lo, contexts[lo:hi], group_features)
-    return out
+        yield _prefill_batch(model, cache, slot0 + lo, contexts[lo:hi], group_features)
 
 
 def _prefill_batch(

@@ -10,9 +10,11 @@ add to the cache: what a feature draft (workers/draft.py) reads next.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-from workers.draft import prefill
+from workers.draft import prefill, prefill_groups
 from workers.llama import KVCache, Llama
 from workers.sampling import SamplingParams, process
 from workers.tree import DraftTree, gather_rows
@@ -31,6 +33,12 @@ class TargetWorker:
     ) -> list[torch.Tensor]:
         """Returns each context's features [T_i, E]."""
         return prefill(self.model, self.cache, slot0, contexts, keep)
+
+    def prefill_groups(
+        self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
+    ) -> Iterator[list[torch.Tensor]]:
+        """`prefill`, yielding each padding group's features as soon as it is cached."""
+        return prefill_groups(self.model, self.cache, slot0, contexts, keep)
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)
