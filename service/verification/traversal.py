@@ -97,31 +97,31 @@ def traversal_verify(
 
     # Rows are read by one index_select over merged leading dims (flat ids of (request, path,
     # depth) in the inputs, of (request, depth) in mod_*): advanced indexing copies the same
-    # rows 2-4x slower on CPU. The row at depth γ is never modified, never a parent's q. Not
-    # workers.tree.rows_at: its per-call view costs an op a step, and this walk is op-bound.
-    def target_row(idx: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [n, V]
-        base = flat_p.index_select(0, (idx * K + path[idx]) * (gamma + 1) + d)
-        return torch.where(
-            modified[idx, d, None], flat_mod_p.index_select(0, idx * (gamma + 1) + d), base
-        )
-
-    def draft_row(idx: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [n, V]
-        base = flat_q.index_select(0, (idx * K + path[idx]) * gamma + d.clamp_max(gamma - 1))
-        return torch.where(
-            modified[idx, d, None], flat_mod_q.index_select(0, idx * (gamma + 1) + d), base
-        )
+    # rows 2-4x slower on CPU. Not workers.tree.rows_at: its per-call view costs an op a step,
+    # and this walk is op-bound.
+    def node_rows(idx: torch.Tensor, d: torch.Tensor, read_q: bool):
+        """(p, q) rows [n, V] of node d on each request's current path, as modified so far;
+        q only when read_q (a parent's: d < γ), else None."""
+        is_mod = modified[idx, d, None]
+        node, mod = idx * K + path[idx], idx * (gamma + 1) + d
+        p = flat_p.index_select(0, node * (gamma + 1) + d)
+        p = torch.where(is_mod, flat_mod_p.index_select(0, mod), p)
+        if not read_q:
+            return p, None
+        q = flat_q.index_select(0, node * gamma + d)
+        return p, torch.where(is_mod, flat_mod_q.index_select(0, mod), q)
 
     for step in range(K * gamma + 1):
         d = depth[live]
         accept = uniforms[live, step].log() < log_alpha[live, d]
         done = live[accept]
-        final_row[done] = target_row(done, depth[done])
+        final_row[done] = node_rows(done, depth[done], read_q=False)[0]
         live, d = live[~accept], d[~accept]
         if live.numel() == 0:
             break
         # Delete the tested node and update its parent u (the root, α = 1, always accepts).
         parent = d - 1
-        p_u, q_u = target_row(live, parent), draft_row(live, parent)
+        p_u, q_u = node_rows(live, parent, read_q=True)
         alpha_u = log_alpha[live, parent].exp().to(p_u.dtype)
         excess = (alpha_u[:, None] * p_u - q_u).clamp_min(0)
         mass = excess.sum(-1)
