@@ -111,8 +111,9 @@ class DraftActor:
         if op not in DRAFT_OPS:  # ops come from RemoteDraft only: a wrong one is our bug
             raise RuntimeError(f"unknown draft op {op!r}; expected one of {DRAFT_OPS}")
         start = time.perf_counter()
-        if op == "prefill" and isinstance(args[-1], ray.ObjectRef):  # see prefill_features
-            args = (*args[:-1], ray.get(args[-1]))
+        # Another actor's output passed by reference (the target's prefill features: see
+        # RemoteTarget.prefill_features) is fetched here, not through the coordinator.
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         out = getattr(self.worker, op)(*args)
         return out, time.perf_counter() - start
 
