@@ -166,5 +166,6 @@ def test_auto_is_compared_with_the_best_fixed_configuration_at_each_load():
     ]  # fmt: skip
     assert v["worst_vs_best"] == 14 / 15
     assert v["geomean_vs_single"] == pytest.approx((14 / 15 * 40 / 30) ** 0.5)
+    assert v["headroom"] == pytest.approx((15 / 15 * 40 / 30) ** 0.5)  # none at c=8, block at 1
     best = best_per_method(points)
     assert best[("1.0", "c=8")]["block"]["tokens_per_s"] == 30.0
