@@ -41,8 +41,9 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         "spectr_gbv": 60 + 170 * k,
         # Top-down walks: one node per depth, sequential by definition.
         "naive": 80 + 30 * depths,
-        # RRS tests the node's candidates in turn; one candidate a node is TV, one pass.
-        "specinfer": 80 if k == 1 else 100 + depths * (40 + 40 * k),
+        # RRS: the residual after j rejections, one mass per level j = 1..K in turn (its
+        # closed form needs no per-candidate row updates); one candidate a node is TV.
+        "specinfer": 80 if k == 1 else 100 + depths * (50 + 20 * k),
         "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 300),  # + the ρ* solve
         "traversal": 100 + 120 * (k * gamma + 1),  # up to Kγ + 1 deletion steps, in order
     }[method]

@@ -96,22 +96,38 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
 
     Candidate c is accepted w.p. min(1, r(c)/q(c)); on rejection r <- norm((r - q)_+). A
     rejected token keeps residual 0, so its duplicates are rejected too.
+
+    The residual after j rejections does not depend on which tokens were rejected, and it has
+    a closed form: r_0 = p and r_j = (p - t_j q)_+ / z_j, where z_j is that row's mass,
+    t_1 = 1 and t_{j+1} = t_j + z_j, since (r_j - q)_+ > 0 exactly where p > (t_j + z_j) q.
+    So every test reads two scalars per row and its candidate's p and q, and the only passes
+    over the vocabulary are one mass per level and the recovered row (the loop kept every
+    level's whole row: seven passes a candidate).
     """
-    K = cand.shape[1]
-    r = p_row
-    token = torch.zeros_like(cand[:, 0])
-    decided = torch.zeros_like(is_cand[:, 0])
-    for k in range(K):
-        c = cand[:, k : k + 1]
-        testing = is_cand[:, k] & ~decided
-        accept = testing & (u[:, k] * q_row.gather(-1, c).squeeze(-1) < r.gather(-1, c).squeeze(-1))
-        token = torch.where(accept, c.squeeze(-1), token)
-        decided = decided | accept
-        rejected = testing & ~accept
-        residual = positive_part_or(r - q_row, r)
-        r = torch.where(rejected[:, None], residual / residual.sum(-1, keepdim=True), r)
-    recovered = sample_from_weights(r, u[:, K])
-    return torch.where(decided, token, recovered)
+    n, K = cand.shape
+    t = [torch.zeros(n, dtype=torch.float64, device=p_row.device)]  # level 0: r_0 = p itself
+    z = [torch.ones_like(t[0])]
+    for _ in range(K):  # levels 1..K: the residuals after 1..K rejections
+        t_next = t[-1] + z[-1]
+        mass = residual_weights(p_row, q_row, t_next).sum(-1, dtype=torch.float64)
+        empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
+        t.append(torch.where(empty, t[-1], t_next))
+        z.append(torch.where(empty, z[-1], mass))
+    t, z = torch.stack(t, -1), torch.stack(z, -1)  # [n, K+1]
+    level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
+    p_c, q_c = p_row.gather(-1, cand), q_row.gather(-1, cand)  # [n, K]
+    r_c = torch.addcmul(p_c, q_c, -t.gather(-1, level).to(p_row.dtype)).clamp_min(0)
+    accept = is_cand & (u[:, :K].double() * q_c.double() < r_c.double() / z.gather(-1, level))
+    first = accept.to(torch.int8).argmax(-1, keepdim=True)  # the first accepted candidate
+    # All n_v rejected: sample level n_v's residual (unnormalised weights sample alike).
+    t_rejected = t.gather(-1, is_cand.sum(-1, keepdim=True)).squeeze(-1)
+    recovered = sample_from_weights(residual_weights(p_row, q_row, t_rejected), u[:, K])
+    return torch.where(accept.any(-1), cand.gather(-1, first).squeeze(-1), recovered)
+
+
+def residual_weights(p_row: torch.Tensor, q_row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """(p - t q)_+ over each row: [n, V], t [n] float64 (cast to the rows' dtype)."""
+    return torch.addcmul(p_row, q_row, -t.to(p_row.dtype)[:, None]).clamp_min_(0)
 
 
 def spectr_rule(p_row, q_row, cand, is_cand, u):
