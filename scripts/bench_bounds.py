@@ -177,7 +177,10 @@ def cpu_split() -> None:
     start_ray(Settings(ray_num_cpus=2))
     cfg = ReplicaConfig(draft_dir=str(TINY_DRAFT), target_dir=str(TINY_TARGET), max_batch=1)
     engine, _ = build_remote_engine(cfg)
-    pid = lambda actor: ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
+
+    def pid(actor) -> int:
+        return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
     pids = {"coordinator": os.getpid(), "draft actor": pid(engine.draft.actors[0]),
             "target actor": pid(engine.target.actors[0])}  # fmt: skip
     rows.append(("actors", *step_cpu(engine, pids)))
