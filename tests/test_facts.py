@@ -540,3 +540,23 @@ def test_equal_rows_single_call(method):
 
 def test_spec_names_cover_every_method():
     assert sorted(SPEC_NAMES.values()) == sorted(METHODS)
+
+
+def test_specinfer_computes_low_precision_rows_in_float32():
+    """SpecInfer's residual levels (p - t q)_+ are computed in at least float32: in bfloat16,
+    t = 1 + z_1 rounds back to 1 and p - t q cancels where p ≈ q. So bfloat16 rows give exactly
+    the tokens of the same values in float32. Rows with p within 0.2% of q (small residual
+    masses) and uniforms near 1 (most candidates rejected) reach the deeper levels."""
+    from service.verification.top_down import specinfer_rule
+
+    gen = torch.Generator().manual_seed(0)
+    n, vocab, k = 200_000, 8, 4
+    q = torch.randn(n, vocab, generator=gen).softmax(-1)
+    p = q * (1 + 0.002 * torch.randn(n, vocab, generator=gen))
+    p, q = (p / p.sum(-1, keepdim=True)).bfloat16(), q.bfloat16()
+    cand = torch.multinomial(q.float(), k, replacement=True, generator=gen)
+    u = torch.rand(n, k + 1, generator=gen, dtype=torch.float64)
+    u[:, :k] = 0.9 + 0.1 * u[:, :k]
+    is_cand = torch.ones(n, k, dtype=torch.bool)
+    low = specinfer_rule(p, q, cand, is_cand, u)
+    assert torch.equal(low, specinfer_rule(p.float(), q.float(), cand, is_cand, u))

@@ -43,7 +43,7 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         "naive": 80 + 30 * depths,
         # RRS: the residual after j rejections, one mass per level j = 1..K in turn (its
         # closed form needs no per-candidate row updates); one candidate a node is TV.
-        "specinfer": 80 if k == 1 else 100 + depths * (50 + 20 * k),
+        "specinfer": 80 if k == 1 else 100 + depths * (60 + 20 * k),
         "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 300),  # + the ρ* solve
         "traversal": 100 + 120 * (k * gamma + 1),  # up to Kγ + 1 deletion steps, in order
     }[method]

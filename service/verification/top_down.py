@@ -95,7 +95,7 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     """Recursive rejection sampling with replacement over the n_v candidates (spec §6).
 
     Candidate c is accepted w.p. min(1, r(c)/q(c)); on rejection r <- norm((r - q)_+). A
-    rejected token keeps residual 0, so its duplicates are rejected too.
+    rejected token keeps residual 0 (up to rounding), so its duplicates are rejected too.
 
     The residual after j rejections does not depend on which tokens were rejected, and it has
     a closed form: r_0 = p and r_j = (p - t_j q)_+ / z_j, where z_j is that row's mass,
@@ -105,14 +105,18 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     level's whole row: seven passes a candidate).
     """
     n, K = cand.shape
+    # At least float32 rows: t grows past 1, and in bfloat16 1 + z_1 rounds back to 1 once
+    # z_1 < 2^-8 (level 2 would repeat level 1). No copy for float32 rows.
+    work = torch.promote_types(torch.promote_types(p_row.dtype, q_row.dtype), torch.float32)
+    p_row, q_row = p_row.to(work), q_row.to(work)
     t = [torch.zeros(n, dtype=torch.float64, device=p_row.device)]  # level 0: r_0 = p itself
     z = [torch.ones_like(t[0])]
     for _ in range(K):  # levels 1..K: the residuals after 1..K rejections
         t_next = t[-1] + z[-1]
-        mass = residual_weights(p_row, q_row, t_next).sum(-1, dtype=torch.float64)
+        mass = residual_weights(p_row, q_row, t_next).sum(-1)  # in the rows' dtype: no copy
         empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
         t.append(torch.where(empty, t[-1], t_next))
-        z.append(torch.where(empty, z[-1], mass))
+        z.append(torch.where(empty, z[-1], mass))  # float64, as t
     t, z = torch.stack(t, -1), torch.stack(z, -1)  # [n, K+1]
     level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
     p_c, q_c = p_row.gather(-1, cand), q_row.gather(-1, cand)  # [n, K]
