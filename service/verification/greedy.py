@@ -22,7 +22,14 @@ from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
 from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks
-from .modification import T_MAX, ResidualRows, as_row_scalars, m_new, residual_prob
+from .modification import (
+    T_MAX,
+    ResidualRows,
+    as_row_scalars,
+    m_new,
+    residual_prob,
+    residual_weights,
+)
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -76,8 +83,7 @@ def _greedy_levels(
         if rows.unmodified:  # m = p
             e = torch.addcmul(p, q, as_row_scalars(s, p), value=-1)
         else:
-            e = torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
-            e = e.addcmul_(q, as_row_scalars(s, p), value=-1)
+            e = residual_weights(p, q, t).addcmul_(q, as_row_scalars(s, p), value=-1)
         return e.clamp_min(0).sum(-1).double(), e.clamp_max_(0).sum(-1).double().neg()
 
     premain, prej = over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s)
@@ -178,7 +184,7 @@ def sequential_greedy_verify(
         level_joints.append(joint)
         t_new, z_new = m_new(p_row, q_row, t, z, joint, log_q_a)
         t, z = torch.where(modifiable, t_new, t), torch.where(modifiable, z_new, z)
-    weights = torch.addcmul(p_row, q_row, as_row_scalars(t, p_row), value=-1).clamp_min_(0)
+    weights = residual_weights(p_row, q_row, t)
     y = sample_from_weights(weights / z.to(weights.dtype).unsqueeze(-1), uniforms[:, K * gamma])
 
     # Record k: joint of (A, y) under P_k and under the draft; window = lengths |A|+1..γ-1.

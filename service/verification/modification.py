@@ -107,12 +107,16 @@ def as_row_scalars(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.clamp_max(torch.finfo(rows.dtype).max / 4).to(rows.dtype).unsqueeze(-1)
 
 
+def residual_weights(p: torch.Tensor, q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """(p - t q)_+, unnormalised: p, q [..., V], t [...] float64 -> [..., V] in p's dtype."""
+    return torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
+
+
 def residual_mass(p: torch.Tensor, q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """F(t) = Σ_x (p(x) - t q(x))_+: p, q [B, ..., V], t [B, ...] float64 -> [B, ...] float64."""
 
     def mass(p, q, t):
-        d = torch.addcmul(p, q, as_row_scalars(t, p), value=-1)
-        return d.clamp_min_(0).sum(-1).double()
+        return residual_weights(p, q, t).sum(-1).double()
 
     return over_batch_chunks(mass, p, q, t)
 

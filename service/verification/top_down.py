@@ -17,6 +17,7 @@ from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
 from .common import draft_support, emit, positive_part_or, take_rows
+from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ascending_order
 from .token import token_verify_rows
 
@@ -113,25 +114,20 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     z = [torch.ones_like(t[0])]
     for _ in range(K):  # levels 1..K: the residuals after 1..K rejections
         t_next = t[-1] + z[-1]
-        mass = residual_weights(p_row, q_row, t_next).sum(-1)  # in the rows' dtype: no copy
+        mass = residual_mass(p_row, q_row, t_next)
         empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
         t.append(torch.where(empty, t[-1], t_next))
-        z.append(torch.where(empty, z[-1], mass))  # float64, as t
+        z.append(torch.where(empty, z[-1], mass))
     t, z = torch.stack(t, -1), torch.stack(z, -1)  # [n, K+1]
     level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
-    p_c, q_c = p_row.gather(-1, cand), q_row.gather(-1, cand)  # [n, K]
-    r_c = torch.addcmul(p_c, q_c, -t.gather(-1, level).to(p_row.dtype)).clamp_min(0)
-    accept = is_cand & (u[:, :K].double() * q_c.double() < r_c.double() / z.gather(-1, level))
+    p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [n, K]
+    r_c = residual_prob(p_c, q_c, t.gather(-1, level), z.gather(-1, level))
+    accept = is_cand & (u[:, :K].double() * q_c < r_c)
     first = accept.to(torch.int8).argmax(-1, keepdim=True)  # the first accepted candidate
     # All n_v rejected: sample level n_v's residual (unnormalised weights sample alike).
     t_rejected = t.gather(-1, is_cand.sum(-1, keepdim=True)).squeeze(-1)
     recovered = sample_from_weights(residual_weights(p_row, q_row, t_rejected), u[:, K])
     return torch.where(accept.any(-1), cand.gather(-1, first).squeeze(-1), recovered)
-
-
-def residual_weights(p_row: torch.Tensor, q_row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """(p - t q)_+ over each row: [n, V], t [n] float64 (cast to the rows' dtype)."""
-    return torch.addcmul(p_row, q_row, -t.to(p_row.dtype)[:, None]).clamp_min_(0)
 
 
 def spectr_rule(p_row, q_row, cand, is_cand, u):
