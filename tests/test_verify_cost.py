@@ -10,7 +10,7 @@ counted with ``torch.cuda.set_sync_debug_mode`` as well.
 
 Budgets are formulas in K and γ, stated per method with the reason for each growth term: the
 loops that remain are the sequential ones of the math (top-down walks over depth, SpecInfer's
-candidates at a node, traversal's deletion steps); everything else is one batched pass.
+candidates at a node, traversal's leaves); everything else is one batched pass.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         # closed form needs no per-candidate row updates); one candidate a node is TV.
         "specinfer": 80 if k == 1 else 100 + depths * (60 + 20 * k),
         "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 300),  # + the ρ* solve
-        "traversal": 100 + 120 * (k * gamma + 1),  # up to Kγ + 1 deletion steps, in order
+        # One segment per distinct leaf, in post-order: the leaf's chain of deletions up to the
+        # next branch is one batched pass (its updates read only the state before it).
+        "traversal": 100 + 200 * k,
     }[method]
 
 
@@ -66,7 +68,7 @@ def host_read_budget(method: str, k: int, gamma: int) -> int:
         "specinfer": 1 if k == 1 else 1 + depths,
         # + the ρ* solver's test, ≤ 13 a node, and its support check (CPU), ≤ 2 a node
         "spectr": 1 if k == 1 else 1 + depths * 16,
-        "traversal": 1 + 7 * (k * gamma + 1),  # each step splits the live requests
+        "traversal": 1 + 3 * k,  # each segment splits the live requests; modified rows
     }[method]
 
 

@@ -14,6 +14,15 @@ All draft leaves sit at depth γ, so the post-order visits distinct paths in lex
 of their (first-occurrence) node ids, and a leaf's ancestors become leaves down to the depth
 where it branches off the next leaf. Only nodes on the current root-to-leaf path are ever
 modified, so the state is one row per depth.
+
+The walk runs one *segment* per distinct leaf: the leaf's test, then the tests of its
+ancestors down to that branch depth b, each right after the deletion of its only child
+updated it. Within a segment every node is updated once and from its state before the
+segment, so the updates do not depend on the tests' outcomes: all of a segment's masses R are
+one batched pass over the path's rows, and its tests compare each node's uniform with its
+updated α at once (the deepest pass wins). The sequential order of the paper's walk, and
+which uniform each test reads, are unchanged; only the branch node b and the accepted node's
+rows are materialised. At most K segments, instead of up to Kγ + 1 single-node steps.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 from workers.sampling import sample_from_weights
 
 from .block import block_verify_rows
-from .common import clipped_products, emit, take_rows
+from .common import clipped_products, emit, over_batch_chunks, take_rows
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -43,12 +52,15 @@ def _leaf_order(draft_tokens: torch.Tensor):
     depth = torch.arange(1, gamma + 1, device=dev)
     # node id of (path k, depth d) = first path sharing its prefix of length d
     node = (common[..., None] >= depth).to(torch.int8).argmax(2)  # [B, K, γ]
-    order = torch.arange(K, device=dev).expand(B, K)
-    for d in reversed(range(gamma)):  # radix sort: lexicographic in (node at depth 1..γ)
-        keys = node[:, :, d].gather(1, order)
-        order = order.gather(1, torch.sort(keys, dim=1, stable=True).indices)
-    distinct = node[:, :, -1].gather(1, order) == order
-    order = order.gather(1, torch.sort((~distinct).long(), dim=1, stable=True).indices)
+    # Lexicographic order of the node-id tuples: two paths first differ at depth c = their
+    # common prefix length, where path j precedes path i iff its node id there is smaller.
+    at_branch = node.gather(2, common.clamp_max(gamma - 1))  # [B, K(i), K(j)]: node[i, c_ij]
+    precedes = (common < gamma) & (at_branch.transpose(1, 2) < at_branch)  # j before i
+    distinct = node[:, :, -1] == torch.arange(K, device=dev)  # the first path to its leaf
+    # Distinct leaves first, in lexicographic order; duplicates after, by path index.
+    rank = precedes.sum(2) * K + torch.arange(K, device=dev) + (~distinct) * (K * K)
+    order = rank.argsort(1)
+    distinct = distinct.gather(1, order)
     n_leaves = distinct.sum(1)
     nxt = torch.cat([order[:, 1:], order[:, -1:]], dim=1)
     branch = (
@@ -78,91 +90,117 @@ def traversal_verify(
     q_tok = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     log_ratio = (p_tok.log() - q_tok.log()).double()  # [B, K, γ] original per-edge ratios
 
-    # Per-request state; each step gathers and updates the requests still testing (`live`).
+    # Per-request state; each segment reads and updates the requests still testing (`live`).
     leaf = torch.zeros(B, dtype=torch.int64, device=dev)  # index into `leaves`
     path = leaves[:, 0].clone()
-    depth = torch.full((B,), gamma, dtype=torch.int64, device=dev)  # node under test
+    tests = torch.zeros(B, dtype=torch.int64, device=dev)  # uniforms used so far
     zero = torch.zeros(B, 1, dtype=torch.float64, device=dev)
     log_alpha = torch.cat([zero, clipped_products(take_rows(log_ratio, path))], dim=1)  # [B, γ+1]
-    # Rows of nodes on the current path modified by deletions (only ancestors ever are).
-    mod_p = target_probs.new_zeros(B, gamma + 1, V)
-    mod_q = draft_probs.new_zeros(B, gamma + 1, V)
-    modified = torch.zeros(B, gamma + 1, dtype=torch.bool, device=dev)
-    final_row = target_probs.new_zeros(B, V)
+    # Rows of branch nodes on the current path that deletions modified (only ancestors of the
+    # current leaf ever are; at most one a segment, so these are written sparsely).
+    work = torch.promote_types(target_probs.dtype, draft_probs.dtype)  # of α p - q
+    mod_p = target_probs.new_empty(B * gamma, V, dtype=work)  # row (request, depth); read only
+    mod_q = draft_probs.new_empty(B * gamma, V)  # where `modified`
+    modified = torch.zeros(B, gamma, dtype=torch.bool, device=dev)
+    tau = torch.full((B,), gamma, dtype=torch.int64, device=dev)
+    final_row = target_probs.new_empty(B, V, dtype=work)
+    # Rows are read by one index_select over the inputs' merged leading dims: row of (request,
+    # path, depth) in flat_p / flat_q.
     flat_p = target_probs.contiguous().view(-1, V)  # [B·K·(γ+1), V]
     flat_q = draft_probs.contiguous().view(-1, V)  # [B·K·γ, V]
-    flat_mod_p, flat_mod_q = mod_p.view(-1, V), mod_q.view(-1, V)  # [B·(γ+1), V]
     levels = torch.arange(gamma + 1, device=dev)[None, :]
+    inner = levels[:, :gamma]
     live = torch.arange(B, device=dev)
 
-    # Rows are read by one index_select over merged leading dims (flat ids of (request, path,
-    # depth) in the inputs, of (request, depth) in mod_*): advanced indexing copies the same
-    # rows 2-4x slower on CPU. Not workers.tree.rows_at: its per-call view costs an op a step,
-    # and this walk is op-bound.
-    def node_rows(idx: torch.Tensor, d: torch.Tensor, read_q: bool):
-        """(p, q) rows [n, V] of node d on each request's current path, as modified so far;
-        q only when read_q (a parent's: d < γ), else None."""
+    def state_rows(idx: torch.Tensor, node: torch.Tensor, d: torch.Tensor):
+        """(p, q) rows [n, V] of inner node d (< γ) of each request's current path, as
+        deletions left them."""
         is_mod = modified[idx, d, None]
-        node, mod = idx * K + path[idx], idx * (gamma + 1) + d
+        mod = idx * gamma + d
         p = flat_p.index_select(0, node * (gamma + 1) + d)
-        p = torch.where(is_mod, flat_mod_p.index_select(0, mod), p)
-        if not read_q:
-            return p, None
         q = flat_q.index_select(0, node * gamma + d)
-        return p, torch.where(is_mod, flat_mod_q.index_select(0, mod), q)
+        return (
+            torch.where(is_mod, mod_p.index_select(0, mod), p),
+            torch.where(is_mod, mod_q.index_select(0, mod), q),
+        )
 
-    for step in range(K * gamma + 1):
-        d = depth[live]
-        accept = uniforms[live, step].log() < log_alpha[live, d]
-        done = live[accept]
-        final_row[done] = node_rows(done, depth[done], read_q=False)[0]
-        live, d = live[~accept], d[~accept]
-        if live.numel() == 0:
-            break
-        # Delete the tested node and update its parent u (the root, α = 1, always accepts).
-        parent = d - 1
-        p_u, q_u = node_rows(live, parent, read_q=True)
-        alpha_u = log_alpha[live, parent].exp().to(p_u.dtype)
-        excess = (alpha_u[:, None] * p_u - q_u).clamp_min(0)
-        mass = excess.sum(-1)
-        new_p = torch.where(mass[:, None] > 0, excess / mass.clamp_min(1e-300)[:, None], p_u)
-        denom = mass + 1 - alpha_u
+    def masses(node: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """Σ_x (α_d p_d - q_d)_+ over the original rows of every inner node: [n, γ]."""
+        p = flat_p.index_select(0, (node[:, None] * (gamma + 1) + inner).flatten())
+        q = flat_q.index_select(0, (node[:, None] * gamma + inner).flatten())
+        p = p.view(-1, gamma, V).mul_(alpha.unsqueeze(-1)).to(work)  # in place: no new pages
+        excess = p.sub_(q.view(-1, gamma, V))
+        return excess.clamp_min_(0).sum(-1)
+
+    for _ in range(K):  # one segment per distinct leaf; the last one ends at the root (α = 1)
+        node = live * K + path[live]  # [n]: the (request, path) pair of the current leaf
+        b = branch[live, leaf[live]]  # [n]: where the next leaf branches off (-1: the last)
+        # A segment tests the leaf, then each ancestor down to depth b + 1, each after the
+        # deletion of its only child updated it. These updates read only the state before the
+        # segment (each node is updated once in it), so all of them are one batched pass:
+        # R_d = Σ(α_d p_d - q_d)_+,  α'_d = R_d / (R_d + 1 - α_d)  (0/0 -> 1).
+        alpha = log_alpha[live, :gamma].exp().to(target_probs.dtype)  # [n, γ]
+        mass = over_batch_chunks(masses, node, alpha, item_numel=2 * gamma * V)
+        mod = modified[live].nonzero()  # [m, 2]: (live slot, depth) of modified rows
+        if mod.numel():
+            slot, d = mod.unbind(1)
+            p, q = state_rows(live[slot], node[slot], d)
+            mass[slot, d] = (alpha[slot, d, None] * p - q).clamp_min(0).sum(-1)
+        denom = mass + 1 - alpha
         new_alpha = torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0).clamp_max(1)
-        tok = draft_tokens[live, path[live], parent]  # the deleted child's token
-        new_q = q_u.scatter(1, tok[:, None], 0.0)
+        new_log_alpha = new_alpha.double().log()
+        test_log_alpha = torch.cat([new_log_alpha, log_alpha[live, gamma:]], dim=1)  # [n, γ+1]
+        # The tests run from depth γ up, each reading the next uniform: depth d reads
+        # u[tests + γ - d]. The first to pass (the deepest) is accepted.
+        u_index = (tests[live, None] + gamma - levels).clamp(0, K * gamma)
+        passes = (levels > b[:, None]) & (
+            uniforms[live].gather(1, u_index).log() < test_log_alpha
+        )  # [n, γ+1]
+        accepted = passes.any(1)
+        depth = torch.where(passes, levels, -1).amax(1)  # [n]
+
+        # The updated row norm((α p - q)_+) (p if 0/0) of the node each request stops at: the
+        # inner node it accepted, or the branch node where its next leaf starts.
+        at = torch.where(accepted, depth, b).clamp_max(gamma - 1)
+        p, q = state_rows(live, node, at)
+        at_mass = mass.gather(1, at[:, None])
+        excess = (alpha.gather(1, at[:, None]) * p - q).clamp_min(0)
+        new_p = torch.where(at_mass > 0, excess / at_mass.clamp_min(1e-300), p)
+        leaf_p = flat_p.index_select(0, node * (gamma + 1) + gamma)  # depth γ: never modified
+        done = accepted.nonzero().squeeze(1)
+        final_row[live[done]] = torch.where((depth == gamma)[:, None], leaf_p, new_p)[done]
+        tau[live[done]] = depth[done]
+
+        rest = (~accepted).nonzero().squeeze(1)
+        if rest.numel() == 0:
+            break
+        # Not accepted: everything below branch node u is deleted, and u keeps its updated rows
+        # (q without the deleted child's token, renormalised: the next child is a draw without
+        # replacement); the walk moves to the next leaf below u.
+        sw, u_sw, new_p = live[rest], b[rest], new_p[rest]
+        tests[sw] += gamma - u_sw
+        tok = draft_tokens[sw, path[sw], u_sw]  # the deleted child's token
+        new_q = q[rest].scatter(1, tok[:, None], 0.0)
         q_mass = new_q.sum(-1, keepdim=True)
         new_q = torch.where(q_mass > 0, new_q / q_mass.clamp_min(1e-300), new_q)
-        mod_p[live, parent] = new_p
-        mod_q[live, parent] = new_q
-        modified[live, parent] = True
-        new_log_alpha = new_alpha.double().log()
-        log_alpha[live, parent] = new_log_alpha
-
-        # Does u keep another child? Then move to the next leaf below u; else u is next.
-        switch = branch[live, leaf[live]] == parent
-        depth[live] = torch.where(switch, gamma, parent)
-        sw, u_sw = live[switch], parent[switch]
-        if sw.numel() == 0:
-            continue
+        mod_p[sw * gamma + u_sw] = new_p
+        mod_q[sw * gamma + u_sw] = new_q
+        modified[sw] &= inner < u_sw[:, None]
+        modified[sw, u_sw] = True
+        u_log_alpha = new_log_alpha[rest, u_sw]
+        log_alpha[sw, u_sw] = u_log_alpha
         leaf[sw] += 1
         path[sw] = leaves[sw, leaf[sw]]
-        below_u = levels > u_sw[:, None]  # [n, γ+1]
-        modified[sw] &= ~below_u
         # α along the new path below u: first edge from u's updated rows, then original ratios.
-        new_tok = draft_tokens[sw, path[sw], u_sw]
-        first_edge = (
-            new_p[switch].gather(1, new_tok[:, None]).log()
-            - new_q[switch].gather(1, new_tok[:, None]).log()
-        )
-        edges = log_ratio[sw, path[sw]]  # [n, γ]
-        pos = levels[:, :gamma]
-        edges = torch.where(pos == u_sw[:, None], first_edge.double(), edges)
-        edges = torch.where(pos >= u_sw[:, None], edges, 0.0)
-        refreshed = torch.cat(
-            [zero[: sw.numel()], clipped_products(edges, new_log_alpha[switch])], dim=1
-        )
-        log_alpha[sw] = torch.where(below_u, refreshed, log_alpha[sw])
+        new_tok = draft_tokens[sw, path[sw], u_sw][:, None]
+        first_edge = new_p.gather(1, new_tok).log() - new_q.gather(1, new_tok).log()
+        edges = log_ratio[sw, path[sw]]  # [m, γ]
+        edges = torch.where(inner == u_sw[:, None], first_edge.double(), edges)
+        edges = torch.where(inner >= u_sw[:, None], edges, 0.0)
+        refreshed = torch.cat([zero[: sw.numel()], clipped_products(edges, u_log_alpha)], dim=1)
+        log_alpha[sw] = torch.where(levels > u_sw[:, None], refreshed, log_alpha[sw])
+        live = sw
 
     # Each request stopped at the node it accepted: τ is its depth, on its current path.
     y = sample_from_weights(final_row, uniforms[:, K * gamma + 1])
-    return emit(take_rows(draft_tokens, path), depth, y), depth, path
+    return emit(take_rows(draft_tokens, path), tau, y), tau, path
