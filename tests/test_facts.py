@@ -560,3 +560,19 @@ def test_specinfer_computes_low_precision_rows_in_float32():
     is_cand = torch.ones(n, k, dtype=torch.bool)
     low = specinfer_rule(p, q, cand, is_cand, u)
     assert torch.equal(low, specinfer_rule(p.float(), q.float(), cand, is_cand, u))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_draft_and_target_rows_of_different_dtypes(method):
+    """A bfloat16 draft with a float32 target, and the reverse: every method verifies them
+    (no in-place arithmetic that cannot hold the promoted result) and emits valid tokens."""
+    k = 1 if VERIFIERS[method].single_path else 3
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(4, k, 5, 16, generator=gen).softmax(-1)
+    q = (torch.randn(4, k, 4, 16, generator=gen) + p[:, :, :4].log()).softmax(-1)
+    tokens = torch.multinomial(q.view(-1, 16), 1, generator=gen).view(4, k, 4)
+    for draft, target in [(q.bfloat16(), p), (q, p.bfloat16())]:
+        gen = torch.Generator().manual_seed(1)  # bfloat16 rows are off a sum of 1 by ~1e-3:
+        out = verify(method, tokens, draft, target, generator=gen, validate=False)  # the engine's
+        assert ((out.tokens >= 0) & (out.tokens < 16) | (out.tokens == -1)).all()
+        assert (out.num_tokens >= 1).all()
