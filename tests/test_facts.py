@@ -576,3 +576,41 @@ def test_draft_and_target_rows_of_different_dtypes(method):
         out = verify(method, tokens, draft, target, generator=gen, validate=False)  # the engine's
         assert ((out.tokens >= 0) & (out.tokens < 16) | (out.tokens == -1)).all()
         assert (out.num_tokens >= 1).all()
+
+
+def test_kseq_rho_is_the_smallest_feasible_ratio():
+    """SpecTr's ρ* (spec §7) is the smallest ρ in [1, n] with f(ρ) = ρ β(ρ) - 1 + (1 - β)^n >= 0,
+    β(ρ) = Σ min(q, p/ρ): feasible (lossless) and, unless 1, within float32 precision of the
+    root (acceptance). Checked against β summed directly, on dense rows, rows with tied ratios,
+    p = q (ρ* = 1 exactly), and rows zero outside a small draft support."""
+    from service.verification.top_down import kseq_rho
+
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 64, 3000
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    cases = {
+        "dense": (logits, logits + torch.randn(rows, vocab, generator=gen)),
+        "ties": (logits.round(), (logits + torch.randn(rows, vocab, generator=gen)).round()),
+        "support": (
+            logits,
+            logits + torch.where(torch.rand(vocab, generator=gen) < 0.2, 0, -torch.inf),
+        ),
+    }
+    for name, (p_logits, q_logits) in cases.items():
+        p, q = p_logits.softmax(-1), q_logits.softmax(-1)
+        for n in (2, 3, 5):
+            count = torch.full((rows,), n)
+            rho, beta = kseq_rho(p, q, count)
+
+            def f(r):
+                b = torch.minimum(q.double(), p.double() / r[:, None]).sum(-1)
+                return r * b - 1 + (1 - b).clamp_min(0) ** n, b
+
+            f_rho, b_rho = f(rho)
+            assert (f_rho >= -1e-7).all(), (name, n, f_rho.min())
+            assert torch.allclose(beta, b_rho, atol=1e-7), name
+            above_one = rho > 1 + 1e-6
+            assert (f(rho * (1 - 1e-6))[0][above_one] < 0).all(), (name, n)
+    p = logits.softmax(-1)
+    rho, beta = kseq_rho(p, p, torch.full((rows,), 3))
+    assert (rho == 1).all() and torch.allclose(beta, torch.ones_like(beta))

@@ -44,7 +44,8 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         # RRS: the residual after j rejections, one mass per level j = 1..K in turn (its
         # closed form needs no per-candidate row updates); one candidate a node is TV.
         "specinfer": 80 if k == 1 else 100 + depths * (60 + 20 * k),
-        "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 300),  # + the ρ* solve
+        # + the ρ* solve: a 3-round search for its piece, then a few Illinois steps in it
+        "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 200),
         # One segment per distinct leaf, in post-order: the leaf's chain of deletions up to the
         # next branch is one batched pass (its updates read only the state before it).
         "traversal": 100 + 200 * k,
@@ -66,7 +67,7 @@ def host_read_budget(method: str, k: int, gamma: int) -> int:
         "spectr_gbv": 6,
         "naive": 1 + depths,  # the walk drops finished requests at each depth
         "specinfer": 1 if k == 1 else 1 + depths,
-        # + the ρ* solver's test, ≤ 13 a node, and its support check (CPU), ≤ 2 a node
+        # + the ρ* solver's test, ≤ 13 a node (4-5 here), its support check (CPU), ≤ 2
         "spectr": 1 if k == 1 else 1 + depths * 16,
         "traversal": 1 + 3 * k,  # each segment splits the live requests; modified rows
     }[method]

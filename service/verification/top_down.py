@@ -28,6 +28,10 @@ NodeRule = Callable[
 ]
 
 
+# K-SEQ's ρ* search (kseq_rho) tests this many sorted ratios of a row per round.
+SEARCH_WAYS = 64
+
+
 def num_uniforms(k: int, gamma: int) -> int:
     return (gamma + 1) * (k + 1)  # per depth: one per candidate test, one for a residual sample
 
@@ -161,42 +165,79 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
 def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: int = 12):
     """Smallest ρ in [1, n] with 1 - (1 - β(ρ))^n <= ρ β(ρ), β(ρ) = Σ min(q, p/ρ). [B] each.
 
-    f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing with f(n) >= 0. Root-finding by the
-    Illinois variant of regula falsi on a bracket [lo, hi] with f(lo) < 0 <= f(hi): superlinear
-    (8-10 evaluations reach the ~3e-8 relative precision of float32 rows at V = 32000, against
-    ~25 for bisection) and ρ = hi is feasible at every step, so the result is lossless whatever
-    the iteration count; only acceptance could be a hair below optimal. n <= 1 gives ρ = 1
-    (token verification). Masses over V accumulate in float64.
+    f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing with f(n) >= 0. min(q, p/ρ) = q iff
+    ratio p/q >= ρ, so β(ρ) = Q(ratio >= ρ) + P(ratio < ρ)/ρ: after one sort of each row by
+    ratio, prefix masses of p and q give f at any ρ without a pass over V. The root is found
+    in two stages, both without a pass over V per iteration:
+    1. the *piece*: the first sorted ratio in [1, n) where f >= 0, by a search that tests
+       SEARCH_WAYS evenly spaced ratios per round (3 rounds cover 2^18 ratios);
+    2. inside it no ratio crosses ρ, so β(ρ) = A + P/ρ with constants A, P, and f is smooth:
+       the Illinois variant of regula falsi on [lo, hi] with f(lo) < 0 <= f(hi) converges in a
+       few steps to the ~3e-8 relative precision of float32 rows, and ρ = hi is feasible at
+       every step, so the result is lossless whatever the iteration count; only acceptance
+       could be a hair below optimal.
+    n <= 1 gives ρ = 1 (token verification). Masses accumulate in float64.
     """
     nf = n.double().clamp_min(1)
-    lo = torch.ones_like(nf)
+    one = torch.ones_like(nf)
     if bool((nf <= 1).all()):  # a single candidate everywhere: K-SEQ is token verification
-        return lo, torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
-    # min(q, p/ρ) = q iff ratio >= ρ, so β(ρ) = Q(ratio >= ρ) + P(ratio < ρ)/ρ: one sort of
-    # each row by ratio and prefix masses of p and q make every evaluation a binary search,
-    # instead of a pass over V per solver iteration.
+        return one, torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
     support = draft_support(q_row)
     if support is not None:
         p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
-    ratio = torch.where(q_row > 0, p_row / q_row, torch.inf)  # [n, V]
+    ratio = torch.where(q_row > 0, p_row / q_row, torch.inf)  # [B, V]
     order = ascending_order(ratio)
     ratio_sorted = ratio.gather(-1, order)
     zero = torch.zeros_like(nf).unsqueeze(-1)
     p_below = torch.cat([zero, p_row.gather(-1, order).cumsum(-1, dtype=torch.float64)], dim=-1)
     q_below = torch.cat([zero, q_row.gather(-1, order).cumsum(-1, dtype=torch.float64)], dim=-1)
+    # Q relative to its total (off-support tokens add exact zeros to it): where p = q the float
+    # sum differs from 1 by ~1e-8, which would push f(1) below 0 and ρ* off 1.
+    q_total = q_below[:, -1:].clamp_min(1e-300)
 
-    def f_beta(rho: torch.Tensor):
-        n_below = torch.searchsorted(ratio_sorted, rho.to(ratio.dtype).unsqueeze(-1))  # ratio < ρ
-        beta = (
-            q_below[:, -1]
-            - q_below.gather(-1, n_below).squeeze(-1)
-            + p_below.gather(-1, n_below).squeeze(-1) / rho
-        )
-        return rho * beta - 1 + (1 - beta).clamp_min(0) ** nf, beta
+    def f_of(rho, q_above, p_under, power):  # f and β = Q above ρ + P below ρ / ρ
+        beta = q_above + p_under / rho
+        return rho * beta - 1 + (1 - beta).clamp_min(0) ** power, beta
 
-    hi = nf.clone()
+    def masses_at(j):  # (Q above, P below) when the j first sorted ratios are below ρ
+        return (q_total - q_below.gather(-1, j)) / q_total, p_below.gather(-1, j)
+
+    def f_at(j):  # f at the sorted ratios j [B, m], the ratios sorted before each below it
+        return f_of(ratio_sorted.gather(-1, j).double(), *masses_at(j), nf[:, None])[0]
+
+    # Stage 1. The sorted ratios in [1, n) sit at positions [first, last); find the first one
+    # there with f >= 0 (last if none), keeping f < 0 just before lo_j and f >= 0 at hi_j.
+    # (At ρ = 1 the ratios equal to 1 are above it: β(1) = Q = 1 exactly where p = q.)
+    V = ratio.shape[-1]
+    first = torch.searchsorted(ratio_sorted, one.to(ratio.dtype).unsqueeze(-1))  # [B, 1]
+    last = torch.searchsorted(ratio_sorted, nf.to(ratio.dtype).unsqueeze(-1))
+    lo_j, hi_j = first, last
+    ways = torch.arange(SEARCH_WAYS, device=nf.device)
+    rounds = 1
+    while SEARCH_WAYS**rounds < V:
+        rounds += 1
+    for _ in range(rounds):  # each round divides the width by SEARCH_WAYS (rounded up)
+        probe = lo_j + (hi_j - lo_j) * ways // SEARCH_WAYS  # [B, W]
+        ok = (f_at(probe.clamp_max(V - 1)) >= 0) & (probe < hi_j)
+        m = ok.to(torch.int8).argmax(-1, keepdim=True)  # the first probe with f >= 0
+        hit = ok.gather(-1, m)
+        after_miss = probe.gather(-1, (m - 1).clamp_min(0)) + 1  # past the probe before it
+        lo_j = torch.where(hit, torch.where(m > 0, after_miss, lo_j), probe[:, -1:] + 1)
+        hi_j = torch.where(hit, probe.gather(-1, m), hi_j)
+        lo_j = torch.minimum(lo_j, hi_j)
+    # Stage 2. Between the ratios at piece - 1 and piece (1, n at the ends) none crosses ρ.
+    piece = hi_j  # [B, 1]
+    q_above, p_under = (mass.squeeze(-1) for mass in masses_at(piece))
+    left = ratio_sorted.gather(-1, (piece - 1).clamp_min(0)).squeeze(-1).double()
+    right = ratio_sorted.gather(-1, piece.clamp_max(V - 1)).squeeze(-1).double()
+    lo = torch.where((piece > first).squeeze(-1), left, 1.0).clamp_min(1)
+    hi = torch.where((piece < last).squeeze(-1), right, nf).clamp_max(nf)
+
+    def f_beta(rho):
+        return f_of(rho, q_above, p_under, nf)
+
     f_lo, _ = f_beta(lo)
     f_hi, _ = f_beta(hi)
     solved = (f_lo >= 0) | (nf <= 1)
