@@ -578,6 +578,12 @@ def test_draft_and_target_rows_of_different_dtypes(method):
         assert (out.num_tokens >= 1).all()
 
 
+def _kseq_f(p, q, rho, n):
+    """f(ρ) = ρ β - 1 + (1 - β)^n and β = Σ min(q, p/ρ), summed directly in float64."""
+    beta = torch.minimum(q.double(), p.double() / rho[:, None]).sum(-1)
+    return rho * beta - 1 + (1 - beta).clamp_min(0) ** n, beta
+
+
 def test_kseq_rho_is_the_smallest_feasible_ratio():
     """SpecTr's ρ* (spec §7) is the smallest ρ in [1, n] with f(ρ) = ρ β(ρ) - 1 + (1 - β)^n >= 0,
     β(ρ) = Σ min(q, p/ρ): feasible (lossless) and, unless 1, within float32 precision of the
@@ -602,15 +608,11 @@ def test_kseq_rho_is_the_smallest_feasible_ratio():
             count = torch.full((rows,), n)
             rho, beta = kseq_rho(p, q, count)
 
-            def f(r):
-                b = torch.minimum(q.double(), p.double() / r[:, None]).sum(-1)
-                return r * b - 1 + (1 - b).clamp_min(0) ** n, b
-
-            f_rho, b_rho = f(rho)
+            f_rho, b_rho = _kseq_f(p, q, rho, n)
             assert (f_rho >= -1e-7).all(), (name, n, f_rho.min())
             assert torch.allclose(beta, b_rho, atol=1e-7), name
             above_one = rho > 1 + 1e-6
-            assert (f(rho * (1 - 1e-6))[0][above_one] < 0).all(), (name, n)
+            assert (_kseq_f(p, q, rho * (1 - 1e-6), n)[0][above_one] < 0).all(), (name, n)
     p = logits.softmax(-1)
     rho, beta = kseq_rho(p, p, torch.full((rows,), 3))
     assert (rho == 1).all() and torch.allclose(beta, torch.ones_like(beta))
