@@ -578,6 +578,26 @@ def test_draft_and_target_rows_of_different_dtypes(method):
         assert (out.num_tokens >= 1).all()
 
 
+def test_specinfer_levels_read_lazily_give_the_same_tokens():
+    """On CPU SpecInfer computes a residual level only when some row reaches it, and the
+    recovered row only when some row rejected every candidate; on an accelerator it computes
+    all of them without host reads. Both give the same tokens, on nodes with 1-4 of the 4
+    paths as candidates and uniforms from everything-accepted to everything-rejected."""
+    from service.verification.top_down import specinfer_rule
+
+    gen = torch.Generator().manual_seed(1)
+    n, vocab, k = 4000, 12, 4
+    q = torch.randn(n, vocab, generator=gen).softmax(-1)
+    p = (q.log() + torch.randn(n, vocab, generator=gen)).softmax(-1)
+    cand = torch.multinomial(q, k, replacement=True, generator=gen)
+    is_cand = torch.rand(n, k, generator=gen) < 0.6
+    is_cand[:, 0] = True
+    for scale in (0.1, 1.0, 10.0):  # u q / scale against r: most accepted .. most rejected
+        u = (torch.rand(n, k + 1, generator=gen, dtype=torch.float64) * scale).clamp_max(0.999)
+        lazy = specinfer_rule(p, q, cand, is_cand, u, lazy=True)
+        assert torch.equal(lazy, specinfer_rule(p, q, cand, is_cand, u, lazy=False)), scale
+
+
 def _kseq_f(p, q, rho, n):
     """f(ρ) = ρ β - 1 + (1 - β)^n and β = Σ min(q, p/ρ), summed directly in float64."""
     beta = torch.minimum(q.double(), p.double() / rho[:, None]).sum(-1)

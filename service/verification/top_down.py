@@ -96,7 +96,7 @@ def naive_rule(p_row, q_row, cand, is_cand, u):
     return sample_from_weights(p_row, u[:, -1])
 
 
-def specinfer_rule(p_row, q_row, cand, is_cand, u):
+def specinfer_rule(p_row, q_row, cand, is_cand, u, lazy: bool | None = None):
     """Recursive rejection sampling with replacement over the n_v candidates (spec §6).
 
     Candidate c is accepted w.p. min(1, r(c)/q(c)); on rejection r <- norm((r - q)_+). A
@@ -108,30 +108,47 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     So every test reads two scalars per row and its candidate's p and q, and the only passes
     over the vocabulary are one mass per level and the recovered row (the loop kept every
     level's whole row: seven passes a candidate).
+
+    On CPU, where reading a flag costs nothing, level j is computed only if some row is
+    still rejecting when it is reached, and the recovered row only if some row rejected
+    every candidate: the first candidate is usually accepted, and then no level's pass over
+    the vocabulary is needed. On an accelerator every level is computed without waiting
+    on the host; both give the same tokens (``lazy`` picks one; default: lazy on CPU).
     """
     n, K = cand.shape
     # At least float32 rows: t grows past 1, and in bfloat16 1 + z_1 rounds back to 1 once
     # z_1 < 2^-8 (level 2 would repeat level 1). No copy for float32 rows.
     work = torch.promote_types(torch.promote_types(p_row.dtype, q_row.dtype), torch.float32)
     p_row, q_row = p_row.to(work), q_row.to(work)
+    lazy = p_row.device.type == "cpu" if lazy is None else lazy
+    level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
+    n_v = is_cand.sum(-1)  # [n]
+    p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [n, K]
+    uq_c = u[:, :K].double() * q_c
     t = [torch.zeros(n, dtype=torch.float64, device=p_row.device)]  # level 0: r_0 = p itself
     z = [torch.ones_like(t[0])]
-    for _ in range(K):  # levels 1..K: the residuals after 1..K rejections
-        t_next = t[-1] + z[-1]
-        mass = residual_mass(p_row, q_row, t_next)
-        empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
-        t.append(torch.where(empty, t[-1], t_next))
-        z.append(torch.where(empty, z[-1], mass))
-    t, z = torch.stack(t, -1), torch.stack(z, -1)  # [n, K+1]
-    level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
-    p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [n, K]
-    r_c = residual_prob(p_c, q_c, t.gather(-1, level), z.gather(-1, level))
-    accept = is_cand & (u[:, :K].double() * q_c < r_c)
+    accept = torch.zeros_like(is_cand)
+    for j in range(K + 1):  # level j: the residual after j rejections
+        if j > 0:
+            if lazy and not bool((~accept.any(-1) & (n_v >= j)).any()):
+                break  # no row reads level j: a (j+1)-th test or its recovered token
+            t_next = t[-1] + z[-1]
+            mass = residual_mass(p_row, q_row, t_next)
+            empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
+            t.append(torch.where(empty, t[-1], t_next))
+            z.append(torch.where(empty, z[-1], mass))
+        if j < K:  # each row's (j+1)-th candidate
+            r_c = residual_prob(p_c, q_c, t[j].unsqueeze(-1), z[j].unsqueeze(-1))
+            accept |= is_cand & (level == j) & (uq_c < r_c)
     first = accept.to(torch.int8).argmax(-1, keepdim=True)  # the first accepted candidate
+    token = cand.gather(-1, first).squeeze(-1)
+    accepted = accept.any(-1)
+    if lazy and bool(accepted.all()):
+        return token
     # All n_v rejected: sample level n_v's residual (unnormalised weights sample alike).
-    t_rejected = t.gather(-1, is_cand.sum(-1, keepdim=True)).squeeze(-1)
-    recovered = sample_from_weights(residual_weights(p_row, q_row, t_rejected), u[:, K])
-    return torch.where(accept.any(-1), cand.gather(-1, first).squeeze(-1), recovered)
+    t_rejected = torch.stack(t, -1).gather(-1, n_v.clamp_max(len(t) - 1).unsqueeze(-1))
+    recovered = sample_from_weights(residual_weights(p_row, q_row, t_rejected.squeeze(-1)), u[:, K])
+    return torch.where(accepted, token, recovered)
 
 
 def spectr_rule(p_row, q_row, cand, is_cand, u):
