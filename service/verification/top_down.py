@@ -170,6 +170,8 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
         )
         token = torch.where(accept, c.squeeze(-1), token)
         decided = decided | accept
+    if p_row.device.type == "cpu" and bool(decided.all()):  # a free read here: skip 7 passes
+        return token
     # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing.
     accept_mass = 1 - (1 - beta) ** n
     scale = torch.where(beta > 0, accept_mass / beta.clamp_min(1e-300), 0.0).to(p_row.dtype)
