@@ -608,7 +608,8 @@ def test_kseq_rho_is_the_smallest_feasible_ratio():
     """SpecTr's ρ* (spec §7) is the smallest ρ in [1, n] with f(ρ) = ρ β(ρ) - 1 + (1 - β)^n >= 0,
     β(ρ) = Σ min(q, p/ρ): feasible (lossless) and, unless 1, within float32 precision of the
     root (acceptance). Checked against β summed directly, on dense rows, rows with tied ratios,
-    p = q (ρ* = 1 exactly), and rows zero outside a small draft support."""
+    p = q (ρ* = 1 exactly), and rows zero outside a small draft support, with nodes of one
+    candidate (ρ* = 1) among them."""
     from service.verification.top_down import kseq_rho
 
     gen = torch.Generator().manual_seed(5)
@@ -626,7 +627,10 @@ def test_kseq_rho_is_the_smallest_feasible_ratio():
         p, q = p_logits.softmax(-1), q_logits.softmax(-1)
         for n in (2, 3, 5):
             count = torch.full((rows,), n)
+            count[::3] = 1  # nodes with one candidate among them: ρ* = 1
             rho, beta = kseq_rho(p, q, count)
+            assert (rho[::3] == 1).all(), name
+            n = count.double()
 
             f_rho, b_rho = _kseq_f(p, q, rho, n)
             assert (f_rho >= -1e-7).all(), (name, n, f_rho.min())
@@ -636,3 +640,5 @@ def test_kseq_rho_is_the_smallest_feasible_ratio():
     p = logits.softmax(-1)
     rho, beta = kseq_rho(p, p, torch.full((rows,), 3))
     assert (rho == 1).all() and torch.allclose(beta, torch.ones_like(beta))
+    rho, beta = kseq_rho(p, q, torch.ones(rows, dtype=torch.int64))  # all TV
+    assert (rho == 1).all() and torch.allclose(beta, _kseq_f(p, q, rho, 1)[1])

@@ -198,9 +198,24 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: i
     n <= 1 gives ρ = 1 (token verification). Masses accumulate in float64.
     """
     nf = n.double().clamp_min(1)
+    several = nf > 1
+    if bool(several.all()):
+        return kseq_rho_all(p_row, q_row, nf, iters)
+    # A node with one candidate runs token verification: ρ* = 1, β = Σ min(q, p).
+    one, beta = torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
+    if not bool(several.any()):
+        return one, beta
+    if p_row.device.type == "cpu":  # picking rows is cheap here: sort and solve only these
+        rows = several.nonzero().squeeze(-1)
+        rho, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows], iters)
+        return one.index_copy(0, rows, rho), beta.index_copy(0, rows, beta_several)
+    rho, beta_several = kseq_rho_all(p_row, q_row, nf, iters)  # n = 1 rows solve to ρ = 1
+    return torch.where(several, rho, one), torch.where(several, beta_several, beta)
+
+
+def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, iters: int):
+    """kseq_rho on rows that all have n >= 2 candidates (nf: n as float64)."""
     one = torch.ones_like(nf)
-    if bool((nf <= 1).all()):  # a single candidate everywhere: K-SEQ is token verification
-        return one, torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
     support = draft_support(q_row)
