@@ -163,6 +163,16 @@ def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Ten
     return torch.where(w.sum(-1, keepdim=True) > 0, w, fallback)
 
 
+def host_reads_are_free(t: torch.Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host (a flag, a count, ``nonzero``) is free.
+
+    On CPU it is, and a verifier may read one to skip work that no row needs (a residual level
+    nobody reaches, the support outside which q is 0). On an accelerator every such read waits
+    for the device, so there the same verifier does the fixed-shape work instead; both give
+    the same tokens."""
+    return t.device.type == "cpu"
+
+
 # Rank only the draft's support when it is at most this share of the vocabulary.
 SUPPORT_SHARE = 0.5
 
@@ -175,7 +185,7 @@ def draft_support(q: torch.Tensor) -> torch.Tensor | None:
     read, free there and a wait on an accelerator."""
     rows = q.flatten(0, -2)  # [N, V]
     most = SUPPORT_SHARE * rows.shape[-1]
-    if q.device.type != "cpu" or not rows.shape[0] or int((rows[0] > 0).sum()) > most:
+    if not host_reads_are_free(q) or not rows.shape[0] or int((rows[0] > 0).sum()) > most:
         return None  # a dense first row settles it for one row's cost
     ids = (rows > 0).any(0).nonzero().squeeze(-1)
     return ids if 0 < ids.numel() <= most else None

@@ -16,7 +16,7 @@ import torch
 from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
-from .common import draft_support, emit, positive_part_or, take_rows
+from .common import draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ascending_order
 from .token import token_verify_rows
@@ -109,18 +109,18 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u, lazy: bool | None = None):
     over the vocabulary are one mass per level and the recovered row (the loop kept every
     level's whole row: seven passes a candidate).
 
-    On CPU, where reading a flag costs nothing, level j is computed only if some row is
-    still rejecting when it is reached, and the recovered row only if some row rejected
-    every candidate: the first candidate is usually accepted, and then no level's pass over
-    the vocabulary is needed. On an accelerator every level is computed without waiting
-    on the host; both give the same tokens (``lazy`` picks one; default: lazy on CPU).
+    Where host reads are free (CPU), level j is computed only if some row is still rejecting
+    when it is reached, and the recovered row only if some row rejected every candidate: the
+    first candidate is usually accepted, and then no level's pass over the vocabulary is
+    needed. Elsewhere every level is computed without waiting on the host; both give the
+    same tokens (``lazy`` picks one; default: lazy where reads are free).
     """
     n, K = cand.shape
     # At least float32 rows: t grows past 1, and in bfloat16 1 + z_1 rounds back to 1 once
     # z_1 < 2^-8 (level 2 would repeat level 1). No copy for float32 rows.
     work = torch.promote_types(torch.promote_types(p_row.dtype, q_row.dtype), torch.float32)
     p_row, q_row = p_row.to(work), q_row.to(work)
-    lazy = p_row.device.type == "cpu" if lazy is None else lazy
+    lazy = host_reads_are_free(p_row) if lazy is None else lazy
     level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
     n_v = is_cand.sum(-1)  # [n]
     p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [n, K]
@@ -170,7 +170,7 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
         )
         token = torch.where(accept, c.squeeze(-1), token)
         decided = decided | accept
-    if p_row.device.type == "cpu" and bool(decided.all()):  # a free read here: skip 7 passes
+    if host_reads_are_free(p_row) and bool(decided.all()):  # no residual row: skip 7 passes
         return token
     # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing.
     accept_mass = 1 - (1 - beta) ** n
@@ -198,23 +198,24 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: i
     n <= 1 gives ρ = 1 (token verification). Masses accumulate in float64.
     """
     nf = n.double().clamp_min(1)
-    several = nf > 1
-    if bool(several.all()):
-        return kseq_rho_all(p_row, q_row, nf, iters)
-    # A node with one candidate runs token verification: ρ* = 1, β = Σ min(q, p).
-    one, beta = torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
-    if not bool(several.any()):
-        return one, beta
-    if p_row.device.type == "cpu":  # picking rows is cheap here: sort and solve only these
+    several = nf > 1  # a node with one candidate runs token verification: ρ* = 1
+    if host_reads_are_free(p_row):  # sort and solve only the nodes with several candidates
         rows = several.nonzero().squeeze(-1)
-        rho, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows], iters)
-        return one.index_copy(0, rows, rho), beta.index_copy(0, rows, beta_several)
-    rho, beta_several = kseq_rho_all(p_row, q_row, nf, iters)  # n = 1 rows solve to ρ = 1
-    return torch.where(several, rho, one), torch.where(several, beta_several, beta)
+        if rows.numel() == nf.numel():
+            return kseq_rho_all(p_row, q_row, nf, iters)
+        rho, beta = torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
+        if rows.numel():
+            rho_several, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows], iters)
+            rho, beta = rho.index_copy(0, rows, rho_several), beta.index_copy(0, rows, beta_several)
+        return rho, beta
+    if bool(several.any()):  # one wait; rows with n = 1 solve to ρ = 1 at once
+        return kseq_rho_all(p_row, q_row, nf, iters)
+    return torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
 
 
 def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, iters: int):
-    """kseq_rho on rows that all have n >= 2 candidates (nf: n as float64)."""
+    """kseq_rho's sort and solve for every row (nf: n as float64; rows with n = 1 are solved
+    at ρ = 1 before any iteration)."""
     one = torch.ones_like(nf)
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
