@@ -572,8 +572,9 @@ def test_draft_and_target_rows_of_different_dtypes(method):
     q = (torch.randn(4, k, 4, 16, generator=gen) + p[:, :, :4].log()).softmax(-1)
     tokens = torch.multinomial(q.view(-1, 16), 1, generator=gen).view(4, k, 4)
     for draft, target in [(q.bfloat16(), p), (q, p.bfloat16())]:
-        gen = torch.Generator().manual_seed(1)  # bfloat16 rows are off a sum of 1 by ~1e-3:
-        out = verify(method, tokens, draft, target, generator=gen, validate=False)  # the engine's
+        # The engine's path: bfloat16 rows sum to 1 only within ~1e-3, which validation rejects.
+        seeded = torch.Generator().manual_seed(1)
+        out = verify(method, tokens, draft, target, generator=seeded, validate=False)
         assert ((out.tokens >= 0) & (out.tokens < 16) | (out.tokens == -1)).all()
         assert (out.num_tokens >= 1).all()
 
@@ -604,13 +605,18 @@ def _kseq_f(p, q, rho, n):
     return rho * beta - 1 + (1 - beta).clamp_min(0) ** n, beta
 
 
-def test_kseq_rho_is_the_smallest_feasible_ratio():
+@pytest.mark.parametrize("reads_free", [True, False], ids=["cpu-path", "accelerator-path"])
+def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free):
     """SpecTr's ρ* (spec §7) is the smallest ρ in [1, n] with f(ρ) = ρ β(ρ) - 1 + (1 - β)^n >= 0,
     β(ρ) = Σ min(q, p/ρ): feasible (lossless) and, unless 1, within float32 precision of the
     root (acceptance). Checked against β summed directly, on dense rows, rows with tied ratios,
     p = q (ρ* = 1 exactly), and rows zero outside a small draft support, with nodes of one
-    candidate (ρ* = 1) among them."""
+    candidate (ρ* = 1) among them; both on CPU's path (those nodes picked out) and on the
+    accelerators' (every row solved at once)."""
+    from service.verification import top_down
     from service.verification.top_down import kseq_rho
+
+    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: reads_free)
 
     gen = torch.Generator().manual_seed(5)
     rows, vocab = 64, 3000
@@ -630,13 +636,13 @@ def test_kseq_rho_is_the_smallest_feasible_ratio():
             count[::3] = 1  # nodes with one candidate among them: ρ* = 1
             rho, beta = kseq_rho(p, q, count)
             assert (rho[::3] == 1).all(), name
-            n = count.double()
 
-            f_rho, b_rho = _kseq_f(p, q, rho, n)
+            f_rho, b_rho = _kseq_f(p, q, rho, count.double())
             assert (f_rho >= -1e-7).all(), (name, n, f_rho.min())
             assert torch.allclose(beta, b_rho, atol=1e-7), name
             above_one = rho > 1 + 1e-6
-            assert (_kseq_f(p, q, rho * (1 - 1e-6), n)[0][above_one] < 0).all(), (name, n)
+            f_below = _kseq_f(p, q, rho * (1 - 1e-6), count.double())[0]
+            assert (f_below[above_one] < 0).all(), (name, n)
     p = logits.softmax(-1)
     rho, beta = kseq_rho(p, p, torch.full((rows,), 3))
     assert (rho == 1).all() and torch.allclose(beta, torch.ones_like(beta))
