@@ -185,8 +185,9 @@ def traversal_verify(
         new_q = torch.where(q_mass > 0, new_q / q_mass.clamp_min(1e-300), new_q)
         mod_p[sw * gamma + u_sw] = new_p
         mod_q[sw * gamma + u_sw] = new_q
-        modified[sw] &= inner < u_sw[:, None]
-        modified[sw, u_sw] = True
+        # u's row is modified now, rows below it are reset (a tensor value: a Python scalar
+        # assigned at tensor indices is copied to the device first, a host wait on CUDA).
+        modified[sw] = (modified[sw] & (inner < u_sw[:, None])) | (inner == u_sw[:, None])
         u_log_alpha = new_log_alpha[rest, u_sw]
         log_alpha[sw, u_sw] = u_log_alpha
         leaf[sw] += 1
