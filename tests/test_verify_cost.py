@@ -53,23 +53,29 @@ def op_budget(method: str, k: int, gamma: int) -> int:
 
 
 def host_read_budget(method: str, k: int, gamma: int, device: str = "cpu") -> int:
-    """Would-be host waits per call; 1 is the draft-token range check of every call."""
+    """Would-be host waits per call; 1 is the draft-token range check of every call.
+
+    Off the CPU a verifier reads nothing else back (the walks mask finished requests instead
+    of dropping them, the ρ* solve runs its steps), so its kernels can replay from a CUDA
+    graph; only the carried modification's bookkeeping, outside the graph, reads counts. On
+    CPU, where a read is free, verifiers read flags to skip or compact work."""
     depths = gamma + 1
-    cpu = device == "cpu"
+    if device != "cpu" and not VERIFIERS[method].modifies_target:
+        return 1
     return {
         "token": 1,
         "block": 1,
-        # + at K > 1 on CPU only: whether the draft's support is small enough to rank alone
-        # (one row's count, the support's size, the path inside it; never on an accelerator).
+        # + at K > 1: whether the draft's support is small enough to rank alone (one row's
+        # count, the support's size, the path inside it).
         "gbv": 1 if k == 1 else 4,
         # + carry bookkeeping: how many rows the records still modify, and dropping the records
         # that died this step (a test, then a masked select of each of the 3 columns).
         "greedy_block": 6,
         "spectr_gbv": 6,
         "naive": 1 + depths,  # the walk drops finished requests at each depth
-        # + on CPU only: whether a row still reads level j (j = 1..K), or the recovered row
-        "specinfer": 1 if k == 1 else 1 + depths * (1 + (k + 1) * cpu),
-        # + the ρ* solver's test, ≤ 13 a node (4-5 here), its support check (CPU), ≤ 2
+        # + whether a row still reads level j (j = 1..K), or the recovered row
+        "specinfer": 1 if k == 1 else 1 + depths * (k + 2),
+        # + the ρ* solver's test, ≤ 13 a node (4-5 here), its support check, ≤ 2
         "spectr": 1 if k == 1 else 1 + depths * 16,
         "traversal": 1 + 3 * k,  # each segment splits the live requests; modified rows
     }[method]
@@ -191,3 +197,65 @@ def test_one_candidate_a_node_skips_the_walk_with_the_same_draws(method, regime,
     fast = VERIFIERS[method].fn(tokens, q, p, uniforms)
     for a, b in zip(walked, fast, strict=True):
         assert torch.equal(a, b)
+
+
+# Off the CPU the verifiers read no flags back to skip work: fixed-shape paths, so that a
+# call's kernels can be captured in a CUDA graph. They are checked here on CPU by taking them.
+
+
+def same_tokens(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "num_tokens", "path"))
+
+
+def take_accelerator_paths(monkeypatch) -> None:
+    """Run the verifiers' accelerator paths on CPU: no host reads to skip or compact work."""
+    from service.verification import common, top_down, traversal
+
+    for module in (common, top_down, traversal):
+        monkeypatch.setattr(module, "host_reads_are_free", lambda t: False)
+
+
+WALKS = [m for m in METHODS if not VERIFIERS[m].single_path]
+
+
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+@pytest.mark.parametrize("method", WALKS)
+def test_accelerator_paths_give_the_cpu_tokens(method, regime, monkeypatch):
+    """The fixed-shape paths (every request at every depth, masked; every solver step) that
+    make a walk capturable pick the same tokens as the CPU's compacting ones."""
+    tokens, q, p = inputs(regime, 64, 4, 5, vocab=6)  # a narrow vocabulary: shared prefixes
+    gen = torch.Generator()
+    cpu = [verify(method, tokens, q, p, gen.manual_seed(s)) for s in range(8)]
+    take_accelerator_paths(monkeypatch)
+    for s, ref in enumerate(cpu):
+        assert same_tokens(ref, verify(method, tokens, q, p, gen.manual_seed(s))), s
+
+
+def test_rho_solve_gives_the_same_bits_without_its_early_exit(monkeypatch):
+    """Rows that converge stop moving, so running every solver step (accelerators) gives the
+    ρ* and β of stopping once all rows have (CPU), bit for bit."""
+    from service.verification import top_down
+
+    gen = torch.Generator().manual_seed(3)
+    p = (torch.randn(64, 300, generator=gen) * 3).softmax(-1)
+    q = p.log() + torch.randn(64, 300, generator=gen) * torch.rand(64, 1, generator=gen) * 4
+    q = q.softmax(-1)
+    n = torch.randint(1, 6, (64,), generator=gen)
+    rho, beta = top_down.kseq_rho(p, q, n)
+    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
+    rho_all, beta_all = top_down.kseq_rho(p, q, n)
+    assert torch.equal(rho, rho_all) and torch.equal(beta[n > 1], beta_all[n > 1])
+
+
+@pytest.mark.parametrize("regime", ["realistic", "disjoint"])
+@pytest.mark.parametrize("method", METHODS)
+def test_accelerator_paths_read_nothing_back(method, regime, monkeypatch):
+    """What makes a call capturable: no host read but the range check (and, outside the
+    graph, the carried modification's bookkeeping)."""
+    k = 1 if VERIFIERS[method].single_path else 4
+    tokens, q, p = inputs(regime, 8, k, 6)
+    take_accelerator_paths(monkeypatch)
+    counter = CountOps()
+    with counter:
+        verify(method, tokens, q, p, torch.Generator().manual_seed(0), validate=False)
+    assert counter.host_reads <= host_read_budget(method, k, 6, "cuda"), counter.host_reads

@@ -49,19 +49,32 @@ def walk_tree(
     on_path = torch.ones(B, K, dtype=torch.bool, device=dev)  # paths through the current node
     tau = torch.zeros(B, dtype=torch.int64, device=dev)
     last = torch.zeros(B, dtype=torch.int64, device=dev)
-    live = torch.arange(B, device=dev)  # requests still walking; rows are gathered for them only
+    # Where host reads are free, the walk gathers rows for the requests still walking only
+    # (`live`). Elsewhere it walks every request at every depth and masks the finished ones
+    # (`walking`): no waits, so the walk can replay from a CUDA graph. Each request reads its
+    # own uniforms and rows either way, so both give the same tokens.
+    compact = host_reads_are_free(draft_tokens)
+    live = torch.arange(B, device=dev)
+    walking = torch.ones(B, dtype=torch.bool, device=dev)
     for d in range(gamma + 1):
         node_path = on_path[live].to(torch.int8).argmax(-1)  # a path through v: v's rows
         p_row = rows_at(target_probs, live, node_path, d)  # [n, V]
         if d == gamma:
-            last[live] = sample_from_weights(p_row, u[live, d, K])  # bonus
+            bonus = sample_from_weights(p_row, u[live, d, K])
+            last[live] = bonus if compact else torch.where(walking, bonus, last)
             break
         q_row = rows_at(draft_probs, live, node_path, d)
         cand = draft_tokens[live, :, d]  # [n, K]
         token = rule(p_row, q_row, cand, on_path[live], u[live, d])
-        last[live] = token
         child = on_path[live] & (cand == token[:, None])
         descends = child.any(-1)
+        if not compact:
+            last = torch.where(walking, token, last)
+            walking = walking & descends
+            on_path = torch.where(walking[:, None], child, on_path)
+            tau += walking.long()
+            continue
+        last[live] = token
         on_path[live] = torch.where(descends[:, None], child, on_path[live])
         tau[live] += descends.long()
         live = live[descends]
@@ -208,9 +221,7 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: i
             rho_several, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows], iters)
             rho, beta = rho.index_copy(0, rows, rho_several), beta.index_copy(0, rows, beta_several)
         return rho, beta
-    if bool(several.any()):  # one wait; rows with n = 1 solve to ρ = 1 at once
-        return kseq_rho_all(p_row, q_row, nf, iters)
-    return torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
+    return kseq_rho_all(p_row, q_row, nf, iters)  # rows with n = 1 solve to ρ = 1 at once
 
 
 def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, iters: int):
@@ -279,14 +290,19 @@ def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, ite
     hi = torch.where(solved, lo, hi)
     f_hi = torch.where(solved, 0.0, f_hi.clamp_min(0))
     side = torch.zeros_like(nf)  # +1 if hi moved last, -1 if lo moved last
+    # A row stops moving once solved or converged, so its ρ does not depend on how long its
+    # batch-mates iterate. On CPU the loop ends when every row has; elsewhere it runs its
+    # `iters` steps without reading that back (no waits, so it can replay from a CUDA graph).
+    early_exit = host_reads_are_free(p_row)
     for _ in range(iters):
-        if bool((solved | (hi - lo <= 1e-9 * hi)).all()):
+        done = solved | (hi - lo <= 1e-9 * hi)
+        if early_exit and bool(done.all()):
             break
         c = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
         c = torch.where((c > lo) & (c < hi), c, 0.5 * (lo + hi))
         f_c, _ = f_beta(c)
-        feasible = (f_c >= 0) & ~solved
-        moves_lo = (f_c < 0) & ~solved
+        feasible = (f_c >= 0) & ~done
+        moves_lo = (f_c < 0) & ~done
         # Illinois: halve the stale end's value when the same end moves twice in a row.
         f_lo = torch.where(feasible & (side > 0), f_lo / 2, f_lo)
         f_hi = torch.where(moves_lo & (side < 0), f_hi / 2, f_hi)

@@ -32,7 +32,7 @@ import torch
 from workers.sampling import sample_from_weights
 
 from .block import block_verify_rows
-from .common import clipped_products, emit, over_batch_chunks, take_rows
+from .common import clipped_products, emit, host_reads_are_free, over_batch_chunks, take_rows
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -110,7 +110,18 @@ def traversal_verify(
     flat_q = draft_probs.contiguous().view(-1, V)  # [B·K·γ, V]
     levels = torch.arange(gamma + 1, device=dev)[None, :]
     inner = levels[:, :gamma]
+    # Where host reads are free, each segment works on the requests still testing (`live`,
+    # compacted). Elsewhere every segment runs on every request, and a request that accepted
+    # stays as it was: it repeats its last segment, accepts again and writes the same row.
+    # No waits, so the walk can replay from a CUDA graph; both give the same tokens.
+    compact = host_reads_are_free(draft_tokens)
     live = torch.arange(B, device=dev)
+
+    def put(t: torch.Tensor, index, value: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """t[index] = value, on the rows where mask is set (mask None: every row)."""
+        if mask is not None:
+            value = torch.where(mask.view(-1, *[1] * (value.dim() - 1)), value, t[index])
+        t[index] = value
 
     def state_rows(idx: torch.Tensor, node: torch.Tensor, d: torch.Tensor):
         """(p, q) rows [n, V] of inner node d (< γ) of each request's current path, as
@@ -141,11 +152,16 @@ def traversal_verify(
         # R_d = Σ(α_d p_d - q_d)_+,  α'_d = R_d / (R_d + 1 - α_d)  (0/0 -> 1).
         alpha = log_alpha[live, :gamma].exp().to(target_probs.dtype)  # [n, γ]
         mass = over_batch_chunks(masses, node, alpha, item_numel=2 * gamma * V)
-        mod = modified[live].nonzero()  # [m, 2]: (live slot, depth) of modified rows
-        if mod.numel():
-            slot, d = mod.unbind(1)
-            p, q = state_rows(live[slot], node[slot], d)
-            mass[slot, d] = (alpha[slot, d, None] * p - q).clamp_min(0).sum(-1)
+        if compact:
+            mod = modified[live].nonzero()  # [m, 2]: (live slot, depth) of modified rows
+            if mod.numel():
+                slot, d = mod.unbind(1)
+                p, q = state_rows(live[slot], node[slot], d)
+                mass[slot, d] = (alpha[slot, d, None] * p - q).clamp_min(0).sum(-1)
+        else:  # every row's, kept where it is modified
+            p, q = mod_p.view(B, gamma, V), mod_q.view(B, gamma, V)
+            mod_mass = (alpha.unsqueeze(-1) * p - q).clamp_min(0).sum(-1)
+            mass = torch.where(modified, mod_mass, mass)
         denom = mass + 1 - alpha
         new_alpha = torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0).clamp_max(1)
         new_log_alpha = new_alpha.double().log()
@@ -167,31 +183,38 @@ def traversal_verify(
         excess = (alpha.gather(1, at[:, None]) * p - q).clamp_min(0)
         new_p = torch.where(at_mass > 0, excess / at_mass.clamp_min(1e-300), p)
         leaf_p = flat_p.index_select(0, node * (gamma + 1) + gamma)  # depth γ: never modified
-        done = accepted.nonzero().squeeze(1)
-        final_row[live[done]] = torch.where((depth == gamma)[:, None], leaf_p, new_p)[done]
-        tau[live[done]] = depth[done]
-
-        rest = (~accepted).nonzero().squeeze(1)
-        if rest.numel() == 0:
-            break
+        emitted = torch.where((depth == gamma)[:, None], leaf_p, new_p)
+        if compact:  # the requests that accepted, and those that go on
+            done, rest = accepted.nonzero().squeeze(1), (~accepted).nonzero().squeeze(1)
+            moved = None  # every request in `rest` moves on
+            final_row[live[done]], tau[live[done]] = emitted[done], depth[done]
+            if rest.numel() == 0:
+                break
+        else:
+            final_row = torch.where(accepted[:, None], emitted, final_row)
+            tau = torch.where(accepted, depth, tau)
+            rest, moved = live, ~accepted  # live: every request, in order
         # Not accepted: everything below branch node u is deleted, and u keeps its updated rows
         # (q without the deleted child's token, renormalised: the next child is a draw without
-        # replacement); the walk moves to the next leaf below u.
-        sw, u_sw, new_p = live[rest], b[rest], new_p[rest]
-        tests[sw] += gamma - u_sw
+        # replacement); the walk moves to the next leaf below u. (Masked rows compute with
+        # u = 0 and write nothing.)
+        sw, u_sw, new_p = live[rest], b[rest].clamp_min(0), new_p[rest]
+        put(tests, sw, tests[sw] + gamma - u_sw, moved)
         tok = draft_tokens[sw, path[sw], u_sw]  # the deleted child's token
         new_q = q[rest].scatter(1, tok[:, None], 0.0)
         q_mass = new_q.sum(-1, keepdim=True)
         new_q = torch.where(q_mass > 0, new_q / q_mass.clamp_min(1e-300), new_q)
-        mod_p[sw * gamma + u_sw] = new_p
-        mod_q[sw * gamma + u_sw] = new_q
+        put(mod_p, sw * gamma + u_sw, new_p, moved)
+        put(mod_q, sw * gamma + u_sw, new_q, moved)
         # u's row is modified now, rows below it are reset (a tensor value: a Python scalar
         # assigned at tensor indices is copied to the device first, a host wait on CUDA).
-        modified[sw] = (modified[sw] & (inner < u_sw[:, None])) | (inner == u_sw[:, None])
+        put(
+            modified, sw, (modified[sw] & (inner < u_sw[:, None])) | (inner == u_sw[:, None]), moved
+        )
         u_log_alpha = new_log_alpha[rest, u_sw]
-        log_alpha[sw, u_sw] = u_log_alpha
-        leaf[sw] += 1
-        path[sw] = leaves[sw, leaf[sw]]
+        put(log_alpha, (sw, u_sw), u_log_alpha, moved)
+        put(leaf, sw, leaf[sw] + 1, moved)
+        put(path, sw, leaves[sw, leaf[sw]], moved)
         # α along the new path below u: first edge from u's updated rows, then original ratios.
         new_tok = draft_tokens[sw, path[sw], u_sw][:, None]
         first_edge = new_p.gather(1, new_tok).log() - new_q.gather(1, new_tok).log()
@@ -199,7 +222,7 @@ def traversal_verify(
         edges = torch.where(inner == u_sw[:, None], first_edge.double(), edges)
         edges = torch.where(inner >= u_sw[:, None], edges, 0.0)
         refreshed = torch.cat([zero[: sw.numel()], clipped_products(edges, u_log_alpha)], dim=1)
-        log_alpha[sw] = torch.where(levels > u_sw[:, None], refreshed, log_alpha[sw])
+        put(log_alpha, sw, torch.where(levels > u_sw[:, None], refreshed, log_alpha[sw]), moved)
         live = sw
 
     # Each request stopped at the node it accepted: τ is its depth, on its current path.
