@@ -3,6 +3,8 @@
     .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
         [--vocab 32000 49152] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
         [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call)
+        [--graphs]   (CUDA only: also each call replayed from a CUDA graph where the method
+                      can be captured, and whether it gave the eager call's tokens)
 
 Prints a markdown table: median milliseconds per call (validate=False, the engine's hot path)
 and the ratio to `token` at the same shape. `token` verifies one path, so for K > 1 its
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from service.verification import METHODS, VERIFIERS, verify
+from service.verification import METHODS, VERIFIERS, VerifyGraphs, verify
 
 
 def make_inputs(b: int, k: int, gamma: int, vocab: int, device: str, seed: int = 0):
@@ -75,12 +77,20 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
     gen = torch.Generator(device=args.device).manual_seed(1)
     flat = (x.view(b * k, 1, -1), q.view(b * k, 1, args.gamma, vocab), p.view(b * k, 1, -1, vocab))
 
-    def time_call(method: str, inputs, validate: bool = False) -> float:
+    def time_call(method: str, inputs, validate: bool = False, graphs=None) -> float:
         return median_ms(
-            lambda: verify(method, *inputs, generator=gen, validate=validate),
+            lambda: verify(method, *inputs, generator=gen, validate=validate, graphs=graphs),
             args.repeats,
             args.device,
         )
+
+    def same_tokens(method: str, graphs) -> bool:
+        eager, graphed = (
+            verify(method, x, q, p, torch.Generator(args.device).manual_seed(s), graphs=g)
+            for s, g in ((2, None), (2, graphs))
+        )
+        fields = ("tokens", "num_tokens", "path")
+        return all(torch.equal(getattr(eager, f), getattr(graphed, f)) for f in fields)
 
     base = time_call("token", flat)
     rows = []
@@ -95,6 +105,15 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
                 profile_call(lambda m=method: verify(m, x, q, p, generator=gen, validate=False))
             )
             line += f" {row['kernels']} | {row['gpu_ms']:.2f} | {row['waits']} |"
+        if args.graphs:
+            graphs = VerifyGraphs()
+            row.update(
+                graph_ms=time_call(method, (x, q, p), graphs=graphs),
+                graph_same=same_tokens(method, graphs),
+                graph_captured=graphs.eager_shapes == 0,
+            )
+            same = row["graph_same"] if row["graph_captured"] else "capture failed"
+            line += f" {row['graph_ms']:.2f} | {row['graph_ms'] / base:.2f} | {same} |"
         rows.append(row)
         print(line, flush=True)
     check = time_call("token", flat, validate=True) - base
@@ -119,16 +138,23 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="CUDA: kernels, GPU busy ms and host waits per call"
     )
+    ap.add_argument(
+        "--graphs", action="store_true", help="CUDA: also replay capturable methods from graphs"
+    )
     args = ap.parse_args()
-    if args.profile and not args.device.startswith("cuda"):
-        ap.error("--profile counts CUDA kernels: it needs --device cuda")
+    if (args.profile or args.graphs) and not args.device.startswith("cuda"):
+        ap.error("--profile and --graphs are CUDA measurements: they need --device cuda")
     torch.set_num_threads(args.threads)
 
     print(f"# verify() median ms, γ={args.gamma}, device={args.device}, threads={args.threads}")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    extra = (" kernels | GPU busy ms | host waits |", "---|---|---|") if args.profile else ("", "")
-    print("| V | B | K | method | ms | × token |" + extra[0])
-    print("|---|---|---|---|---|---|" + extra[1])
+    head, rule = "| V | B | K | method | ms | × token |", "|---|---|---|---|---|---|"
+    if args.profile:
+        head, rule = head + " kernels | GPU busy ms | host waits |", rule + "---|---|---|"
+    if args.graphs:
+        head, rule = head + " graph ms | graph × token | same tokens |", rule + "---|---|---|"
+    print(head)
+    print(rule)
     rows = [
         row
         for vocab in args.vocab

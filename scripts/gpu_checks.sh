@@ -2,7 +2,8 @@
 # On a CUDA machine (no Ray, Redis or models needed): one-call kernel timings of every
 # verifier, then its exact one-iteration and loop-level laws with the verifiers on the GPU.
 #   bash scripts/gpu_checks.sh [OUT_DIR]        (PYTHON=... to pick the interpreter)
-# Writes gpu.txt, laws.txt, verify.md and verify.json under OUT_DIR (default .cache/gpu).
+# Writes gpu.txt, verify.md, verify.json and laws.txt under OUT_DIR
+# (default .cache/gpu). BATCH / VOCAB pick the grid (default: issue 14's goal grid).
 set -uo pipefail
 status=0
 out=${1:-.cache/gpu}
@@ -13,15 +14,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 "$py" -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
 
 # Kernel timings first (the shorter job): median of 21 calls after a warm-up, synchronised;
-# then one profiled call per cell (kernels launched, GPU busy time, host waits).
+# then one profiled call per cell (kernels launched, GPU busy time, host waits); then, for the
+# methods that capture, the median of 21 calls replayed from CUDA graphs and whether their
+# tokens equal the eager call's.
 timeout "${BENCH_TIMEOUT:-300}" "$py" scripts/bench_verify.py --device cuda --repeats 21 --profile \
-    --batch 1 8 32 128 --vocab 8192 32000 128256 --json "$out/verify.json" | tee "$out/verify.md" \
-    || status=1
+    --graphs --batch ${BATCH:-1 8 32} --vocab ${VOCAB:-32000 49152} --json "$out/verify.json" \
+    | tee "$out/verify.md" || status=1
 
-# The law tests with the verifiers on the GPU (the tables, drafting and counting stay on the
-# CPU; tests/harness.py reads BLOCKSPEC_TEST_DEVICE). --noconftest: conftest.py only loads
-# the service's fixtures (Ray, Redis), which these tests don't use.
+# The law tests with the verifiers on the GPU, replayed from CUDA graphs where they capture,
+# as the service runs them (the tables, drafting and counting stay on the CPU;
+# tests/harness.py reads BLOCKSPEC_TEST_DEVICE and BLOCKSPEC_TEST_GRAPHS); the graphs' own
+# tests and the count of host waits. --noconftest: conftest.py only loads the service's
+# fixtures (Ray, Redis), which these tests don't use.
 BLOCKSPEC_TEST_DEVICE=cuda timeout "${LAWS_TIMEOUT:-320}" "$py" -m pytest -q -p no:cacheprovider \
     --noconftest -n "${WORKERS:-12}" -m "slow or not slow" \
-    tests/test_reference_laws.py tests/test_loop_lossless.py 2>&1 | tee "$out/laws.txt" || status=1
+    tests/test_reference_laws.py tests/test_loop_lossless.py \
+    tests/test_verify_graphs.py tests/test_verify_cost.py::test_cuda_host_waits_within_budget 2>&1 | tee "$out/laws.txt" || status=1
 exit $status

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
-from service.verification import VERIFIERS, TargetModification, verify
+from service.verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.draft import DraftWorker, padding_groups, split_features
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
@@ -224,6 +224,11 @@ class Verdict:
     features: torch.Tensor | None = None
 
 
+# Captured verifier calls of this process (the engine's, or the target's rank 0 actor's where
+# verify_step runs): idle on CPU, where graphs never apply.
+VERIFY_GRAPHS = VerifyGraphs()
+
+
 def verify_step(
     plan: VerifyPlan,
     x: torch.Tensor,  # [n, K, γ] int64: draft tokens ([n, 1, 1] zeros when nothing drafted)
@@ -234,7 +239,8 @@ def verify_step(
     """Verify every (method, K, γ) group of the batch; plain requests sample the root row.
 
     Pure, so it runs wherever p is: in the engine's process, or on the target's rank 0 actor
-    (workers/actors.py), which then commits the accepted paths itself."""
+    (workers/actors.py), which then commits the accepted paths itself. Where p is on a GPU,
+    the verifiers that can replay from that process's CUDA graphs do."""
     n = p.shape[0]
     tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)
     tau = torch.zeros(n, dtype=torch.int64)
@@ -257,6 +263,7 @@ def verify_step(
             gens,
             carry=carry,
             validate=False,  # rows come from our own processing
+            graphs=VERIFY_GRAPHS,
         )
         tokens[ix, : gamma + 1] = out.tokens
         tau[ix], path[ix] = out.num_accepted, out.path

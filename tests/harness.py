@@ -37,6 +37,13 @@ SPEC_NAMES = {
 # Where the verifiers run (the tables, drafting and counting stay on the CPU):
 # BLOCKSPEC_TEST_DEVICE=cuda checks the same laws on a GPU (scripts/gpu_checks.sh).
 DEVICE = torch.device(os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu"))
+# On CUDA the verifiers replay from CUDA graphs, as the service runs them there
+# (BLOCKSPEC_TEST_GRAPHS=0: eager).
+GRAPHS = None
+if DEVICE.type == "cuda" and os.environ.get("BLOCKSPEC_TEST_GRAPHS", "1") != "0":
+    from service.verification import VerifyGraphs
+
+    GRAPHS = VerifyGraphs()
 
 # Significance level of every law test. The tests are seeded (deterministic), so a pass is
 # reproducible; the level keeps the family of ~150 law tests from failing by chance when a
@@ -136,7 +143,9 @@ def on_device(verify, method, x, q, p, gen, **kw):
         return verify(method, x, q, p, generator=gen, **kw)
     seed = int(torch.randint(2**62, (1,), generator=gen))
     dev_gen = torch.Generator(DEVICE).manual_seed(seed)
-    out = verify(method, x.to(DEVICE), q.to(DEVICE), p.to(DEVICE), generator=dev_gen, **kw)
+    out = verify(
+        method, x.to(DEVICE), q.to(DEVICE), p.to(DEVICE), generator=dev_gen, graphs=GRAPHS, **kw
+    )
     fields = [f.name for f in dataclasses.fields(out) if f.name != "carry"]
     return dataclasses.replace(out, **{name: getattr(out, name).cpu() for name in fields})
 

@@ -23,6 +23,7 @@ import torch
 
 from . import block, gbv, greedy, token, top_down, traversal
 from .common import ROW_SUM_TOL, Generators, VerifyOutput, check_inputs, draw_uniforms
+from .graphs import VerifyGraphs
 from .modification import TargetModification, advance_records, apply_records
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "VERIFIERS",
     "TargetModification",
     "Verifier",
+    "VerifyGraphs",
     "VerifyOutput",
     "verify",
 ]
@@ -129,6 +131,7 @@ def verify(
     *,
     carry: TargetModification | None = None,
     validate: bool = True,
+    graphs: VerifyGraphs | None = None,
 ) -> VerifyOutput:
     """Verify one draft block (or tree) per request and emit accepted tokens + one more.
 
@@ -138,6 +141,8 @@ def verify(
     same requests (None on a request's first step). Other methods reject a carry.
     validate: check values (NaN, negatives, row sums within ROW_SUM_TOL, q(drafted) > 0) at
     the cost of ~2 passes over the inputs; shapes, dtypes and token ranges are always checked.
+    graphs: on CUDA, replay the method's kernels from a graph captured per shape bucket
+    (service/verification/graphs.py): the same tokens without the launch cost. None: eager.
     """
     spec = VERIFIERS.get(method)
     if spec is None:
@@ -152,13 +157,19 @@ def verify(
         raise ValueError(f"carry holds {carry.batch_size} requests, the batch has {B}")
 
     uniforms = draw_uniforms(generator, B, spec.num_uniforms(K, gamma), draft_tokens.device)
+
+    def run(*inputs):
+        if graphs is not None and graphs.applies(inputs):
+            return graphs.run(method, spec.fn, inputs)
+        return spec.fn(*inputs)
+
     if not spec.modifies_target:
-        tokens, tau, path = spec.fn(draft_tokens, draft_probs, target_probs, uniforms)
+        tokens, tau, path = run(draft_tokens, draft_probs, target_probs, uniforms)
         return VerifyOutput(tokens, tau + 1, tau, path)
 
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
     modified, record_rows = apply_records(carry, draft_tokens, draft_probs, target_probs)
-    tokens, tau, path, (log_p, log_q, rows_left) = spec.fn(
+    tokens, tau, path, (log_p, log_q, rows_left) = run(
         draft_tokens, draft_probs, target_probs, uniforms, modified
     )
     new_carry = advance_records(

@@ -1,0 +1,144 @@
+"""CUDA graphs for verification: one captured graph per shape bucket, replayed each call.
+
+On a GPU a verify call is bound by kernel launches, not by memory traffic: on an H200 at
+B = 32, γ = 8, V = 32000, `token` launches 45 kernels that keep the GPU busy 0.14 ms of a
+0.78 ms call, and the tree walks launch 100-2,100 (docs/verification_benchmark.md). A graph
+replays all of a call's kernels with one launch. Capture needs fixed shapes and no host
+reads: on an accelerator every verifier does fixed-shape work and reads nothing back (the
+walks mask finished requests instead of dropping them; tests/test_verify_graphs.py checks
+that they read nothing and give the CPU path's tokens).
+
+The batch is padded to a power of two (its bucket), so a few graphs serve every batch size.
+Pad rows hold valid rows of an earlier call (or copies of row 0) and their results are
+dropped: every verifier treats requests independently. `verify` draws the uniforms before the
+call, so a replay computes the same function of the same tensors as the eager call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .modification import ResidualRows
+
+log = logging.getLogger(__name__)
+
+# Static inputs per graph at most: above this a call is bound by memory rather than launches,
+# and every bucket's buffers would hold that much of the GPU's memory.
+MAX_INPUT_BYTES = 512 << 20
+
+
+def batch_bucket(batch: int) -> int:
+    """The padded batch size whose graph serves ``batch`` requests: the next power of two."""
+    return 1 << (batch - 1).bit_length()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # static buffers, batch-first, [bucket, ...]
+    outputs: list[torch.Tensor]  # what the replay writes, batch-first
+    spec: pytree.TreeSpec  # the verifier's output structure
+
+
+class VerifyGraphs:
+    """Captured verifier calls by (method, batch bucket, shapes, dtypes, device), least
+    recently used dropped beyond ``max_graphs``. One per process that verifies on a GPU; its
+    graphs share one memory pool, replayed one at a time on the current stream."""
+
+    def __init__(self, max_graphs: int = 32):
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
+        self._pool = None
+
+    @property
+    def eager_shapes(self) -> int:
+        """Buckets whose capture failed (they run eagerly; a warning says why)."""
+        return sum(entry is None for entry in self._graphs.values())
+
+    def applies(self, inputs: tuple) -> bool:
+        """Whether ``verify`` should run on ``inputs`` through a graph: on CUDA, unless the
+        bucket's inputs are so large that the call is bound by memory, not launches."""
+        tensors = _flatten(inputs)
+        batch = tensors[0].shape[0]
+        if tensors[0].device.type != "cuda" or batch == 0:
+            return False
+        per_row = sum(t[0].numel() * t.element_size() for t in tensors)
+        return batch_bucket(batch) * per_row <= MAX_INPUT_BYTES
+
+    def run(self, method: str, fn: Callable, inputs: tuple):
+        """``fn(*inputs)`` by replaying the bucket's graph (captured on first use).
+
+        inputs: (draft_tokens [B, K, γ], draft_probs [B, K, γ, V], target_probs
+        [B, K, γ+1, V], uniforms [B, n][, modified ResidualRows [B, K, γ]])."""
+        tensors = _flatten(inputs)
+        batch = tensors[0].shape[0]
+        unmodified = len(inputs) == 5 and inputs[4].unmodified  # a host-known branch of fn
+        shapes = tuple((t.shape[1:], t.dtype) for t in tensors)
+        key = (method, batch_bucket(batch), unmodified, shapes, tensors[0].device)
+        # The buffers are inference tensors whatever the caller's mode (the target's actors
+        # verify under inference_mode, an engine may not): written only in that mode.
+        with torch.inference_mode():
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(method, fn, inputs, tensors, unmodified)
+                while len(self._graphs) > self.max_graphs:
+                    self._graphs.popitem(last=False)
+            self._graphs.move_to_end(key)
+        entry = self._graphs[key]
+        if entry is None:
+            return fn(*inputs)
+        with torch.inference_mode():
+            for static, t in zip(entry.inputs, tensors, strict=True):
+                static[:batch].copy_(t)
+            entry.graph.replay()
+        # The next replay overwrites the outputs: hand out copies of the real rows (made in
+        # the caller's mode, so it may update them in place).
+        return pytree.tree_unflatten([o[:batch].clone() for o in entry.outputs], entry.spec)
+
+    def _capture(self, method, fn, inputs, tensors, unmodified) -> _Graph | None:
+        batch, bucket = tensors[0].shape[0], batch_bucket(tensors[0].shape[0])
+        static = []
+        for t in tensors:
+            buf = t.new_empty((bucket, *t.shape[1:]))
+            buf[:batch].copy_(t)
+            buf[batch:].copy_(t[:1].expand(bucket - batch, *t.shape[1:]))  # valid pad rows
+            static.append(buf)
+
+        def call():
+            args = static[:4]
+            if len(inputs) == 5:
+                args.append(ResidualRows(static[4], static[5], unmodified))
+            return fn(*args)
+
+        try:
+            # Warm up off the capture: first calls initialise lazily (kernel loads, handles).
+            side = torch.cuda.Stream(tensors[0].device)
+            side.wait_stream(torch.cuda.current_stream(tensors[0].device))
+            with torch.cuda.stream(side):
+                call()
+            torch.cuda.current_stream(tensors[0].device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA work (a worker's) does not break the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = call()
+        except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
+            log.warning("verify %s stays eager at %s: capture failed: %s", method, bucket, err)
+            return None
+        self._pool = graph.pool()
+        outputs, spec = pytree.tree_flatten(out)
+        if any(o.shape[:1] != (bucket,) for o in outputs):
+            return None  # not batch-first: the rows of a smaller batch cannot be cut out
+        return _Graph(graph, static, outputs, spec)
+
+
+def _flatten(inputs: tuple) -> list[torch.Tensor]:
+    """The call's tensors, batch-first: modified rows as their two [B, K, γ] scalars."""
+    tensors = list(inputs[:4])
+    if len(inputs) == 5:
+        tensors += [inputs[4].t, inputs[4].z]
+    return tensors
