@@ -5,8 +5,8 @@ B = 32, γ = 8, V = 32000, `token` launches 45 kernels that keep the GPU busy 0.
 0.78 ms call, and the tree walks launch 100-2,100 (docs/verification_benchmark.md). A graph
 replays all of a call's kernels with one launch. Capture needs fixed shapes and no host
 reads: on an accelerator every verifier does fixed-shape work and reads nothing back (the
-walks mask finished requests instead of dropping them; tests/test_verify_graphs.py checks
-that they read nothing and give the CPU path's tokens).
+walks mask finished requests instead of dropping them; tests/test_verify_cost.py checks on
+CPU that those paths read nothing back and give the CPU paths' tokens).
 
 The batch is padded to a power of two (its bucket), so a few graphs serve every batch size.
 Pad rows hold valid rows of an earlier call (or copies of row 0) and their results are
