@@ -259,3 +259,16 @@ def test_accelerator_paths_read_nothing_back(method, regime, monkeypatch):
     with counter:
         verify(method, tokens, q, p, torch.Generator().manual_seed(0), validate=False)
     assert counter.host_reads <= host_read_budget(method, k, 6, "cuda"), counter.host_reads
+
+
+def test_stable_sort_gives_the_packed_sorts_order():
+    """Off the CPU ascending_order sorts the float32 key itself (stable): the same (key, id)
+    order as the CPU's packed words, ties, zeros and +inf included."""
+    from service.verification.sorting import ascending_order
+
+    gen = torch.Generator().manual_seed(5)
+    key = torch.randint(0, 7, (16, 3000), generator=gen).float() / 4  # many ties
+    key[:, ::11] = torch.inf
+    key[3] = 0.0
+    key[5] = torch.rand(3000, generator=gen) * 1e-30  # tiny and denormal ratios
+    assert torch.equal(ascending_order(key), torch.sort(key, dim=-1, stable=True).indices)

@@ -5,7 +5,8 @@ below any ratio threshold; both need the order of a [N, V] key per row. On CPU, 
 words that hold the key's float32 bits above the token id is ~4x faster than ``torch.sort``
 here (numpy's integer sort; the words are unique, so their integer order is the (key, id)
 order and no tie pass is needed), and the rows are split over torch's intra-op threads (numpy's
-sort is single-threaded and releases the GIL). CUDA tensors use ``torch.sort``.
+sort is single-threaded and releases the GIL). Elsewhere a stable ``torch.sort`` of the key
+itself gives the same order: a GPU's radix sort then moves 32-bit keys, not 64-bit words.
 """
 
 from __future__ import annotations
@@ -32,18 +33,15 @@ def _sort_rows(words: np.ndarray) -> None:
 
 def ascending_order(key: torch.Tensor) -> torch.Tensor:
     """key [N, V] >= 0 (+inf allowed, no NaN) -> token ids [N, V] int64, ascending by (key, id).
-    float32 keys take the packed sort; other dtypes a stable ``torch.sort``."""
+    float32 keys on CPU take the packed sort; others a stable ``torch.sort``, the same order
+    (the packed words would put a -0.0 key first; a ratio of probabilities is never -0.0)."""
     n, V = key.shape
-    if key.dtype != torch.float32:
+    if key.dtype != torch.float32 or key.device.type != "cpu" or sys.byteorder != "little":
         return torch.sort(key, dim=-1, stable=True).indices
     bits = key.contiguous().view(torch.int32)  # non-negative floats order as integers
-    if key.device.type == "cpu" and sys.byteorder == "little":
-        words = np.empty((n, V, 2), dtype=np.int32)  # little-endian int64: [low word, high word]
-        words[..., 0] = np.arange(V, dtype=np.int32)
-        words[..., 1] = bits.numpy()
-        packed = words.view(np.int64).reshape(n, V)
-        _sort_rows(packed)
-        return torch.from_numpy(packed.view(np.int32)[:, 0::2]).long()
-    ids = torch.arange(V, device=key.device)
-    packed = (bits.to(torch.int64) << 32) | ids
-    return torch.sort(packed, dim=-1).values & 0xFFFFFFFF
+    words = np.empty((n, V, 2), dtype=np.int32)  # little-endian int64: [low word, high word]
+    words[..., 0] = np.arange(V, dtype=np.int32)
+    words[..., 1] = bits.numpy()
+    packed = words.view(np.int64).reshape(n, V)
+    _sort_rows(packed)
+    return torch.from_numpy(packed.view(np.int32)[:, 0::2]).long()
