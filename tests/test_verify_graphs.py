@@ -66,3 +66,16 @@ def test_replays_thread_the_same_carry(method):
         carry_eager, carry_graphed = eager.carry, graphed.carry
         for field in ("log_p", "log_q", "rows_left"):
             assert torch.equal(getattr(carry_eager, field), getattr(carry_graphed, field))
+
+
+@cuda
+def test_buffers_beyond_the_byte_budget_evict_the_least_recently_used():
+    tokens, q, p = inputs("realistic", 8, 1, 6, vocab=500, device="cuda")
+    one_bucket = sum(t.numel() * t.element_size() for t in (tokens, q, p)) + 8 * 8 * 8
+    graphs = VerifyGraphs(max_buffer_bytes=int(1.5 * one_bucket))
+    for method in ("token", "block", "token"):  # the third call captures token again
+        gen = torch.Generator("cuda")
+        eager = verify(method, tokens, q, p, gen.manual_seed(0), validate=False)
+        graphed = verify(method, tokens, q, p, gen.manual_seed(0), validate=False, graphs=graphs)
+        assert same_tokens(eager, graphed), method
+        assert len(graphs._graphs) == 1 and graphs.buffer_bytes <= 1.5 * one_bucket

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # Static inputs per graph at most: above this a call is bound by memory rather than launches,
 # and every bucket's buffers would hold that much of the GPU's memory.
 MAX_INPUT_BYTES = 512 << 20
+# All graphs' input buffers together at most (least recently used graphs go first): they sit
+# beside the target's weights and KV cache. Intermediates live in one shared pool, reused
+# from graph to graph, so they take about one graph's worth.
+MAX_BUFFER_BYTES = 2 << 30
 
 
 def batch_bucket(batch: int) -> int:
@@ -47,14 +51,24 @@ class _Graph:
 
 
 class VerifyGraphs:
-    """Captured verifier calls by (method, batch bucket, shapes, dtypes, device), least
-    recently used dropped beyond ``max_graphs``. One per process that verifies on a GPU; its
-    graphs share one memory pool, replayed one at a time on the current stream."""
+    """Captured verifier calls by (method, batch bucket, shapes, dtypes, device), the least
+    recently used dropped beyond ``max_graphs`` graphs or ``max_buffer_bytes`` of input
+    buffers. One per process that verifies on a GPU; its graphs share one memory pool,
+    replayed one at a time on the current stream."""
 
-    def __init__(self, max_graphs: int = 32):
-        self.max_graphs = max_graphs
+    def __init__(self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES):
+        self.max_graphs, self.max_buffer_bytes = max_graphs, max_buffer_bytes
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
         self._pool = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """GPU memory held by the graphs' input buffers."""
+        return sum(
+            sum(t.numel() * t.element_size() for t in entry.inputs)
+            for entry in self._graphs.values()
+            if entry is not None
+        )
 
     @property
     def eager_shapes(self) -> int:
@@ -86,8 +100,10 @@ class VerifyGraphs:
         with torch.inference_mode():
             if key not in self._graphs:
                 self._graphs[key] = self._capture(method, fn, inputs, tensors, unmodified)
-                while len(self._graphs) > self.max_graphs:
-                    self._graphs.popitem(last=False)
+                while len(self._graphs) > 1 and (
+                    len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
+                ):
+                    self._graphs.popitem(last=False)  # the least recently used; never the new one
             self._graphs.move_to_end(key)
         entry = self._graphs[key]
         if entry is None:
