@@ -3,8 +3,8 @@
     .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
         [--vocab 32000 49152] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
         [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call)
-        [--graphs]   (CUDA only: also each call replayed from a CUDA graph where the method
-                      can be captured, and whether it gave the eager call's tokens)
+        [--graphs]   (CUDA only: also each call replayed from a CUDA graph, and whether it
+                      gave the eager call's tokens)
 
 Prints a markdown table: median milliseconds per call (validate=False, the engine's hot path)
 and the ratio to `token` at the same shape. `token` verifies one path, so for K > 1 its
@@ -139,7 +139,7 @@ def main() -> None:
         "--profile", action="store_true", help="CUDA: kernels, GPU busy ms and host waits per call"
     )
     ap.add_argument(
-        "--graphs", action="store_true", help="CUDA: also replay capturable methods from graphs"
+        "--graphs", action="store_true", help="CUDA: also replay each call from a CUDA graph"
     )
     args = ap.parse_args()
     if (args.profile or args.graphs) and not args.device.startswith("cuda"):

@@ -14,15 +14,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 "$py" -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
 
 # Kernel timings first (the shorter job): median of 21 calls after a warm-up, synchronised;
-# then one profiled call per cell (kernels launched, GPU busy time, host waits); then, for the
-# methods that capture, the median of 21 calls replayed from CUDA graphs and whether their
-# tokens equal the eager call's.
+# then one profiled call per cell (kernels launched, GPU busy time, host waits); then the
+# median of 21 calls replayed from CUDA graphs and whether their tokens equal the eager call's.
 timeout "${BENCH_TIMEOUT:-300}" "$py" scripts/bench_verify.py --device cuda --repeats 21 --profile \
     --graphs --batch ${BATCH:-1 8 32} --vocab ${VOCAB:-32000 49152} --json "$out/verify.json" \
     | tee "$out/verify.md" || status=1
 
-# The law tests with the verifiers on the GPU, replayed from CUDA graphs where they capture,
-# as the service runs them (the tables, drafting and counting stay on the CPU;
+# The law tests with the verifiers on the GPU, replayed from CUDA graphs as the service runs
+# them (the tables, drafting and counting stay on the CPU;
 # tests/harness.py reads BLOCKSPEC_TEST_DEVICE and BLOCKSPEC_TEST_GRAPHS); the graphs' own
 # tests and the count of host waits. --noconftest: conftest.py only loads the service's
 # fixtures (Ray, Redis), which these tests don't use.
