@@ -28,7 +28,7 @@ def test_graphs_leave_cpu_calls_eager(method):
     out = verify(method, tokens, q, p, torch.Generator().manual_seed(0), graphs=graphs)
     ref = verify(method, tokens, q, p, torch.Generator().manual_seed(0))
     assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.path, ref.path)
-    assert not graphs.applies((tokens, q, p, torch.zeros(3, 1)))
+    assert len(graphs) == 0  # nothing captured
 
 
 @cuda
@@ -45,7 +45,7 @@ def test_replays_give_the_eager_tokens_at_every_batch_size(method):
         eager = verify(method, tokens, q, p, gen.manual_seed(step), validate=False)
         graphed = verify(method, tokens, q, p, gen.manual_seed(step), validate=False, graphs=graphs)
         assert same_tokens(eager, graphed), (step, b)
-    assert len(graphs._graphs) == 2 and graphs.eager_shapes == 0  # one graph per bucket
+    assert len(graphs) == 2 and graphs.eager_shapes == 0  # one graph per bucket
 
 
 @cuda
@@ -78,4 +78,4 @@ def test_buffers_beyond_the_byte_budget_evict_the_least_recently_used():
         eager = verify(method, tokens, q, p, gen.manual_seed(0), validate=False)
         graphed = verify(method, tokens, q, p, gen.manual_seed(0), validate=False, graphs=graphs)
         assert same_tokens(eager, graphed), method
-        assert len(graphs._graphs) == 1 and graphs.buffer_bytes <= 1.5 * one_bucket
+        assert len(graphs) == 1 and graphs.buffer_bytes <= 1.5 * one_bucket

@@ -16,6 +16,7 @@ thread ``out.carry`` into the next ``verify`` call of the same requests (``carry
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,12 +158,7 @@ def verify(
         raise ValueError(f"carry holds {carry.batch_size} requests, the batch has {B}")
 
     uniforms = draw_uniforms(generator, B, spec.num_uniforms(K, gamma), draft_tokens.device)
-
-    def run(*inputs):
-        if graphs is not None and graphs.applies(inputs):
-            return graphs.run(method, spec.fn, inputs)
-        return spec.fn(*inputs)
-
+    run = spec.fn if graphs is None else functools.partial(graphs.run, method, spec.fn)
     if not spec.modifies_target:
         tokens, tau, path = run(draft_tokens, draft_probs, target_probs, uniforms)
         return VerifyOutput(tokens, tau + 1, tau, path)

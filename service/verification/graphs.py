@@ -61,6 +61,10 @@ class VerifyGraphs:
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
         self._pool = None
 
+    def __len__(self) -> int:
+        """Buckets seen: graphs held, and shapes whose capture failed."""
+        return len(self._graphs)
+
     @property
     def buffer_bytes(self) -> int:
         """GPU memory held by the graphs' input buffers."""
@@ -75,23 +79,19 @@ class VerifyGraphs:
         """Buckets whose capture failed (they run eagerly; a warning says why)."""
         return sum(entry is None for entry in self._graphs.values())
 
-    def applies(self, inputs: tuple) -> bool:
-        """Whether ``verify`` should run on ``inputs`` through a graph: on CUDA, unless the
-        bucket's inputs are so large that the call is bound by memory, not launches."""
+    def run(self, method: str, fn: Callable, *inputs):
+        """``fn(*inputs)``, by replaying the bucket's graph (captured on first use) on CUDA,
+        unless the bucket's inputs are so large that the call is bound by memory, not launches.
+
+        inputs: draft_tokens [B, K, γ], draft_probs [B, K, γ, V], target_probs [B, K, γ+1, V],
+        uniforms [B, n][, modified ResidualRows [B, K, γ]]."""
         tensors = _flatten(inputs)
         batch = tensors[0].shape[0]
         if tensors[0].device.type != "cuda" or batch == 0:
-            return False
+            return fn(*inputs)
         per_row = sum(t[0].numel() * t.element_size() for t in tensors)
-        return batch_bucket(batch) * per_row <= MAX_INPUT_BYTES
-
-    def run(self, method: str, fn: Callable, inputs: tuple):
-        """``fn(*inputs)`` by replaying the bucket's graph (captured on first use).
-
-        inputs: (draft_tokens [B, K, γ], draft_probs [B, K, γ, V], target_probs
-        [B, K, γ+1, V], uniforms [B, n][, modified ResidualRows [B, K, γ]])."""
-        tensors = _flatten(inputs)
-        batch = tensors[0].shape[0]
+        if batch_bucket(batch) * per_row > MAX_INPUT_BYTES:
+            return fn(*inputs)
         unmodified = len(inputs) == 5 and inputs[4].unmodified  # a host-known branch of fn
         shapes = tuple((t.shape[1:], t.dtype) for t in tensors)
         key = (method, batch_bucket(batch), unmodified, shapes, tensors[0].device)
@@ -147,8 +147,9 @@ class VerifyGraphs:
             return None
         self._pool = graph.pool()
         outputs, spec = pytree.tree_flatten(out)
-        if any(o.shape[:1] != (bucket,) for o in outputs):
-            return None  # not batch-first: the rows of a smaller batch cannot be cut out
+        if any(o.shape[:1] != (bucket,) for o in outputs):  # a smaller batch's rows: no cut
+            log.warning("verify %s stays eager: an output is not batch-first", method)
+            return None
         return _Graph(graph, static, outputs, spec)
 
 
