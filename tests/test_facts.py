@@ -579,12 +579,12 @@ def test_draft_and_target_rows_of_different_dtypes(method):
         assert (out.num_tokens >= 1).all()
 
 
-def test_specinfer_levels_read_lazily_give_the_same_tokens():
+def test_specinfer_levels_read_lazily_give_the_same_tokens(monkeypatch):
     """On CPU SpecInfer computes a residual level only when some row reaches it, and the
     recovered row only when some row rejected every candidate; on an accelerator it computes
     all of them without host reads. Both give the same tokens, on nodes with 1-4 of the 4
     paths as candidates and uniforms from everything-accepted to everything-rejected."""
-    from service.verification.top_down import specinfer_rule
+    from service.verification import top_down
 
     gen = torch.Generator().manual_seed(1)
     n, vocab, k = 4000, 12, 4
@@ -595,8 +595,11 @@ def test_specinfer_levels_read_lazily_give_the_same_tokens():
     is_cand[:, 0] = True
     for scale in (0.1, 1.0, 10.0):  # u q / scale against r: most accepted .. most rejected
         u = (torch.rand(n, k + 1, generator=gen, dtype=torch.float64) * scale).clamp_max(0.999)
-        lazy = specinfer_rule(p, q, cand, is_cand, u, lazy=True)
-        assert torch.equal(lazy, specinfer_rule(p, q, cand, is_cand, u, lazy=False)), scale
+        lazy = top_down.specinfer_rule(p, q, cand, is_cand, u)
+        with monkeypatch.context() as accelerator:
+            accelerator.setattr(top_down, "host_reads_are_free", lambda t: False)
+            every_level = top_down.specinfer_rule(p, q, cand, is_cand, u)
+        assert torch.equal(lazy, every_level), scale
 
 
 def _kseq_f(p, q, rho, n):

@@ -109,7 +109,7 @@ def naive_rule(p_row, q_row, cand, is_cand, u):
     return sample_from_weights(p_row, u[:, -1])
 
 
-def specinfer_rule(p_row, q_row, cand, is_cand, u, lazy: bool | None = None):
+def specinfer_rule(p_row, q_row, cand, is_cand, u):
     """Recursive rejection sampling with replacement over the n_v candidates (spec §6).
 
     Candidate c is accepted w.p. min(1, r(c)/q(c)); on rejection r <- norm((r - q)_+). A
@@ -126,14 +126,14 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u, lazy: bool | None = None):
     when it is reached, and the recovered row only if some row rejected every candidate: the
     first candidate is usually accepted, and then no level's pass over the vocabulary is
     needed. Elsewhere every level is computed without waiting on the host; both give the
-    same tokens (``lazy`` picks one; default: lazy where reads are free).
+    same tokens.
     """
     n, K = cand.shape
     # At least float32 rows: t grows past 1, and in bfloat16 1 + z_1 rounds back to 1 once
     # z_1 < 2^-8 (level 2 would repeat level 1). No copy for float32 rows.
     work = torch.promote_types(torch.promote_types(p_row.dtype, q_row.dtype), torch.float32)
     p_row, q_row = p_row.to(work), q_row.to(work)
-    lazy = host_reads_are_free(p_row) if lazy is None else lazy
+    lazy = host_reads_are_free(p_row)
     level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
     n_v = is_cand.sum(-1)  # [n]
     p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [n, K]
