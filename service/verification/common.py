@@ -163,6 +163,10 @@ def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Ten
     return torch.where(w.sum(-1, keepdim=True) > 0, w, fallback)
 
 
+# Index of every row of a batch: a view, where an index tensor of all rows would be a gather.
+ALL = slice(None)
+
+
 def host_reads_are_free(t: torch.Tensor) -> bool:
     """Whether reading a value of ``t`` on the host (a flag, a count, ``nonzero``) is free.
 

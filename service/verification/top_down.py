@@ -16,7 +16,7 @@ import torch
 from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
-from .common import draft_support, emit, host_reads_are_free, positive_part_or, take_rows
+from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ascending_order
 from .token import token_verify_rows
@@ -57,16 +57,21 @@ def walk_tree(
     live = torch.arange(B, device=dev)
     walking = torch.ones(B, dtype=torch.bool, device=dev)
     for d in range(gamma + 1):
-        node_path = on_path[live].to(torch.int8).argmax(-1)  # a path through v: v's rows
+        rows = live if compact else ALL  # every request: views, no gathers
+        on_node = on_path[rows]  # [n, K]
+        node_path = on_node.to(torch.int8).argmax(-1)  # a path through v: v's rows
         p_row = rows_at(target_probs, live, node_path, d)  # [n, V]
         if d == gamma:
-            bonus = sample_from_weights(p_row, u[live, d, K])
-            last[live] = bonus if compact else torch.where(walking, bonus, last)
+            bonus = sample_from_weights(p_row, u[rows, d, K])
+            if compact:
+                last[live] = bonus
+            else:
+                last = torch.where(walking, bonus, last)
             break
         q_row = rows_at(draft_probs, live, node_path, d)
-        cand = draft_tokens[live, :, d]  # [n, K]
-        token = rule(p_row, q_row, cand, on_path[live], u[live, d])
-        child = on_path[live] & (cand == token[:, None])
+        cand = draft_tokens[rows, :, d]  # [n, K]
+        token = rule(p_row, q_row, cand, on_node, u[rows, d])
+        child = on_node & (cand == token[:, None])
         descends = child.any(-1)
         if not compact:
             last = torch.where(walking, token, last)
@@ -75,7 +80,7 @@ def walk_tree(
             tau += walking.long()
             continue
         last[live] = token
-        on_path[live] = torch.where(descends[:, None], child, on_path[live])
+        on_path[live] = torch.where(descends[:, None], child, on_node)
         tau[live] += descends.long()
         live = live[descends]
         if live.numel() == 0:
@@ -140,19 +145,25 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     uq_c = u[:, :K].double() * q_c
     t = [torch.zeros(n, dtype=torch.float64, device=p_row.device)]  # level 0: r_0 = p itself
     z = [torch.ones_like(t[0])]
-    accept = torch.zeros_like(is_cand)
-    for j in range(K + 1):  # level j: the residual after j rejections
-        if j > 0:
-            if lazy and not bool((~accept.any(-1) & (n_v >= j)).any()):
-                break  # no row reads level j: a (j+1)-th test or its recovered token
-            t_next = t[-1] + z[-1]
-            mass = residual_mass(p_row, q_row, t_next)
-            empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
-            t.append(torch.where(empty, t[-1], t_next))
-            z.append(torch.where(empty, z[-1], mass))
-        if j < K:  # each row's (j+1)-th candidate
-            r_c = residual_prob(p_c, q_c, t[j].unsqueeze(-1), z[j].unsqueeze(-1))
-            accept |= is_cand & (level == j) & (uq_c < r_c)
+
+    def tests():  # [n, K]: the tests of the candidates whose level is known, at once
+        known = len(t) - 1  # levels 0..known (a candidate's level is at most K - 1)
+        at = level if known >= K - 1 else level.clamp_max(known)
+        t_c, z_c = torch.stack(t, -1).gather(-1, at), torch.stack(z, -1).gather(-1, at)
+        passed = is_cand & (uq_c < residual_prob(p_c, q_c, t_c, z_c))
+        return passed if known >= K - 1 else passed & (level <= known)
+
+    for j in range(1, K + 1):  # level j: the residual after j rejections
+        # A row reads level j if it rejected its first j candidates: for a (j+1)-th test or
+        # for its recovered token. Candidates past a row's first acceptance do not matter.
+        if lazy and not bool((~tests().any(-1) & (n_v >= j)).any()):
+            break
+        t_next = t[-1] + z[-1]
+        mass = residual_mass(p_row, q_row, t_next)
+        empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
+        t.append(torch.where(empty, t[-1], t_next))
+        z.append(torch.where(empty, z[-1], mass))
+    accept = tests()
     first = accept.to(torch.int8).argmax(-1, keepdim=True)  # the first accepted candidate
     token = cand.gather(-1, first).squeeze(-1)
     accepted = accept.any(-1)
@@ -166,23 +177,14 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
 
 def spectr_rule(p_row, q_row, cand, is_cand, u):
     """K-SEQ with ρ* for k = n_v candidates (spec §7); first acceptance wins."""
-    K = cand.shape[1]
     n = is_cand.sum(-1)  # [B] multiplicity of the node
     rho, beta = kseq_rho(p_row, q_row, n)  # [B], [B]
-    token = torch.zeros_like(cand[:, 0])
-    decided = torch.zeros_like(is_cand[:, 0])
-    for k in range(K):
-        c = cand[:, k : k + 1]
-        accept = (
-            is_cand[:, k]
-            & ~decided
-            & (
-                u[:, k] * rho * q_row.gather(-1, c).squeeze(-1).double()
-                < p_row.gather(-1, c).squeeze(-1).double()
-            )
-        )
-        token = torch.where(accept, c.squeeze(-1), token)
-        decided = decided | accept
+    # Each candidate's test reads its own uniform, so all K are tested at once and the first
+    # one that passes is taken: the same as testing them in turn and stopping there.
+    p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [B, K]
+    accept = is_cand & (u[:, : cand.shape[1]] * rho[:, None] * q_c < p_c)
+    decided = accept.any(-1)
+    token = cand.gather(-1, accept.to(torch.int8).argmax(-1, keepdim=True)).squeeze(-1)
     if host_reads_are_free(p_row) and bool(decided.all()):  # no residual row: skip 7 passes
         return token
     # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing.
@@ -190,7 +192,7 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
     scale = torch.where(beta > 0, accept_mass / beta.clamp_min(1e-300), 0.0).to(p_row.dtype)
     overlap = torch.minimum(q_row, p_row / rho[:, None].to(p_row.dtype))
     residual = positive_part_or(p_row - overlap * scale[:, None], p_row)
-    recovered = sample_from_weights(residual, u[:, K])
+    recovered = sample_from_weights(residual, u[:, -1])
     return torch.where(decided, token, recovered)
 
 
