@@ -31,12 +31,25 @@ def _sort_rows(words: np.ndarray) -> None:
     list(_SORT_POOL.map(lambda i: words[bounds[i] : bounds[i + 1]].sort(axis=-1), range(parts)))
 
 
+def sort_ascending(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """key [N, V] -> (the sorted keys [N, V], ascending_order(key)): a sort gives both, and
+    gathering the keys again would be one more pass."""
+    if _packed_sort_applies(key):
+        order = ascending_order(key)
+        return key.gather(-1, order), order
+    return torch.sort(key, dim=-1, stable=True)
+
+
+def _packed_sort_applies(key: torch.Tensor) -> bool:
+    return key.dtype == torch.float32 and key.device.type == "cpu" and sys.byteorder == "little"
+
+
 def ascending_order(key: torch.Tensor) -> torch.Tensor:
     """key [N, V] >= 0 (+inf allowed, no NaN) -> token ids [N, V] int64, ascending by (key, id).
     float32 keys on CPU take the packed sort; others a stable ``torch.sort``, the same order
     (the packed words would put a -0.0 key first; a ratio of probabilities is never -0.0)."""
     n, V = key.shape
-    if key.dtype != torch.float32 or key.device.type != "cpu" or sys.byteorder != "little":
+    if not _packed_sort_applies(key):
         return torch.sort(key, dim=-1, stable=True).indices
     bits = key.contiguous().view(torch.int32)  # non-negative floats order as integers
     words = np.empty((n, V, 2), dtype=np.int32)  # little-endian int64: [low word, high word]

@@ -18,7 +18,7 @@ from workers.tree import rows_at
 
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
-from .sorting import ascending_order
+from .sorting import sort_ascending
 from .token import token_verify_rows
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
@@ -28,8 +28,11 @@ NodeRule = Callable[
 ]
 
 
-# K-SEQ's ρ* search (kseq_rho) tests this many sorted ratios of a row per round.
-SEARCH_WAYS = 64
+# K-SEQ's ρ* search (kseq_rho) splits [lo, hi] into this many equal parts per round, for this
+# many rounds: ρ* to within (n - 1) / 256^4 < 1e-9 (n - 1) of the root, the ~3e-8 precision of
+# float32 rows and beyond.
+SEARCH_WAYS = 256
+SEARCH_ROUNDS = 4
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -196,120 +199,69 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
     return torch.where(decided, token, recovered)
 
 
-def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, iters: int = 12):
+def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor):
     """Smallest ρ in [1, n] with 1 - (1 - β(ρ))^n <= ρ β(ρ), β(ρ) = Σ min(q, p/ρ). [B] each.
 
     f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing with f(n) >= 0. min(q, p/ρ) = q iff
     ratio p/q >= ρ, so β(ρ) = Q(ratio >= ρ) + P(ratio < ρ)/ρ: after one sort of each row by
-    ratio, prefix masses of p and q give f at any ρ without a pass over V. The root is found
-    in two stages, both without a pass over V per iteration:
-    1. the *piece*: the first sorted ratio in [1, n) where f >= 0, by a search that tests
-       SEARCH_WAYS evenly spaced ratios per round (3 rounds cover 2^18 ratios);
-    2. inside it no ratio crosses ρ, so β(ρ) = A + P/ρ with constants A, P, and f is smooth:
-       the Illinois variant of regula falsi on [lo, hi] with f(lo) < 0 <= f(hi) converges in a
-       few steps to the ~3e-8 relative precision of float32 rows, and ρ = hi is feasible at
-       every step, so the result is lossless whatever the iteration count; only acceptance
-       could be a hair below optimal.
-    n <= 1 gives ρ = 1 (token verification). Masses accumulate in float64.
+    ratio, prefix masses of p and q give f at any ρ (a binary search among the sorted ratios)
+    without a pass over V. The root is bracketed by a search that evaluates f at SEARCH_WAYS
+    evenly spaced ρ of [lo, hi] at once and keeps the part where f turns >= 0, for
+    SEARCH_ROUNDS rounds: a fixed number of batched steps, no host reads. The result is a ρ
+    where f was found >= 0, so it is lossless whatever its distance to the root; only
+    acceptance could be a hair below optimal. n <= 1 gives ρ = 1 (token verification).
+    Masses accumulate in float64.
     """
     nf = n.double().clamp_min(1)
     several = nf > 1  # a node with one candidate runs token verification: ρ* = 1
     if host_reads_are_free(p_row):  # sort and solve only the nodes with several candidates
         rows = several.nonzero().squeeze(-1)
         if rows.numel() == nf.numel():
-            return kseq_rho_all(p_row, q_row, nf, iters)
+            return kseq_rho_all(p_row, q_row, nf)
         rho, beta = torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
         if rows.numel():
-            rho_several, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows], iters)
+            rho_several, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows])
             rho, beta = rho.index_copy(0, rows, rho_several), beta.index_copy(0, rows, beta_several)
         return rho, beta
-    return kseq_rho_all(p_row, q_row, nf, iters)  # rows with n = 1 solve to ρ = 1 at once
+    return kseq_rho_all(p_row, q_row, nf)  # rows with n = 1 solve to ρ = 1 at once
 
 
-def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, iters: int):
-    """kseq_rho's sort and solve for every row (nf: n as float64; rows with n = 1 are solved
-    at ρ = 1 before any iteration)."""
-    one = torch.ones_like(nf)
+def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor):
+    """kseq_rho's sort and search for every row (nf [B]: n as float64). -> ρ [B], β(ρ) [B]."""
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
     support = draft_support(q_row)
     if support is not None:
         p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
     ratio = torch.where(q_row > 0, p_row / q_row, torch.inf)  # [B, V]
-    order = ascending_order(ratio)
-    ratio_sorted = ratio.gather(-1, order)
+    ratio_sorted, order = sort_ascending(ratio)
+    ratio_sorted = ratio_sorted.double()  # [B, V]: compared with float64 ρ
     zero = torch.zeros_like(nf).unsqueeze(-1)
     p_below = torch.cat([zero, p_row.gather(-1, order).cumsum(-1, dtype=torch.float64)], dim=-1)
     q_below = torch.cat([zero, q_row.gather(-1, order).cumsum(-1, dtype=torch.float64)], dim=-1)
     # Q relative to its total (off-support tokens add exact zeros to it): where p = q the float
     # sum differs from 1 by ~1e-8, which would push f(1) below 0 and ρ* off 1.
-    q_total = q_below[:, -1:].clamp_min(1e-300)
+    q_total = q_below[:, -1:].clamp_min(1e-300)  # [B, 1]
+    q_above = (q_total - q_below) / q_total  # [B, V+1]
+    power = nf.unsqueeze(-1)  # [B, 1]
 
-    def f_of(rho, q_above, p_under, power):  # f and β = Q above ρ + P below ρ / ρ
-        beta = q_above + p_under / rho
+    def f_beta(rho):  # ρ [B, m] -> f(ρ), β(ρ) [B, m]
+        # The j first sorted ratios are below ρ; one equal to ρ counts above (min(q, p/ρ) = q:
+        # at ρ = 1, β(1) = Q = 1 exactly where p = q).
+        j = torch.searchsorted(ratio_sorted, rho)
+        beta = q_above.gather(-1, j) + p_below.gather(-1, j) / rho
         return rho * beta - 1 + (1 - beta).clamp_min(0) ** power, beta
 
-    def masses_at(j):  # (Q above, P below) when the j first sorted ratios are below ρ
-        return (q_total - q_below.gather(-1, j)) / q_total, p_below.gather(-1, j)
-
-    def f_at(j):  # f at the sorted ratios j [B, m], the ratios sorted before each below it
-        return f_of(ratio_sorted.gather(-1, j).double(), *masses_at(j), nf[:, None])[0]
-
-    # Stage 1. The sorted ratios in [1, n) sit at positions [first, last); find the first one
-    # there with f >= 0 (last if none), keeping f < 0 just before lo_j and f >= 0 at hi_j.
-    # (At ρ = 1 the ratios equal to 1 are above it: β(1) = Q = 1 exactly where p = q.)
-    V = ratio.shape[-1]
-    first = torch.searchsorted(ratio_sorted, one.to(ratio.dtype).unsqueeze(-1))  # [B, 1]
-    last = torch.searchsorted(ratio_sorted, nf.to(ratio.dtype).unsqueeze(-1))
-    lo_j, hi_j = first, last
-    ways = torch.arange(SEARCH_WAYS, device=nf.device)
-    rounds = 1
-    while SEARCH_WAYS**rounds < V:
-        rounds += 1
-    for _ in range(rounds):  # each round divides the width by SEARCH_WAYS (rounded up)
-        probe = lo_j + (hi_j - lo_j) * ways // SEARCH_WAYS  # [B, W]
-        ok = (f_at(probe.clamp_max(V - 1)) >= 0) & (probe < hi_j)
-        m = ok.to(torch.int8).argmax(-1, keepdim=True)  # the first probe with f >= 0
-        hit = ok.gather(-1, m)
-        after_miss = probe.gather(-1, (m - 1).clamp_min(0)) + 1  # past the probe before it
-        lo_j = torch.where(hit, torch.where(m > 0, after_miss, lo_j), probe[:, -1:] + 1)
-        hi_j = torch.where(hit, probe.gather(-1, m), hi_j)
-        lo_j = torch.minimum(lo_j, hi_j)
-    # Stage 2. Between the ratios at piece - 1 and piece (1, n at the ends) none crosses ρ.
-    piece = hi_j  # [B, 1]
-    q_above, p_under = (mass.squeeze(-1) for mass in masses_at(piece))
-    left = ratio_sorted.gather(-1, (piece - 1).clamp_min(0)).squeeze(-1).double()
-    right = ratio_sorted.gather(-1, piece.clamp_max(V - 1)).squeeze(-1).double()
-    lo = torch.where((piece > first).squeeze(-1), left, 1.0).clamp_min(1)
-    hi = torch.where((piece < last).squeeze(-1), right, nf).clamp_max(nf)
-
-    def f_beta(rho):
-        return f_of(rho, q_above, p_under, nf)
-
-    f_lo, _ = f_beta(lo)
-    f_hi, _ = f_beta(hi)
-    solved = (f_lo >= 0) | (nf <= 1)
-    hi = torch.where(solved, lo, hi)
-    f_hi = torch.where(solved, 0.0, f_hi.clamp_min(0))
-    side = torch.zeros_like(nf)  # +1 if hi moved last, -1 if lo moved last
-    # A row stops moving once solved or converged, so its ρ does not depend on how long its
-    # batch-mates iterate. On CPU the loop ends when every row has; elsewhere it runs its
-    # `iters` steps without reading that back (no waits, so it can replay from a CUDA graph).
-    early_exit = host_reads_are_free(p_row)
-    for _ in range(iters):
-        done = solved | (hi - lo <= 1e-9 * hi)
-        if early_exit and bool(done.all()):
-            break
-        c = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
-        c = torch.where((c > lo) & (c < hi), c, 0.5 * (lo + hi))
-        f_c, _ = f_beta(c)
-        feasible = (f_c >= 0) & ~done
-        moves_lo = (f_c < 0) & ~done
-        # Illinois: halve the stale end's value when the same end moves twice in a row.
-        f_lo = torch.where(feasible & (side > 0), f_lo / 2, f_lo)
-        f_hi = torch.where(moves_lo & (side < 0), f_hi / 2, f_hi)
-        hi, f_hi = torch.where(feasible, c, hi), torch.where(feasible, f_c, f_hi)
-        lo, f_lo = torch.where(moves_lo, c, lo), torch.where(moves_lo, f_c, f_lo)
-        side = torch.where(feasible, 1.0, torch.where(moves_lo, -1.0, side))
-        solved = solved | (f_c == 0)
-    return hi, f_beta(hi)[1]
+    # Each round keeps f(lo) < 0 <= f(hi), with lo = hi where f(lo) >= 0: the first round
+    # probes ρ = 1 itself, and ρ* = 1 where f(1) >= 0.
+    lo, hi = torch.ones_like(power), power
+    steps = torch.arange(SEARCH_WAYS, device=nf.device, dtype=torch.float64) / SEARCH_WAYS
+    at_hi = torch.arange(SEARCH_WAYS + 1, device=nf.device) == SEARCH_WAYS
+    for _ in range(SEARCH_ROUNDS):
+        # lo and the SEARCH_WAYS - 1 inner points of [lo, hi], then hi itself (f >= 0 there).
+        probe = torch.cat([lo + (hi - lo) * steps, hi], dim=-1)  # [B, SEARCH_WAYS + 1]
+        feasible = (f_beta(probe)[0] >= 0) | at_hi
+        m = feasible.to(torch.int8).argmax(-1, keepdim=True)  # the first probe with f >= 0
+        lo = probe.gather(-1, (m - 1).clamp_min(0))  # the probe before it (probe 0 is lo)
+        hi = probe.gather(-1, m)
+    return hi.squeeze(-1), f_beta(hi)[1].squeeze(-1)
