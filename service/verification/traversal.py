@@ -32,7 +32,14 @@ import torch
 from workers.sampling import sample_from_weights
 
 from .block import block_verify_rows
-from .common import clipped_products, emit, host_reads_are_free, over_batch_chunks, take_rows
+from .common import (
+    ALL,
+    clipped_products,
+    emit,
+    host_reads_are_free,
+    over_batch_chunks,
+    take_rows,
+)
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -117,11 +124,16 @@ def traversal_verify(
     compact = host_reads_are_free(draft_tokens)
     live = torch.arange(B, device=dev)
 
-    def put(t: torch.Tensor, index, value: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """t[index] = value, on the rows where mask is set (mask None: every row)."""
+    def put(t: torch.Tensor, index, value: torch.Tensor, mask: torch.Tensor | None):
+        """t with t[index] = value on the rows where mask is set (mask None: every row): t
+        itself, written in place, or a new tensor where index is every row (`ALL`)."""
         if mask is not None:
-            value = torch.where(mask.view(-1, *[1] * (value.dim() - 1)), value, t[index])
+            keep = mask.view(-1, *[1] * (value.dim() - 1))
+            if index is ALL:
+                return torch.where(keep, value, t)
+            value = torch.where(keep, value, t[index])
         t[index] = value
+        return t
 
     def state_rows(idx: torch.Tensor, node: torch.Tensor, d: torch.Tensor):
         """(p, q) rows [n, V] of inner node d (< γ) of each request's current path, as
@@ -144,13 +156,15 @@ def traversal_verify(
         return excess.clamp_min_(0).sum(-1)
 
     for _ in range(K):  # one segment per distinct leaf; the last one ends at the root (α = 1)
-        node = live * K + path[live]  # [n]: the (request, path) pair of the current leaf
-        b = branch[live, leaf[live]]  # [n]: where the next leaf branches off (-1: the last)
+        rows = live if compact else ALL  # every request: views, no gathers
+        node = live * K + path[rows]  # [n]: the (request, path) pair of the current leaf
+        b = branch[rows].gather(1, leaf[rows, None]).squeeze(1)  # [n]: where the next leaf
+        # branches off (-1: the last)
         # A segment tests the leaf, then each ancestor down to depth b + 1, each after the
         # deletion of its only child updated it. These updates read only the state before the
         # segment (each node is updated once in it), so all of them are one batched pass:
         # R_d = Σ(α_d p_d - q_d)_+,  α'_d = R_d / (R_d + 1 - α_d)  (0/0 -> 1).
-        alpha = log_alpha[live, :gamma].exp().to(target_probs.dtype)  # [n, γ]
+        alpha = log_alpha[rows, :gamma].exp().to(target_probs.dtype)  # [n, γ]
         mass = over_batch_chunks(masses, node, alpha, item_numel=2 * gamma * V)
         if compact:
             mod = modified[live].nonzero()  # [m, 2]: (live slot, depth) of modified rows
@@ -165,12 +179,12 @@ def traversal_verify(
         denom = mass + 1 - alpha
         new_alpha = torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0).clamp_max(1)
         new_log_alpha = new_alpha.double().log()
-        test_log_alpha = torch.cat([new_log_alpha, log_alpha[live, gamma:]], dim=1)  # [n, γ+1]
+        test_log_alpha = torch.cat([new_log_alpha, log_alpha[rows, gamma:]], dim=1)  # [n, γ+1]
         # The tests run from depth γ up, each reading the next uniform: depth d reads
         # u[tests + γ - d]. The first to pass (the deepest) is accepted.
-        u_index = (tests[live, None] + gamma - levels).clamp(0, K * gamma)
+        u_index = (tests[rows, None] + gamma - levels).clamp(0, K * gamma)
         passes = (levels > b[:, None]) & (
-            uniforms[live].gather(1, u_index).log() < test_log_alpha
+            uniforms[rows].gather(1, u_index).log() < test_log_alpha
         )  # [n, γ+1]
         accepted = passes.any(1)
         depth = torch.where(passes, levels, -1).amax(1)  # [n]
@@ -193,14 +207,15 @@ def traversal_verify(
         else:
             final_row = torch.where(accepted[:, None], emitted, final_row)
             tau = torch.where(accepted, depth, tau)
-            rest, moved = live, ~accepted  # live: every request, in order
+            rest, moved = ALL, ~accepted  # every request, in order
         # Not accepted: everything below branch node u is deleted, and u keeps its updated rows
         # (q without the deleted child's token, renormalised: the next child is a draw without
         # replacement); the walk moves to the next leaf below u. (Masked rows compute with
         # u = 0 and write nothing.)
         sw, u_sw, new_p = live[rest], b[rest].clamp_min(0), new_p[rest]
-        put(tests, sw, tests[sw] + gamma - u_sw, moved)
-        tok = draft_tokens[sw, path[sw], u_sw]  # the deleted child's token
+        rows = sw if compact else ALL
+        tests = put(tests, rows, tests[rows] + gamma - u_sw, moved)
+        tok = draft_tokens[sw, path[rows], u_sw]  # the deleted child's token
         new_q = q[rest].scatter(1, tok[:, None], 0.0)
         q_mass = new_q.sum(-1, keepdim=True)
         new_q = torch.where(q_mass > 0, new_q / q_mass.clamp_min(1e-300), new_q)
@@ -208,21 +223,21 @@ def traversal_verify(
         put(mod_q, sw * gamma + u_sw, new_q, moved)
         # u's row is modified now, rows below it are reset (a tensor value: a Python scalar
         # assigned at tensor indices is copied to the device first, a host wait on CUDA).
-        put(
-            modified, sw, (modified[sw] & (inner < u_sw[:, None])) | (inner == u_sw[:, None]), moved
-        )
-        u_log_alpha = new_log_alpha[rest, u_sw]
-        put(log_alpha, (sw, u_sw), u_log_alpha, moved)
-        put(leaf, sw, leaf[sw] + 1, moved)
-        put(path, sw, leaves[sw, leaf[sw]], moved)
+        below_u = (modified[rows] & (inner < u_sw[:, None])) | (inner == u_sw[:, None])
+        modified = put(modified, rows, below_u, moved)
+        u_log_alpha = new_log_alpha[rest].gather(1, u_sw[:, None]).squeeze(1)
+        log_alpha = put(log_alpha, (sw, u_sw), u_log_alpha, moved)
+        leaf = put(leaf, rows, leaf[rows] + 1, moved)
+        path = put(path, rows, leaves[rows].gather(1, leaf[rows, None]).squeeze(1), moved)
         # α along the new path below u: first edge from u's updated rows, then original ratios.
-        new_tok = draft_tokens[sw, path[sw], u_sw][:, None]
+        new_tok = draft_tokens[sw, path[rows], u_sw][:, None]
         first_edge = new_p.gather(1, new_tok).log() - new_q.gather(1, new_tok).log()
-        edges = log_ratio[sw, path[sw]]  # [m, γ]
+        edges = log_ratio[sw, path[rows]]  # [m, γ]
         edges = torch.where(inner == u_sw[:, None], first_edge.double(), edges)
         edges = torch.where(inner >= u_sw[:, None], edges, 0.0)
         refreshed = torch.cat([zero[: sw.numel()], clipped_products(edges, u_log_alpha)], dim=1)
-        put(log_alpha, sw, torch.where(levels > u_sw[:, None], refreshed, log_alpha[sw]), moved)
+        below = torch.where(levels > u_sw[:, None], refreshed, log_alpha[rows])
+        log_alpha = put(log_alpha, rows, below, moved)
         live = sw
 
     # Each request stopped at the node it accepted: τ is its depth, on its current path.
