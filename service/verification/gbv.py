@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.sampling import cumsum64
+
 from .block import block_verify_rows
 from .common import draft_support, emit, over_batch_chunks, take_rows
 from .sorting import ascending_order
@@ -32,7 +34,7 @@ def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """C(x) = Σ_{x' ranked below x} q(x') for every token of each row: [N, V] -> [N, V]."""
     order = ascending_order(key)
     q_sorted = q.gather(-1, order)
-    below_sorted = (q_sorted.cumsum(-1, dtype=torch.float64) - q_sorted).to(q.dtype)
+    below_sorted = (cumsum64(q_sorted) - q_sorted).to(q.dtype)
     return torch.empty_like(q).scatter_(-1, order, below_sorted)
 
 

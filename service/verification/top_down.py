@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from workers.sampling import sample_from_weights
+from workers.sampling import cumsum64, sample_from_weights
 from workers.tree import rows_at
 
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
@@ -237,8 +237,8 @@ def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor):
     ratio_sorted, order = sort_ascending(ratio)
     ratio_sorted = ratio_sorted.double()  # [B, V]: compared with float64 ρ
     zero = torch.zeros_like(nf).unsqueeze(-1)
-    p_below = torch.cat([zero, p_row.gather(-1, order).cumsum(-1, dtype=torch.float64)], dim=-1)
-    q_below = torch.cat([zero, q_row.gather(-1, order).cumsum(-1, dtype=torch.float64)], dim=-1)
+    p_below = torch.cat([zero, cumsum64(p_row.gather(-1, order))], dim=-1)  # [B, V+1]
+    q_below = torch.cat([zero, cumsum64(q_row.gather(-1, order))], dim=-1)
     # Q relative to its total (off-support tokens add exact zeros to it): where p = q the float
     # sum differs from 1 by ~1e-8, which would push f(1) below 0 and ρ* off 1.
     q_total = q_below[:, -1:].clamp_min(1e-300)  # [B, 1]
