@@ -117,8 +117,9 @@ def chunked_cumsum64(x: torch.Tensor, chunk: int) -> torch.Tensor:
     chunks before (the totals' own scan, shifted by one so that a chunk starts exactly where
     the last one ended): the same sums up to rounding, which a GPU's scan has anyway."""
     V = x.shape[-1]
-    padded = torch.nn.functional.pad(x, (0, -V % chunk))  # zeros: the total repeats
-    within = padded.unflatten(-1, (-1, chunk)).cumsum(-1, dtype=torch.float64)  # [..., C, L]
+    if V % chunk:  # zeros: the total repeats (no copy where V divides into chunks)
+        x = torch.nn.functional.pad(x, (0, -V % chunk))
+    within = x.reshape(*x.shape[:-1], -1, chunk).cumsum(-1, dtype=torch.float64)  # [..., C, L]
     ends = within[..., -1].cumsum(-1)  # [..., C]: the total up to the end of each chunk
     before = torch.nn.functional.pad(ends[..., :-1], (1, 0))
     return (within + before.unsqueeze(-1)).flatten(-2)[..., :V]
