@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
         [--vocab 32000 49152] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
-        [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call)
+        [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call; the
+                      JSON also gets the kernels that took the most GPU time)
         [--graphs]   (CUDA only: also each call replayed from a CUDA graph, and whether it
                       gave the eager call's tokens)
 
@@ -52,10 +53,15 @@ def median_ms(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
+# The profile keeps this many kernels by GPU time per call (in the JSON: where the time goes).
+TOP_KERNELS = 8
+
+
 def profile_call(fn) -> dict:
-    """One call under torch.profiler: GPU kernels launched, their summed busy time, and the
-    host waits on the GPU (cudaStreamSynchronize: .item(), nonzero, masked indexing). Many kernels
-    and waits with little busy time means the call is bound by launches and syncs, not memory.
+    """One call under torch.profiler: GPU kernels launched, their summed busy time, the host
+    waits on the GPU (cudaStreamSynchronize: .item(), nonzero, masked indexing), and the
+    kernels that took the most GPU time. Many kernels and waits with little busy time means
+    the call is bound by launches and syncs, not memory.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -66,8 +72,17 @@ def profile_call(fn) -> dict:
     gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
     waits = [e for e in prof.events() if e.name == "cudaStreamSynchronize"]
+    by_name: dict[str, list] = {}  # kernel name (templates cut) -> [calls, busy µs]
+    for e in gpu:
+        entry = by_name.setdefault(e.name.removeprefix("void ")[:100], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     return dict(
-        kernels=len(kernels), gpu_ms=sum(e.device_time for e in gpu) / 1e3, waits=len(waits)
+        kernels=len(kernels),
+        gpu_ms=sum(e.device_time for e in gpu) / 1e3,
+        waits=len(waits),
+        top_kernels=[dict(name=n, calls=c, ms=round(us / 1e3, 4)) for n, (c, us) in top],
     )
 
 
