@@ -159,14 +159,17 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     for j in range(1, K + 1):  # level j: the residual after j rejections
         # A row reads level j if it rejected its first j candidates: for a (j+1)-th test or
         # for its recovered token. Candidates past a row's first acceptance do not matter.
-        if lazy and not bool((~tests().any(-1) & (n_v >= j)).any()):
-            break
+        if lazy:
+            accept = tests()
+            if not bool((~accept.any(-1) & (n_v >= j)).any()):
+                break
         t_next = t[-1] + z[-1]
         mass = residual_mass(p_row, q_row, t_next)
         empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
         t.append(torch.where(empty, t[-1], t_next))
         z.append(torch.where(empty, z[-1], mass))
-    accept = tests()
+    else:  # every level computed: test at them all
+        accept = tests()
     first = accept.to(torch.int8).argmax(-1, keepdim=True)  # the first accepted candidate
     token = cand.gather(-1, first).squeeze(-1)
     accepted = accept.any(-1)
