@@ -65,7 +65,7 @@ def test_power_per_factor_clipped_block_is_rejected(monkeypatch):
 
 
 def test_power_spectr_with_rho_one_is_rejected(monkeypatch):
-    def rho_one(p_row, q_row, n, iters=60):
+    def rho_one(p_row, q_row, n):
         rho = torch.ones(p_row.shape[0], dtype=torch.float64, device=p_row.device)
         return rho, torch.minimum(q_row, p_row).sum(-1).double()
 
