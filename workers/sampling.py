@@ -113,9 +113,10 @@ def cumsum64(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_cumsum64(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """cumsum64 as a scan within chunks of ``chunk`` elements plus the running total of the
-    chunks before (the totals' own scan, shifted by one so that a chunk starts exactly where
-    the last one ended): the same sums up to rounding, which a GPU's scan has anyway."""
+    """cumsum64 as a scan within chunks of ``chunk`` elements, each plus the running total of
+    the chunks before it (the chunk totals' own scan, shifted by one). The same sums up to
+    rounding: float64 sums of float32 values are exact unless their magnitudes span more than
+    ~2^29, and a GPU's own scan associates differently anyway."""
     V = x.shape[-1]
     if V % chunk:  # zeros: the total repeats (no copy where V divides into chunks)
         x = torch.nn.functional.pad(x, (0, -V % chunk))
