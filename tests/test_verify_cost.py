@@ -44,8 +44,8 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         # RRS: the residual after j rejections, one mass per level j = 1..K in turn (its
         # closed form needs no per-candidate row updates); one candidate a node is TV.
         "specinfer": 80 if k == 1 else 100 + depths * (60 + 25 * k),
-        # + the ρ* solve: one sort, then SEARCH_ROUNDS rounds of one batched search each
-        "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 150),
+        # + the ρ* solve: one sort, then 8 rounds of one batched search each (on CPU)
+        "spectr": 80 if k == 1 else 100 + depths * (80 + 20 * k + 250),
         # One segment per distinct leaf, in post-order: the leaf's chain of deletions up to the
         # next branch is one batched pass (its updates read only the state before it).
         "traversal": 100 + 200 * k,

@@ -28,11 +28,13 @@ NodeRule = Callable[
 ]
 
 
-# K-SEQ's ρ* search (kseq_rho) splits [lo, hi] into this many equal parts per round, for this
-# many rounds: ρ* to within (n - 1) / 256^4 < 1e-9 (n - 1) of the root, the ~3e-8 precision of
-# float32 rows and beyond.
-SEARCH_WAYS = 256
-SEARCH_ROUNDS = 4
+# K-SEQ's ρ* search (kseq_rho) splits [lo, hi] into `ways` equal parts per round, for `rounds`
+# rounds: 2^32 parts of [1, n] either way, so ρ* lies within (n - 1) 2^-32 < 1e-9 (n - 1) of the
+# root, beyond the ~3e-8 precision of float32 rows. A GPU evaluates a row's 257 probes in the
+# time of one, so it takes few wide rounds (each round is ~25 kernels); on CPU every probe
+# costs (the law tests solve ~10^5 rows a call), so it takes narrow ones.
+SEARCH_WIDE = (256, 4)  # (ways, rounds) off the CPU
+SEARCH_NARROW = (16, 8)  # on CPU
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -208,9 +210,12 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor):
     f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing with f(n) >= 0. min(q, p/ρ) = q iff
     ratio p/q >= ρ, so β(ρ) = Q(ratio >= ρ) + P(ratio < ρ)/ρ: after one sort of each row by
     ratio, prefix masses of p and q give f at any ρ (a binary search among the sorted ratios)
-    without a pass over V. The root is bracketed by a search that evaluates f at SEARCH_WAYS
-    evenly spaced ρ of [lo, hi] at once and keeps the part where f turns >= 0, for
-    SEARCH_ROUNDS rounds: a fixed number of batched steps, no host reads. The result is a ρ
+    without a pass over V. The root is bracketed by a search that evaluates f at evenly spaced
+    ρ of [lo, hi] at once and keeps the part where f turns >= 0, round after round (16 ways
+    for 8 rounds on CPU, 256 for 4 elsewhere): a fixed number of batched steps, no host reads.
+    Both end on the same grid of 2^32 parts of [1, n], but their probes round differently, so
+    ρ*'s last bits can depend on the device (as float sums on a GPU do), never on the batch.
+    The result is a ρ
     where f was found >= 0, so it is lossless whatever its distance to the root; only
     acceptance could be a hair below optimal. n <= 1 gives ρ = 1 (token verification).
     Masses accumulate in float64.
@@ -245,24 +250,24 @@ def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor):
     # Q relative to its total (off-support tokens add exact zeros to it): where p = q the float
     # sum differs from 1 by ~1e-8, which would push f(1) below 0 and ρ* off 1.
     q_total = q_below[:, -1:].clamp_min(1e-300)  # [B, 1]
-    q_above = (q_total - q_below) / q_total  # [B, V+1]
     power = nf.unsqueeze(-1)  # [B, 1]
 
     def f_beta(rho):  # ρ [B, m] -> f(ρ), β(ρ) [B, m]
         # The j first sorted ratios are below ρ; one equal to ρ counts above (min(q, p/ρ) = q:
         # at ρ = 1, β(1) = Q = 1 exactly where p = q).
         j = torch.searchsorted(ratio_sorted, rho)
-        beta = q_above.gather(-1, j) + p_below.gather(-1, j) / rho
+        beta = (q_total - q_below.gather(-1, j)) / q_total + p_below.gather(-1, j) / rho
         return rho * beta - 1 + (1 - beta).clamp_min(0) ** power, beta
 
     # Each round keeps f(lo) < 0 <= f(hi), with lo = hi where f(lo) >= 0: the first round
     # probes ρ = 1 itself, and ρ* = 1 where f(1) >= 0.
     lo, hi = torch.ones_like(power), power
-    steps = torch.arange(SEARCH_WAYS, device=nf.device, dtype=torch.float64) / SEARCH_WAYS
-    at_hi = torch.arange(SEARCH_WAYS + 1, device=nf.device) == SEARCH_WAYS
-    for _ in range(SEARCH_ROUNDS):
-        # lo and the SEARCH_WAYS - 1 inner points of [lo, hi], then hi itself (f >= 0 there).
-        probe = torch.cat([lo + (hi - lo) * steps, hi], dim=-1)  # [B, SEARCH_WAYS + 1]
+    ways, rounds = SEARCH_NARROW if nf.device.type == "cpu" else SEARCH_WIDE
+    steps = torch.arange(ways, device=nf.device, dtype=torch.float64) / ways
+    at_hi = torch.arange(ways + 1, device=nf.device) == ways
+    for _ in range(rounds):
+        # lo and the ways - 1 inner points of [lo, hi], then hi itself (f >= 0 there).
+        probe = torch.cat([lo + (hi - lo) * steps, hi], dim=-1)  # [B, ways + 1]
         feasible = (f_beta(probe)[0] >= 0) | at_hi
         m = feasible.to(torch.int8).argmax(-1, keepdim=True)  # the first probe with f >= 0
         lo = probe.gather(-1, (m - 1).clamp_min(0))  # the probe before it (probe 0 is lo)
