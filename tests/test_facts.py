@@ -608,18 +608,22 @@ def _kseq_f(p, q, rho, n):
     return rho * beta - 1 + (1 - beta).clamp_min(0) ** n, beta
 
 
+@pytest.mark.parametrize("search", ["narrow", "wide"])
 @pytest.mark.parametrize("reads_free", [True, False], ids=["cpu-path", "accelerator-path"])
-def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free):
+def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free, search):
     """SpecTr's ρ* (spec §7) is the smallest ρ in [1, n] with f(ρ) = ρ β(ρ) - 1 + (1 - β)^n >= 0,
     β(ρ) = Σ min(q, p/ρ): feasible (lossless) and, unless 1, within 1e-8 of the root
     (acceptance). Checked against β summed directly, on dense rows, rows with tied ratios,
     p = q (ρ* = 1 exactly), and rows zero outside a small draft support, with nodes of one
     candidate (ρ* = 1) among them; both on CPU's path (those nodes picked out) and on the
-    accelerators' (every row solved at once)."""
+    accelerators' (every row solved at once), with the CPU's narrow search and the GPU's wide
+    one (taken here on CPU)."""
     from service.verification import top_down
     from service.verification.top_down import kseq_rho
 
     monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: reads_free)
+    if search == "wide":
+        monkeypatch.setattr(top_down, "SEARCH_NARROW", top_down.SEARCH_WIDE)
 
     gen = torch.Generator().manual_seed(5)
     rows, vocab = 64, 3000
