@@ -56,7 +56,7 @@ def host_read_budget(method: str, k: int, gamma: int, device: str = "cpu") -> in
     """Would-be host waits per call; 1 is the draft-token range check of every call.
 
     Off the CPU a verifier reads nothing else back (the walks mask finished requests instead
-    of dropping them, the ρ* solve runs its steps), so its kernels can replay from a CUDA
+    of dropping them, the ρ* search runs all its rounds), so its kernels can replay from a CUDA
     graph; only the carried modification's bookkeeping, outside the graph, reads counts. On
     CPU, where a read is free, verifiers read flags to skip or compact work."""
     depths = gamma + 1
@@ -222,8 +222,8 @@ WALKS = [m for m in METHODS if not VERIFIERS[m].single_path]
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
 @pytest.mark.parametrize("method", WALKS)
 def test_accelerator_paths_give_the_cpu_tokens(method, regime, monkeypatch):
-    """The fixed-shape paths (every request at every depth, masked; every solver step) that
-    make a walk capturable pick the same tokens as the CPU's compacting ones."""
+    """The fixed-shape paths (every request at every depth, masked; every node's ρ* solved)
+    that make a walk capturable pick the same tokens as the CPU's compacting ones."""
     tokens, q, p = inputs(regime, 64, 4, 5, vocab=6)  # a narrow vocabulary: shared prefixes
     gen = torch.Generator()
     cpu = [verify(method, tokens, q, p, gen.manual_seed(s)) for s in range(8)]
