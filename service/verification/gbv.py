@@ -27,7 +27,8 @@ def num_uniforms(k: int, gamma: int) -> int:
 
 def ranking_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """float32 p/q (+inf where q = 0): one key per node, shared by selection and q̃."""
-    return torch.where(q > 0, p / q, torch.inf).float()
+    inf = torch.inf  # q = 0: p/q is +inf, or NaN where p = 0 too
+    return torch.nan_to_num(p / q, nan=inf, posinf=inf, neginf=inf).float()
 
 
 def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
