@@ -166,7 +166,7 @@ def test_ranking_on_a_small_draft_support_is_exact(monkeypatch):
         for share in (compact, -1.0):  # -1: never compact
             monkeypatch.setattr(common, "SUPPORT_SHARE", share)
             assert (common.draft_support(rows_q) is not None) == (share == compact)
-            run = [gbv.skewed_draft(x, rows_q, rows_p, K)]
+            run = [*gbv.skewed_draft(x, rows_q, rows_p, K)]
             run += top_down.kseq_rho(rows_p[:, 0], rows_q[:, 0], torch.full((B,), K))
             for method in ("gbv", "spectr"):
                 out = verify(method, tokens, q, p, generator=torch.Generator().manual_seed(9))
@@ -181,7 +181,7 @@ def test_ranking_on_a_small_draft_support_is_exact(monkeypatch):
     for share in (compact, -1.0):
         monkeypatch.setattr(common, "SUPPORT_SHARE", share)
         out = verify("gbv", tokens, q, p, torch.Generator().manual_seed(9), validate=False)
-        runs.append((gbv.skewed_draft(tokens[:, 0], q[:, 0], p[:, 0], K), out.tokens, out.path))
+        runs.append((*gbv.skewed_draft(tokens[:, 0], q[:, 0], p[:, 0], K), out.tokens, out.path))
     for a, b in zip(*runs, strict=True):  # q̃ is NaN past the q = 0 token, on both paths
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 

@@ -602,6 +602,29 @@ def test_specinfer_levels_read_lazily_give_the_same_tokens(monkeypatch):
         assert torch.equal(lazy, every_level), scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gbv_mass_below_the_path_equals_the_ranked_sums(dtype):
+    """C(x_i), the q-mass ranked below each drafted token, summed by one comparison per row
+    (no sort) equals the running sum over the row sorted by (p/q, id) at x_i, ties by id
+    included: p/q is quantised to a few values, and rows where p = q tie every token."""
+    from service.verification import gbv
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(64, 4, 300, generator=gen, dtype=torch.float64).softmax(-1)
+    p = torch.randint(1, 5, q.shape, generator=gen) * q  # ratios 1..4: many ties
+    p[:, 0] = q[:, 0]  # every ratio equal: the order is the ids'
+    p = (p / p.sum(-1, keepdim=True)).to(dtype)
+    q = q.to(dtype)
+    x = torch.multinomial(q.view(-1, 300).double(), 1, generator=gen).view(64, 4)
+    key = gbv.ranking_key(p, q)
+    ranked = gbv.mass_ranked_below(key.view(-1, 300), q.view(-1, 300)).view(q.shape)
+    expected = ranked.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    got = gbv.drafted_mass_below(key, q, x)
+    assert torch.allclose(
+        got.double(), expected.double(), rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0
+    )
+
+
 def _kseq_f(p, q, rho, n):
     """f(ρ) = ρ β - 1 + (1 - β)^n and β = Σ min(q, p/ρ), summed directly in float64."""
     beta = torch.minimum(q.double(), p.double() / rho[:, None]).sum(-1)

@@ -34,7 +34,10 @@ def op_budget(method: str, k: int, gamma: int) -> int:
     return {
         "token": 80,
         "block": 120,
-        "gbv": 160 + 25 * gamma,  # the selection compares one key per depth: [B, K] ops
+        # The selection compares one key per depth ([B, K] ops). At K > 1 the levels of block
+        # verification are tried top-down on CPU, one batched ranking of a row per round for the
+        # requests still undecided: at most γ rounds (levels γ-1..0).
+        "gbv": 160 + 25 * gamma if k == 1 else 200 + 25 * gamma + 75 * gamma,
         # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k); level
         # 0 has no forced prefix yet, so it skips that bookkeeping (204 ops at K = 1).
         "greedy_block": 60 + 170 * k,
@@ -66,8 +69,9 @@ def host_read_budget(method: str, k: int, gamma: int, device: str = "cpu") -> in
         "token": 1,
         "block": 1,
         # + at K > 1: whether the draft's support is small enough to rank alone (one row's
-        # count, the support's size, the path inside it).
-        "gbv": 1 if k == 1 else 4,
+        # count, or the support's size), and per round of levels: whether any request is
+        # undecided, which, and which passed.
+        "gbv": 1 if k == 1 else 3 + 3 * gamma,
         # + carry bookkeeping: how many rows the records still modify, and dropping the records
         # that died this step (a test, then a masked select of each of the 3 columns).
         "greedy_block": 6,
@@ -210,9 +214,9 @@ def same_tokens(a, b) -> bool:
 
 def take_accelerator_paths(monkeypatch) -> None:
     """Run the verifiers' accelerator paths on CPU: no host reads to skip or compact work."""
-    from service.verification import common, top_down, traversal
+    from service.verification import common, gbv, top_down, traversal
 
-    for module in (common, top_down, traversal):
+    for module in (common, gbv, top_down, traversal):
         monkeypatch.setattr(module, "host_reads_are_free", lambda t: False)
 
 
@@ -230,6 +234,27 @@ def test_accelerator_paths_give_the_cpu_tokens(method, regime, monkeypatch):
     take_accelerator_paths(monkeypatch)
     for s, ref in enumerate(cpu):
         assert same_tokens(ref, verify(method, tokens, q, p, gen.manual_seed(s))), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("support", [None, 90])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+def test_gbv_ranks_only_the_levels_its_uniforms_reach(regime, support, dtype, monkeypatch):
+    """GBV on CPU ranks a row only where its level can pass (η_i < p_i Σp) and tries the levels
+    top-down; the accelerator path ranks every row. Both give the same tokens, in every dtype
+    and with a draft support smaller than the vocabulary (a reduced head, ranked alone)."""
+    tokens, q, p = inputs(regime, 96, 3, 6, vocab=200)
+    if support is not None:  # a reduced draft head: the draft knows the first ids only
+        q = torch.cat([q[..., :support], torch.zeros_like(q[..., support:])], dim=-1)
+        q = q / q.sum(-1, keepdim=True)
+        gen = torch.Generator().manual_seed(4)
+        tokens = torch.multinomial(q.view(-1, 200), 1, generator=gen).view(tokens.shape)
+    q, p = q.to(dtype), p.to(dtype)
+    gen = torch.Generator()
+    cpu = [verify("gbv", tokens, q, p, gen.manual_seed(s), validate=False) for s in range(6)]
+    take_accelerator_paths(monkeypatch)
+    for s, ref in enumerate(cpu):
+        assert same_tokens(ref, verify("gbv", tokens, q, p, gen.manual_seed(s), validate=False))
 
 
 def test_rho_solve_gives_the_same_bits_on_every_row_at_once(monkeypatch):

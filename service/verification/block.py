@@ -29,30 +29,52 @@ def block_verify_rows(
 ):
     """BV on one path per request; returns (τ [B], emitted y [B]). Shared with GBV (§8)."""
     gamma = x.shape[1]
-    px = p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1)
     qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1) if q_drafted is None else q_drafted
-    # p_i = min(1, p_{i-1} p(X_i)/q(X_i)): the clip applies to the running product (not per
-    # factor, which is the lossy vLLM-Ascend #7807 bug class).
-    log_pi = clipped_products(px.log() - qx.log())  # [B, γ], i = 1..γ
-    pi = log_pi.exp().to(p.dtype)
-    pi_all = torch.cat([torch.ones_like(pi[:, :1]), pi], dim=1)  # [B, γ+1], p_0 = 1
-
-    # R_i = Σ_x (p_i p(x|X^i) - q(x|X^i))_+ for i = 1..γ-1; h_i = R_i / (R_i + 1 - p_i).
-
-    def mass(p, q, pi):  # Σ_x (pi p - q)_+ = -Σ_x (q - pi p)_-, two passes and one temporary
-        return torch.addcmul(q, p, pi.unsqueeze(-1), value=-1).clamp_max_(0).sum(-1).neg()
-
-    residual_mass = over_batch_chunks(mass, p[:, 1:gamma], q[:, 1:], pi[:, :-1])
-    denom = residual_mass + 1 - pi[:, :-1]
-    h = torch.where(denom > 0, residual_mass / denom.clamp_min(1e-300), 1.0)  # 0/0 -> 1 (§11)
-    h = torch.cat([h, pi[:, -1:]], dim=1)  # h_γ = p_γ
+    pi = running_products(p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1), qx, p.dtype)
+    # R_i = Σ_x (p_i p(x|X^i) - q(x|X^i))_+ for i = 1..γ-1
+    mass = over_batch_chunks(residual_mass, p[:, 1:gamma], q[:, 1:], pi[:, :-1])
+    h = torch.cat([level_probs(mass, pi[:, :-1]), pi[:, -1:]], dim=1)  # h_γ = p_γ
     tau = last_passing_level(uniforms[:, :gamma].to(h.dtype), h)  # independent η_i, no break
-
-    p_row = take_rows(p, tau)
     q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
-    weights = take_rows(pi_all, tau).unsqueeze(-1) * p_row - q_row
-    y = sample_from_weights(positive_part_or(weights, p_row), uniforms[:, gamma])
-    return tau, y
+    return tau, residual_token(pi, tau, take_rows(p, tau), q_row, uniforms[:, gamma])
+
+
+def running_products(
+    px: torch.Tensor,  # [B, γ]: p(X_i), the target's probability of each path token
+    qx: torch.Tensor,  # [B, γ]: q(X_i)
+    dtype: torch.dtype,  # the rows'
+) -> torch.Tensor:
+    """p_i = min(1, p_{i-1} p(X_i)/q(X_i)), i = 1..γ: [B, γ]. The clip applies to the running
+    product (not per factor, which is the lossy vLLM-Ascend #7807 bug class)."""
+    return clipped_products(px.log() - qx.log()).exp().to(dtype)
+
+
+def residual_mass(
+    p: torch.Tensor,  # [..., V]: target rows
+    q: torch.Tensor,  # [..., V]: draft rows
+    pi: torch.Tensor,  # [...]: the running product at each row
+) -> torch.Tensor:
+    """R = Σ_x (p_i p(x) - q(x))_+ = -Σ_x (q - p_i p)_-: [...], two passes and one temporary."""
+    return torch.addcmul(q, p, pi.unsqueeze(-1), value=-1).clamp_max_(0).sum(-1).neg()
+
+
+def level_probs(mass: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:
+    """h_i = R_i / (R_i + 1 - p_i), the chance that level i passes (0/0 -> 1, spec §11)."""
+    denom = mass + 1 - pi
+    return torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0)
+
+
+def residual_token(
+    pi: torch.Tensor,  # [B, γ]: the running products p_1..p_γ
+    tau: torch.Tensor,  # [B] int64: the accepted length
+    p_row: torch.Tensor,  # [B, V]: the target row after the accepted prefix
+    q_row: torch.Tensor,  # [B, V]: its draft row, zeros where τ = γ
+    u: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """The recovered (τ < γ) or bonus (τ = γ) token: y ~ (p_τ p - q)_+ normalised, p_0 = 1."""
+    pi_tau = take_rows(torch.cat([torch.ones_like(pi[:, :1]), pi], dim=1), tau)
+    weights = pi_tau.unsqueeze(-1) * p_row - q_row
+    return sample_from_weights(positive_part_or(weights, p_row), u)
 
 
 def block_verify(
