@@ -236,25 +236,53 @@ def test_accelerator_paths_give_the_cpu_tokens(method, regime, monkeypatch):
         assert same_tokens(ref, verify(method, tokens, q, p, gen.manual_seed(s))), s
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("dtypes", [(F64, F64), (F32, F32), (BF16, BF16), (F32, F64), (F64, F32)])
 @pytest.mark.parametrize("support", [None, 90])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_gbv_ranks_only_the_levels_its_uniforms_reach(regime, support, dtype, monkeypatch):
+def test_gbv_ranks_only_the_levels_its_uniforms_reach(regime, support, dtypes, monkeypatch):
     """GBV on CPU ranks a row only where its level can pass (η_i < p_i Σp) and tries the levels
     top-down; the accelerator path ranks every row. Both give the same tokens, in every dtype
-    and with a draft support smaller than the vocabulary (a reduced head, ranked alone)."""
+    (draft and target rows of different dtypes too) and with a draft support smaller than the
+    vocabulary (a reduced head, ranked alone)."""
     tokens, q, p = inputs(regime, 96, 3, 6, vocab=200)
     if support is not None:  # a reduced draft head: the draft knows the first ids only
         q = torch.cat([q[..., :support], torch.zeros_like(q[..., support:])], dim=-1)
         q = q / q.sum(-1, keepdim=True)
         gen = torch.Generator().manual_seed(4)
         tokens = torch.multinomial(q.view(-1, 200), 1, generator=gen).view(tokens.shape)
-    q, p = q.to(dtype), p.to(dtype)
+    q, p = q.to(dtypes[0]), p.to(dtypes[1])
     gen = torch.Generator()
     cpu = [verify("gbv", tokens, q, p, gen.manual_seed(s), validate=False) for s in range(6)]
     take_accelerator_paths(monkeypatch)
     for s, ref in enumerate(cpu):
         assert same_tokens(ref, verify("gbv", tokens, q, p, gen.manual_seed(s), validate=False))
+
+
+def test_gbv_levels_compare_uniforms_in_the_promoted_dtype(monkeypatch):
+    """float32 target rows, float64 draft rows: block verification compares η with h in
+    float64. A uniform a hair below p_γ (which rounds up to p_γ in float32) passes level γ on
+    both of GBV's paths."""
+    from service.verification import gbv
+
+    tokens, q, p = inputs("agree", 32, 2, 4, vocab=50)
+    tokens[:, 1], q[:, 1], p[:, 1] = tokens[:, 0], q[:, 0], p[:, 0]  # both paths equal: path 0
+    q, p = q.double(), p.float()
+    x, q0, p0 = tokens[:, 0], q[:, 0], p[:, 0, :4]
+    below_x = gbv.drafted_mass_below(gbv.ranking_key(p0, q0), q0, x)
+    q_x, p_x = q0.gather(-1, x[..., None])[..., 0], p0.gather(-1, x[..., None])[..., 0]
+    lam = gbv.prefix_lambdas(below_x, q_x)
+    q_tilde_x = gbv.skewed_probs(q_x[..., None], below_x[..., None], lam, 2)[..., 0]
+    pi_last = gbv.running_products(p_x, q_tilde_x, p.dtype)[:, -1].double()
+    u = torch.rand(32, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u[:, 3] = pi_last - 1e-12
+    lazy = gbv.gbv_verify(tokens, q, p, u)
+    take_accelerator_paths(monkeypatch)
+    every_level = gbv.gbv_verify(tokens, q, p, u)
+    assert (every_level[1] == 4).all()
+    assert all(torch.equal(a, b) for a, b in zip(lazy, every_level, strict=True))
 
 
 def test_rho_solve_gives_the_same_bits_on_every_row_at_once(monkeypatch):

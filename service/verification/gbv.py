@@ -191,9 +191,10 @@ def _verify_lazily(
     lam = prefix_lambdas(below_x, q_x)
     q_tilde_x = skewed_probs(q_x.unsqueeze(-1), below_x.unsqueeze(-1), lam, k).squeeze(-1)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
-    eta = u[:, :gamma].to(pi.dtype)  # [B, γ]: η_1..η_γ
+    # η_1..η_γ in the dtype block_verify_rows compares h in (the rows' promoted dtype)
+    eta = u[:, :gamma].to(torch.promote_types(q_all.dtype, p_all.dtype))
     tau = torch.where(eta[:, -1] < pi[:, -1], gamma, -1)  # h_γ = p_γ; -1: not decided yet
-    # Levels 0..γ-1, with p_0 = 1 and η_0 = 0: level 0 always passes (h_0 = 1).
+    # Levels 0..γ-1, with p_0 = 1; level 0 (τ = 0) always passes.
     pi_lvl = torch.cat([torch.ones_like(pi[:, :1]), pi[:, :-1]], dim=1)
     eta_lvl = torch.cat([torch.zeros_like(eta[:, :1]), eta[:, :-1]], dim=1)
     # Rows sum to 1 within ROW_SUM_TOL, and the slack covers rounding h and p_i.
@@ -208,7 +209,8 @@ def _verify_lazily(
         at = (rows, path[rows], level)
         p_at, pi_at = p_all[at], pi_lvl[rows, level]  # [m, V], [m]
         q_tilde = skewed_rows(q_all[at], p_at, lam[rows, level], k, support)
-        passed = eta_lvl[rows, level] < level_probs(residual_mass(p_at, q_tilde, pi_at), pi_at)
+        h = level_probs(residual_mass(p_at, q_tilde, pi_at), pi_at)
+        passed = (eta_lvl[rows, level] < h) | (level == 0)
         won = passed.nonzero().squeeze(-1)  # [w]: positions in rows
         reach[rows, level] = False
         reach[rows[won]] = False
