@@ -39,9 +39,10 @@ def op_budget(method: str, k: int, gamma: int) -> int:
         # requests still undecided: at most γ rounds (levels γ-1..0).
         "gbv": 160 + 25 * gamma if k == 1 else 200 + 25 * gamma + 75 * gamma,
         # K levels of one batched pass each (SpecTr-GBV*'s levels are sequential in k); level
-        # 0 has no forced prefix yet, so it skips that bookkeeping (204 ops at K = 1).
-        "greedy_block": 60 + 170 * k,
-        "spectr_gbv": 60 + 170 * k,
+        # 0 has no forced prefix yet, so it skips that bookkeeping. On CPU a level's masses
+        # are summed top-down for the requests still undecided: at most γ - 1 rounds a level.
+        "greedy_block": 60 + 170 * k + 45 * k * gamma,
+        "spectr_gbv": 60 + 170 * k + 45 * k * gamma,
         # Top-down walks: one node per depth, sequential by definition.
         "naive": 80 + 30 * depths,
         # RRS: the residual after j rejections, one mass per level j = 1..K in turn (its
@@ -73,9 +74,10 @@ def host_read_budget(method: str, k: int, gamma: int, device: str = "cpu") -> in
         # undecided, which, and which passed.
         "gbv": 1 if k == 1 else 3 + 3 * gamma,
         # + carry bookkeeping: how many rows the records still modify, and dropping the records
-        # that died this step (a test, then a masked select of each of the 3 columns).
-        "greedy_block": 6,
-        "spectr_gbv": 6,
+        # that died this step (a test, then a masked select of each of the 3 columns); and
+        # per level k, which requests' top level needs its masses, once a round (≤ γ).
+        "greedy_block": 6 + k * gamma,
+        "spectr_gbv": 6 + k * gamma,
         "naive": 1 + depths,  # the walk drops finished requests at each depth
         # + whether a row still reads level j (j = 1..K), or the recovered row
         "specinfer": 1 if k == 1 else 1 + depths * (k + 2),
@@ -140,9 +142,11 @@ def test_ops_and_host_reads_within_budget(method, k, gamma, regime):
     assert counter.host_reads <= host_read_budget(method, k, gamma), counter.host_reads
 
 
-def test_batched_passes_do_not_grow_with_the_tree():
+def test_batched_passes_do_not_grow_with_the_tree(monkeypatch):
     """token, block, greedy_block and spectr_gbv (at a given K): the same ops at every γ, up to
-    a few of carry bookkeeping (their levels are batched over depth and over paths)."""
+    a few of carry bookkeeping (their levels are batched over depth and over paths). On CPU
+    greedy BV sums a level's masses lazily, in rounds; its accelerator path is counted."""
+    take_accelerator_paths(monkeypatch)
     counts = {}
     for method, k in [("token", 1), ("block", 1), ("greedy_block", 1), ("spectr_gbv", 4)]:
         for gamma in (2, 8, 16):
@@ -214,9 +218,9 @@ def same_tokens(a, b) -> bool:
 
 def take_accelerator_paths(monkeypatch) -> None:
     """Run the verifiers' accelerator paths on CPU: no host reads to skip or compact work."""
-    from service.verification import common, gbv, top_down, traversal
+    from service.verification import common, gbv, greedy, top_down, traversal
 
-    for module in (common, gbv, top_down, traversal):
+    for module in (common, gbv, greedy, top_down, traversal):
         monkeypatch.setattr(module, "host_reads_are_free", lambda t: False)
 
 
@@ -259,6 +263,30 @@ def test_gbv_ranks_only_the_levels_its_uniforms_reach(regime, support, dtypes, m
     take_accelerator_paths(monkeypatch)
     for s, ref in enumerate(cpu):
         assert same_tokens(ref, verify("gbv", tokens, q, p, gen.manual_seed(s), validate=False))
+
+
+@pytest.mark.parametrize("dtypes", [(F64, F64), (F32, F32), (BF16, BF16), (F32, F64)])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("spectr_gbv", 3)])
+def test_greedy_levels_summed_lazily_give_the_same_tokens(method, k, regime, dtypes, monkeypatch):
+    """Greedy BV on CPU sums a level's masses only where its test can pass (η_i below
+    Σm / (s Σq)) and tries the levels top-down; the accelerator path sums every level. Both
+    give the same tokens over 4 steps that thread the carried modification (modified rows)."""
+    tokens, q, p = inputs(regime, 64, k, 5, vocab=40)
+    q, p = q.to(dtypes[0]), p.to(dtypes[1])
+    runs = []
+    for accelerator in (False, True):
+        with monkeypatch.context() as patch:
+            if accelerator:
+                take_accelerator_paths(patch)
+            carry, run = None, []
+            for step in range(4):
+                gen = torch.Generator().manual_seed(step)
+                out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
+                carry = out.carry
+                run += [out.tokens, out.num_tokens, out.path]
+            runs.append(run)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_gbv_levels_compare_uniforms_in_the_promoted_dtype(monkeypatch):

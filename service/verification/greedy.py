@@ -21,7 +21,14 @@ import torch
 from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
-from .common import emit, exclusive_cumsum, last_passing_level, over_batch_chunks
+from .common import (
+    ROW_SUM_TOL,
+    emit,
+    exclusive_cumsum,
+    host_reads_are_free,
+    last_passing_level,
+    over_batch_chunks,
+)
 from .modification import (
     T_MAX,
     ResidualRows,
@@ -56,46 +63,87 @@ def _path_logp(
     return exclusive_cumsum(prob.log())
 
 
-def _greedy_levels(
-    p: torch.Tensor,  # [B, γ, V]: base target rows of prefix lengths 0..γ-1 along one path
+def _level_masses(
+    p: torch.Tensor,  # [..., V]: base target rows
+    q: torch.Tensor,  # [..., V]
+    t: torch.Tensor,  # [...] float64: the rows' offsets (ResidualRows.t)
+    s: torch.Tensor,  # [...] float64: z Q(X^i) / P(X^i)
+    unmodified: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """premain ∝ Σ(m - s q)_+ and prej ∝ Σ(s q - m)_+ with m = (p - t q)_+, float64 [...]."""
+    if unmodified:  # m = p
+        e = torch.addcmul(p, q, as_row_scalars(s, p), value=-1)
+    else:
+        e = residual_weights(p, q, t).addcmul_(q, as_row_scalars(s, p), value=-1)
+    return e.clamp_min(0).sum(-1).double(), e.clamp_max_(0).sum(-1).double().neg()
+
+
+def _mass_acceptance(premain: torch.Tensor, prej: torch.Tensor) -> torch.Tensor:
+    """min(1, premain / prej), 1 where prej = 0."""
+    return torch.where(prej > 0, (premain / prej.clamp_min(1e-300)).clamp_max(1), 1.0)
+
+
+def _greedy_tau(
+    p: torch.Tensor,  # [B, γ+1, V]: base target rows of prefix lengths 0..γ along one path
     q: torch.Tensor,  # [B, γ, V]
     rows: ResidualRows,  # [B, γ]: the law verified against, where not forced
     log_joint: torch.Tensor,  # [B, γ+1]: log P(prefix) under that law
     log_joint_q: torch.Tensor,  # [B, γ+1]
     q_forced: torch.Tensor | None,  # [B, γ] float64: q of A's token at each length
     forced: torch.Tensor | None,  # [B, γ] bool: rows that are one-hot on A; None: no row is
+    u: torch.Tensor,  # [B, γ] float64: η_1..η_γ
 ) -> torch.Tensor:
-    """Acceptance probability of every level i = 1..γ of one path (Alg. 4): [B, γ].
+    """τ [B]: the last level i = 1..γ whose test η_i < acc_i passes, 0 if none (Alg. 4).
 
-    i < γ: min(1, premain_i / prej_i) with premain = Σ(P(X^i x) - Q(X^i x))_+ and
+    i < γ: acc_i = min(1, premain_i / prej_i) with premain = Σ(P(X^i x) - Q(X^i x))_+ and
     prej = Σ(Q - P)_+ (prej = 0 gives 1); i = γ: min(1, P(X^γ) / Q(X^γ)). Both sums are
     scale-free; divided by P(X^i)/z, with s = z Q(X^i)/P(X^i) and m = (p - t q)_+:
     premain ∝ Σ(m - s q)_+ and prej ∝ Σ(s q - m)_+, one tensor e = m - s q for both.
     A one-hot row on a (forced prefix), divided by Q(X^i) with ρ = P/Q: premain ∝ (ρ - q(a))_+,
     prej ∝ (1 - q(a)) + (q(a) - ρ)_+ (q rows sum to 1).
-    """
+
+    Off the CPU every level's masses are one batched pass. On CPU only the levels that can
+    decide τ are summed: premain - prej = Σm - s Σq and prej <= s Σq, so
+    acc_i <= min(1, Σm / (s Σq)) with Σm = z (Σp for a base row); a level with η_i above that
+    bound fails unsummed, and the levels are tried top-down, stopping at the first pass. The
+    same tokens either way."""
     gamma = q.shape[1]
     log_p, log_q = log_joint[:, 1:gamma], log_joint_q[:, 1:gamma]
     t, z = rows.t[:, 1:], rows.z[:, 1:]
     s = (z * (log_q - log_p).exp()).clamp_max(T_MAX)  # P(X^i) = 0: s = T_MAX, acceptance 0
-
-    def masses(p, q, t, s):
-        if rows.unmodified:  # m = p
-            e = torch.addcmul(p, q, as_row_scalars(s, p), value=-1)
-        else:
-            e = residual_weights(p, q, t).addcmul_(q, as_row_scalars(s, p), value=-1)
-        return e.clamp_min(0).sum(-1).double(), e.clamp_max_(0).sum(-1).double().neg()
-
-    premain, prej = over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s)
-    acc = torch.where(prej > 0, (premain / prej.clamp_min(1e-300)).clamp_max(1), 1.0)
-    acc = torch.where(log_p > -torch.inf, acc, 0.0)  # P(X^i) = 0: nothing left to accept
+    last = (log_joint[:, gamma] - log_joint_q[:, gamma]).clamp_max(0).exp()
+    known = torch.where(log_p > -torch.inf, torch.nan, 0.0)  # NaN: the masses decide
     if forced is not None:
         rho = (log_p - log_q).exp()
         qa = q_forced[:, 1:]
         acc_forced = ((rho - qa).clamp_min(0) / ((1 - qa) + (qa - rho).clamp_min(0))).clamp_max(1)
-        acc = torch.where(forced[:, 1:], acc_forced.nan_to_num(1.0), acc)
-    last = (log_joint[:, gamma] - log_joint_q[:, gamma]).clamp_max(0).exp()
-    return torch.cat([acc, last.unsqueeze(1)], dim=1)
+        known = torch.where(forced[:, 1:], acc_forced.nan_to_num(1.0), known)
+
+    def masses(p, q, t, s):
+        return _level_masses(p, q, t, s, rows.unmodified)
+
+    if not host_reads_are_free(p):
+        acc = _mass_acceptance(*over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s))
+        acc = torch.where(known.isnan(), acc, known)
+        return last_passing_level(u, torch.cat([acc, last.unsqueeze(1)], dim=1))
+    # Rows sum to 1 within ROW_SUM_TOL; the slack also covers the sums' rounding.
+    tol, eps = ROW_SUM_TOL, torch.finfo(p.dtype).eps
+    bound = z / s * ((1 + tol) / (1 - tol) + 8 * eps)
+    passes = torch.cat([u[:, :-1] < known, (u[:, -1] < last).unsqueeze(1)], dim=1)  # [B, γ]
+    unknown = known.isnan() & ~(u[:, :-1] >= bound)  # a NaN bound (0/0: no mass) decides nothing
+    unknown = torch.cat([unknown, torch.zeros_like(unknown[:, :1])], dim=1)
+    levels = torch.arange(1, gamma + 1, device=u.device)
+    while True:
+        top = torch.where(unknown | passes, levels, 0).amax(-1)  # [B]: the level to look at
+        need = unknown.gather(1, (top - 1).clamp_min(0).unsqueeze(1)).squeeze(1) & (top > 0)
+        need = need.nonzero().squeeze(-1)  # [m]: requests whose top level needs its masses
+        if not need.numel():
+            break
+        i = top[need] - 1  # [m]: mass level i + 1, row i + 1 of p and q
+        acc = _mass_acceptance(*masses(p[need, i + 1], q[need, i + 1], t[need, i], s[need, i]))
+        passes[need, i] = u[need, i] < acc
+        unknown[need, i] = False
+    return torch.where(passes, levels, 0).amax(-1)
 
 
 def sequential_greedy_verify(
@@ -105,7 +153,7 @@ def sequential_greedy_verify(
     uniforms: torch.Tensor,  # [B, K*γ + 1]
     modified: ResidualRows,  # [B, K, γ]: earlier modifications carried into these rows
 ):
-    """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], rows_left [B, K]))."""
+    """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], needleft [B, K]))."""
     B, K, gamma = draft_tokens.shape
     dev = draft_tokens.device
     ar = torch.arange(B, device=dev)
@@ -132,7 +180,7 @@ def sequential_greedy_verify(
         log_p = _path_logp(p_tok[:, k:], q_tok[:, k:], rows, draft_tokens[:, k:], accepted, forced)
         joints.append(log_p)
         path_rows = ResidualRows(rows.t[:, 0], rows.z[:, 0], rows.unmodified)
-        acc = _greedy_levels(
+        tau_k = _greedy_tau(
             target_probs[:, k],
             draft_probs[:, k],
             path_rows,
@@ -140,8 +188,8 @@ def sequential_greedy_verify(
             log_q[:, k],
             q_forced,
             forced,
+            uniforms[:, k * gamma : (k + 1) * gamma],
         )
-        tau_k = last_passing_level(uniforms[:, k * gamma : (k + 1) * gamma], acc)
         longer = tau_k > length if done is None else (tau_k > length) & ~done
         accepted = torch.where(longer[:, None], draft_tokens[:, k], accepted)
         length = torch.where(longer, tau_k, length)
@@ -199,10 +247,10 @@ def sequential_greedy_verify(
         dim=1,
     )
     rec_log_q = log_q_a + q_y.log()
-    rows_left = (gamma - 1 - length).clamp_min(0)
+    needleft = (gamma - 1 - length).clamp_min(0)
     records = (
         rec_log_p,
         rec_log_q.unsqueeze(1).expand(B, K),
-        rows_left.unsqueeze(1).expand(B, K).clone(),
+        needleft.unsqueeze(1).expand(B, K).clone(),
     )
     return emit(draft_tokens[ar, best_path], length, y), length, best_path, records
