@@ -22,9 +22,8 @@ import torch
 
 from workers.sampling import cumsum64
 
-from .block import block_verify_rows, level_probs, residual_mass, residual_token, running_products
+from .block import block_verify_rows, levels_top_down, residual_token, running_products
 from .common import (
-    ROW_SUM_TOL,
     draft_support,
     emit,
     host_reads_are_free,
@@ -176,45 +175,25 @@ def _verify_lazily(
     k: int,
     u: torch.Tensor,  # [B, γ+1]
 ):
-    """CPU: block verification that ranks only the rows its uniforms reach; the same tokens as
-    _verify_all_levels. -> τ [B], y [B].
-
-    A row's q̃ needs the row sorted by p/q: the cost of GBV. But a level i < γ passes with
-    h_i = R_i / (R_i + 1 - p_i) <= p_i Σp, as R_i = Σ(p_i p - q̃)_+ <= p_i Σp, so where
-    η_i >= p_i Σp it fails unranked; and τ is the highest passing level, so the levels are
-    tried top-down, one round per level for every request still undecided, and stop at the
-    first pass, whose q̃ row is the residual's (level 0, τ = 0, always passes). p_i and λ need
-    C at the path only (drafted_mass_below). On the benchmark's rows (per-token acceptance
-    ~0.6) this ranks ~1.5 of γ = 8 rows per request."""
+    """CPU: block verification that ranks only the rows its uniforms reach (levels_top_down:
+    a level i < γ with η_i >= p_i Σp fails unranked, and the first pass from the top wins);
+    the same tokens as _verify_all_levels. -> τ [B], y [B]. p_i and λ need C at the path only
+    (drafted_mass_below). On the benchmark's rows (per-token acceptance ~0.6) this ranks ~1.5
+    of γ = 8 rows per request."""
     B, _, gamma, V = q_all.shape
     below_x, q_x, p_x = over_batch_chunks(_path_values, q_all, p_all, path, x, item_numel=gamma * V)
     lam = prefix_lambdas(below_x, q_x)
     q_tilde_x = skewed_probs(q_x.unsqueeze(-1), below_x.unsqueeze(-1), lam, k).squeeze(-1)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
-    # η_1..η_γ in the dtype block_verify_rows compares h in (the rows' promoted dtype)
-    eta = u[:, :gamma].to(torch.promote_types(q_all.dtype, p_all.dtype))
-    tau = torch.where(eta[:, -1] < pi[:, -1], gamma, -1)  # h_γ = p_γ; -1: not decided yet
-    # Levels 0..γ-1, with p_0 = 1; level 0 (τ = 0) always passes.
-    pi_lvl = torch.cat([torch.ones_like(pi[:, :1]), pi[:, :-1]], dim=1)
-    eta_lvl = torch.cat([torch.zeros_like(eta[:, :1]), eta[:, :-1]], dim=1)
-    # Rows sum to 1 within ROW_SUM_TOL, and the slack covers rounding h and p_i.
-    slack = 1 + ROW_SUM_TOL + 8 * torch.finfo(pi.dtype).eps
-    reach = (eta_lvl.double() < pi_lvl.double() * slack) & (tau < 0).unsqueeze(-1)  # [B, γ]
     support = path_support(q_all, x)
-    q_row = q_all.new_zeros(B, V)  # q̃ after the accepted prefix (zeros when τ = γ)
-    levels = torch.arange(gamma, device=x.device)
-    while bool(reach.any()):
-        rows = reach.any(-1).nonzero().squeeze(-1)  # [m]
-        level = torch.where(reach[rows], levels, 0).amax(-1)  # the highest one left: [m]
+
+    def rows_at(rows, level):  # the selected path's q̃ and p rows at a level: [m, V] each
         at = (rows, path[rows], level)
-        p_at, pi_at = p_all[at], pi_lvl[rows, level]  # [m, V], [m]
-        q_tilde = skewed_rows(q_all[at], p_at, lam[rows, level], k, support)
-        h = level_probs(residual_mass(p_at, q_tilde, pi_at), pi_at)
-        passed = (eta_lvl[rows, level] < h) | (level == 0)
-        won = passed.nonzero().squeeze(-1)  # [w]: positions in rows
-        reach[rows, level] = False
-        reach[rows[won]] = False
-        tau[rows[won]], q_row[rows[won]] = level[won], q_tilde[won]
+        p_at = p_all[at]
+        return skewed_rows(q_all[at], p_at, lam[rows, level], k, support), p_at
+
+    q_row = q_all.new_zeros(B, V)  # q̃ after the accepted prefix (zeros when τ = γ)
+    tau = levels_top_down(pi, u[:, :gamma], q_row, rows_at)
     p_row = p_all[torch.arange(B, device=x.device), path, tau]
     return tau, residual_token(pi, tau, p_row, q_row, u[:, gamma])
 
