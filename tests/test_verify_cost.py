@@ -70,9 +70,9 @@ def host_read_budget(method: str, k: int, gamma: int, device: str = "cpu") -> in
         "token": 1,
         "block": 1,
         # + at K > 1: whether the draft's support is small enough to rank alone (one row's
-        # count, or the support's size), and per round of levels: whether any request is
-        # undecided, which, and which passed.
-        "gbv": 1 if k == 1 else 3 + 3 * gamma,
+        # count; on a small one its size and whether it holds the path), and per round of
+        # levels (≤ γ): whether any request is undecided, which, and which passed; + 1 last.
+        "gbv": 1 if k == 1 else 5 + 3 * gamma,
         # + carry bookkeeping: how many rows the records still modify, and dropping the records
         # that died this step (a test, then a masked select of each of the 3 columns); and
         # per level k, which requests' top level needs its masses, once a round (≤ γ).
