@@ -30,7 +30,7 @@ from .common import (
     over_batch_chunks,
     take_rows,
 )
-from .sorting import ascending_order
+from .sorting import ascending_order, ratio_key
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -39,8 +39,7 @@ def num_uniforms(k: int, gamma: int) -> int:
 
 def ranking_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """float32 p/q (+inf where q = 0): one key per node, shared by selection and q̃."""
-    inf = torch.inf  # q = 0: p/q is +inf, or NaN where p = 0 too
-    return torch.nan_to_num(p / q, nan=inf, posinf=inf, neginf=inf).float()
+    return ratio_key(p, q).float()
 
 
 def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,14 @@ def _sort_rows(words: np.ndarray) -> None:
     list(_SORT_POOL.map(lambda i: words[bounds[i] : bounds[i + 1]].sort(axis=-1), range(parts)))
 
 
+def ratio_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p/q of every token [..., V] in the rows' dtype, +inf where q = 0: the key GBV (§8) and
+    SpecTr's ρ* (§7) rank tokens by. Two passes: p/q is already +inf where q = 0 < p, and its
+    NaN where p = q = 0 becomes +inf (a select on q > 0 would make a third)."""
+    inf = torch.inf
+    return torch.nan_to_num(p / q, nan=inf, posinf=inf, neginf=inf)
+
+
 def sort_ascending(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """key [N, V] -> (the sorted keys [N, V], ascending_order(key)): a sort gives both, and
     gathering the keys again would be one more pass."""

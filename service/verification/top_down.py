@@ -18,7 +18,7 @@ from workers.tree import rows_at
 
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
-from .sorting import sort_ascending
+from .sorting import ratio_key, sort_ascending
 from .token import token_verify_rows
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
@@ -241,7 +241,7 @@ def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor):
     support = draft_support(q_row)
     if support is not None:
         p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
-    ratio = torch.where(q_row > 0, p_row / q_row, torch.inf)  # [B, V]
+    ratio = ratio_key(p_row, q_row)  # [B, V]
     ratio_sorted, order = sort_ascending(ratio)
     ratio_sorted = ratio_sorted.double()  # [B, V]: compared with float64 ρ
     zero = torch.zeros_like(nf).unsqueeze(-1)
