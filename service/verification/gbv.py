@@ -142,28 +142,33 @@ def skewed_draft(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q̃ along the selected path, the law of the best of k i.i.d. draft paths: every row
     [n, γ, V], and q̃(x_i) [n, γ] as the lazy path computes it (from C at the path alone)."""
-    gamma = x.shape[1]
-    key = ranking_key(p[:, :gamma], q)
-    below_x = drafted_mass_below(key, q, x)
-    q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    below_x, q_x, _ = _path_values(q, p, x)
+    lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
+    return skewed_rows(q, p[:, : x.shape[1]], lam, k, path_support(q, x)), q_tilde_x
+
+
+def _path_values(
+    q: torch.Tensor,  # [n, γ, V]: the path's draft rows
+    p: torch.Tensor,  # [n, ≥γ, V]: its target rows
+    x: torch.Tensor,  # [n, γ] int64: the path
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """C, q and p at the path's tokens, [n, γ] each (one masked sum per row, no sort)."""
+    p = p[:, : x.shape[1]]
+    below_x = drafted_mass_below(ranking_key(p, q), q, x)
+    x = x.unsqueeze(-1)
+    return below_x, q.gather(-1, x).squeeze(-1), p.gather(-1, x).squeeze(-1)
+
+
+def _skew_at_path(below_x: torch.Tensor, q_x: torch.Tensor, k: int):
+    """λ [n, γ] float64 of every prefix and q̃(x_i) [n, γ], from C and q at the path."""
     lam = prefix_lambdas(below_x, q_x)
-    q_tilde_x = skewed_probs(q_x.unsqueeze(-1), below_x.unsqueeze(-1), lam, k).squeeze(-1)
-    return skewed_rows(q, p[:, :gamma], lam, k, path_support(q, x)), q_tilde_x
+    return lam, skewed_probs(q_x.unsqueeze(-1), below_x.unsqueeze(-1), lam, k).squeeze(-1)
 
 
 def _verify_all_levels(x, q, p, k, u):
     """Off the CPU: every level's residual mass, no host reads (capturable in a CUDA graph)."""
     q_tilde, q_tilde_x = skewed_draft(x, q, p, k)
     return block_verify_rows(x, q_tilde, p, u, q_drafted=q_tilde_x)
-
-
-def _path_values(q_all, p_all, path, x):
-    """C, q and p at the path's tokens, [n, γ] each, for a chunk of requests."""
-    gamma = x.shape[1]
-    q, p = take_rows(q_all, path), take_rows(p_all, path)[:, :gamma]  # [n, γ, V] each
-    below_x = drafted_mass_below(ranking_key(p, q), q, x)
-    x = x.unsqueeze(-1)
-    return below_x, q.gather(-1, x).squeeze(-1), p.gather(-1, x).squeeze(-1)
 
 
 def _verify_lazily(
@@ -180,9 +185,12 @@ def _verify_lazily(
     (drafted_mass_below). On the benchmark's rows (per-token acceptance ~0.6) this ranks ~1.5
     of γ = 8 rows per request."""
     B, _, gamma, V = q_all.shape
-    below_x, q_x, p_x = over_batch_chunks(_path_values, q_all, p_all, path, x, item_numel=gamma * V)
-    lam = prefix_lambdas(below_x, q_x)
-    q_tilde_x = skewed_probs(q_x.unsqueeze(-1), below_x.unsqueeze(-1), lam, k).squeeze(-1)
+
+    def path_values(q_all, p_all, path, x):  # one chunk of requests: copies of its path rows
+        return _path_values(take_rows(q_all, path), take_rows(p_all, path), x)
+
+    below_x, q_x, p_x = over_batch_chunks(path_values, q_all, p_all, path, x, item_numel=gamma * V)
+    lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
     support = path_support(q_all, x)
 
