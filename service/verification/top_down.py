@@ -215,10 +215,9 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor):
     for 8 rounds on CPU, 256 for 4 elsewhere): a fixed number of batched steps, no host reads.
     Both end on the same grid of 2^32 parts of [1, n], but their probes round differently, so
     ρ*'s last bits can depend on the device (as float sums on a GPU do), never on the batch.
-    The result is a ρ
-    where f was found >= 0, so it is lossless whatever its distance to the root; only
-    acceptance could be a hair below optimal. n <= 1 gives ρ = 1 (token verification).
-    Masses accumulate in float64.
+    The result is a ρ where f was found >= 0, so it is lossless whatever its distance to the
+    root; only acceptance could be a hair below optimal. n <= 1 gives ρ = 1 (token
+    verification). Masses accumulate in float64.
     """
     nf = n.double().clamp_min(1)
     several = nf > 1  # a node with one candidate runs token verification: ρ* = 1

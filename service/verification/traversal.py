@@ -158,8 +158,8 @@ def traversal_verify(
     for _ in range(K):  # one segment per distinct leaf; the last one ends at the root (α = 1)
         rows = live if compact else ALL  # every request: views, no gathers
         node = live * K + path[rows]  # [n]: the (request, path) pair of the current leaf
-        b = branch[rows].gather(1, leaf[rows, None]).squeeze(1)  # [n]: where the next leaf
-        # branches off (-1: the last)
+        # [n]: the depth where the next leaf branches off (-1: the last leaf)
+        b = branch[rows].gather(1, leaf[rows, None]).squeeze(1)
         # A segment tests the leaf, then each ancestor down to depth b + 1, each after the
         # deletion of its only child updated it. These updates read only the state before the
         # segment (each node is updated once in it), so all of them are one batched pass:
