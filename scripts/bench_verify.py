@@ -5,7 +5,7 @@
         [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call; the
                       JSON also gets the kernels that took the most GPU time)
         [--graphs]   (CUDA only: also each call replayed from a CUDA graph, and whether it
-                      gave the eager call's tokens)
+                      gave the eager call's tokens; with --profile, the replay's profile too)
 
 Prints a markdown table: median milliseconds per call (validate=False, the engine's hot path)
 and the ratio to `token` at the same shape. `token` verifies one path, so for K > 1 its
@@ -18,6 +18,7 @@ tokens sampled from the draft rows, the root row shared by all K paths.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -122,6 +123,12 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
             line += f" {row['kernels']} | {row['gpu_ms']:.2f} | {row['waits']} |"
         if args.graphs:
             graphs = VerifyGraphs()
+            replay = functools.partial(verify, method, x, q, p, gen, validate=False, graphs=graphs)
+            start = time.perf_counter()
+            replay()  # the capture
+            row.update(graph_capture_s=time.perf_counter() - start)
+            if args.profile:
+                row.update({f"graph_{k}": v for k, v in profile_call(replay).items()})
             row.update(
                 graph_ms=time_call(method, (x, q, p), graphs=graphs),
                 graph_same=same_tokens(method, graphs),
@@ -129,6 +136,9 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
             )
             same = row["graph_same"] if row["graph_captured"] else "capture failed"
             line += f" {row['graph_ms']:.2f} | {row['graph_ms'] / base:.2f} | {same} |"
+            line += f" {row['graph_capture_s']:.1f} |"
+            if args.profile:
+                line += f" {row['graph_kernels']} | {row['graph_gpu_ms']:.2f} |"
         rows.append(row)
         print(line, flush=True)
     check = time_call("token", flat, validate=True) - base
@@ -167,7 +177,10 @@ def main() -> None:
     if args.profile:
         head, rule = head + " kernels | GPU busy ms | host waits |", rule + "---|---|---|"
     if args.graphs:
-        head, rule = head + " graph ms | graph × token | same tokens |", rule + "---|---|---|"
+        head += " graph ms | graph × token | same tokens | capture s |"
+        rule += "---|---|---|---|"
+        if args.profile:
+            head, rule = head + " graph kernels | graph busy ms |", rule + "---|---|"
     print(head)
     print(rule)
     rows = [
