@@ -20,13 +20,14 @@ timeout "${BENCH_TIMEOUT:-300}" "$py" scripts/bench_verify.py --device cuda --re
     --graphs --batch ${BATCH:-1 8 32} --vocab ${VOCAB:-32000 49152} --json "$out/verify.json" \
     | tee "$out/verify.md" || status=1
 
-# The law tests with the verifiers on the GPU, replayed from CUDA graphs as the service runs
-# them (the tables, drafting and counting stay on the CPU;
+# The fused kernels against float64 torch sums; then the law tests with the verifiers on the
+# GPU, replayed from CUDA graphs as the service runs them (the tables, drafting and counting
+# stay on the CPU;
 # tests/harness.py reads BLOCKSPEC_TEST_DEVICE and BLOCKSPEC_TEST_GRAPHS); the graphs' own
 # tests and the count of host waits. --noconftest: conftest.py only loads the service's
 # fixtures (Ray, Redis), which these tests don't use.
 BLOCKSPEC_TEST_DEVICE=cuda timeout "${LAWS_TIMEOUT:-320}" "$py" -m pytest -q -p no:cacheprovider \
     --noconftest -n "${WORKERS:-12}" -m "slow or not slow" \
-    tests/test_reference_laws.py tests/test_loop_lossless.py \
+    tests/test_verify_kernels.py tests/test_reference_laws.py tests/test_loop_lossless.py \
     tests/test_verify_graphs.py tests/test_verify_cost.py::test_cuda_host_waits_within_budget 2>&1 | tee "$out/laws.txt" || status=1
 exit $status

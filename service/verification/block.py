@@ -8,6 +8,7 @@ import torch
 
 from workers.sampling import sample_from_weights
 
+from . import kernels
 from .common import (
     ROW_SUM_TOL,
     clipped_products,
@@ -99,7 +100,11 @@ def residual_mass(
     q: torch.Tensor,  # [..., V]: draft rows
     pi: torch.Tensor,  # [...]: the running product at each row
 ) -> torch.Tensor:
-    """R = Σ_x (p_i p(x) - q(x))_+ = -Σ_x (q - p_i p)_-: [...], two passes and one temporary."""
+    """R = Σ_x (p_i p(x) - q(x))_+ = -Σ_x (q - p_i p)_-: [...], two passes and one temporary
+    (on CUDA one fused pass)."""
+    if kernels.applies(p, q):
+        mass = kernels.row_masses(p, q, torch.ones_like(pi, dtype=torch.float64), c=pi)[0]
+        return mass.to(torch.promote_types(torch.promote_types(q.dtype, p.dtype), pi.dtype))
     return torch.addcmul(q, p, pi.unsqueeze(-1), value=-1).clamp_max_(0).sum(-1).neg()
 
 

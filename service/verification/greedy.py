@@ -21,6 +21,7 @@ import torch
 from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
+from . import kernels
 from .common import (
     ROW_SUM_TOL,
     emit,
@@ -71,6 +72,8 @@ def _level_masses(
     unmodified: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """premain ∝ Σ(m - s q)_+ and prej ∝ Σ(s q - m)_+ with m = (p - t q)_+, float64 [...]."""
+    if kernels.applies(p, q):  # CUDA: one fused pass for both sums (t = 0 on base rows)
+        return kernels.row_masses(p, q, t, s)
     if unmodified:  # m = p
         e = torch.addcmul(p, q, as_row_scalars(s, p), value=-1)
     else:

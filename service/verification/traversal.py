@@ -31,6 +31,7 @@ import torch
 
 from workers.sampling import sample_from_weights
 
+from . import kernels
 from .block import block_verify_rows
 from .common import (
     ALL,
@@ -147,8 +148,15 @@ def traversal_verify(
             torch.where(is_mod, mod_q.index_select(0, mod), q),
         )
 
+    inner_p = flat_p.view(B * K, gamma + 1, V)[:, :gamma]  # [B·K, γ, V]: (request, path) rows
+    inner_q = flat_q.view(B * K, gamma, V)
+    fused = kernels.applies(inner_p, inner_q)  # CUDA: the masses in one pass, rows in place
+
     def masses(node: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """Σ_x (α_d p_d - q_d)_+ over the original rows of every inner node: [n, γ]."""
+        if fused:
+            ones = torch.ones_like(alpha, dtype=torch.float64)
+            return kernels.row_masses(inner_p, inner_q, ones, c=alpha, rows=node)[0].to(work)
         p = flat_p.index_select(0, (node[:, None] * (gamma + 1) + inner).flatten())
         q = flat_q.index_select(0, (node[:, None] * gamma + inner).flatten())
         p = p.view(-1, gamma, V).mul_(alpha.unsqueeze(-1)).to(work)  # in place: no new pages
@@ -174,7 +182,11 @@ def traversal_verify(
                 mass[slot, d] = (alpha[slot, d, None] * p - q).clamp_min(0).sum(-1)
         else:  # every row's, kept where it is modified
             p, q = mod_p.view(B, gamma, V), mod_q.view(B, gamma, V)
-            mod_mass = (alpha.unsqueeze(-1) * p - q).clamp_min(0).sum(-1)
+            if fused:
+                ones = torch.ones_like(alpha, dtype=torch.float64)
+                mod_mass = kernels.row_masses(p, q, ones, c=alpha)[0].to(mass.dtype)
+            else:
+                mod_mass = (alpha.unsqueeze(-1) * p - q).clamp_min(0).sum(-1)
             mass = torch.where(modified, mod_mass, mass)
         denom = mass + 1 - alpha
         new_alpha = torch.where(denom > 0, mass / denom.clamp_min(1e-300), 1.0).clamp_max(1)

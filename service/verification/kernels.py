@@ -1,0 +1,173 @@
+"""Fused row passes for CUDA (Triton): the residual masses that most verifiers sum over V.
+
+Per row, block verification's levels need R = Σ_x (p_i p(x) - q(x))_+, traversal's the same
+with its budgets α, SpecInfer's rejections and every M_new step F(t) = Σ_x (p(x) - t q(x))_+,
+and greedy BV's tests the two halves of e = (p - t q)_+ - s q: Σ e_+ and Σ (-e)_+. In torch
+ops that is an addcmul (or mul and sub), a clamp and a sum, each a pass over [rows, V]
+(greedy BV: five passes and a temporary; traversal first gathers its path rows). On an H200
+at B = 32, K = 4, γ = 8, V = 32000 such passes took 0.8 of SpecTr-GBV*'s 1.5 ms of GPU time.
+:func:`row_masses` is all of them in one kernel that reads p and q once, in place
+(docs/verification_benchmark.md, "GPU, third stop").
+
+The sums accumulate in float64 (the torch ops sum in the rows' dtype and then widen), and
+rows below float32 are computed in float32: the same masses up to rounding, never less
+accurate; callers cast them to the torch ops' dtype. The CPU keeps the torch ops, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Columns per program step, and programs per row (rows are few; splitting each row over
+# several programs keeps every multiprocessor streaming).
+BLOCK = 2048
+MAX_SPLITS = 8
+
+
+@functools.cache
+def _triton():
+    """The triton module, or None where it is missing (CPU-only installs)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
+
+
+def applies(p: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether :func:`row_masses` runs for rows p, q: on CUDA, with Triton, of one shape with
+    at most three leading dims, contiguous along V."""
+    return (
+        p.device.type == "cuda"
+        and p.shape == q.shape
+        and p.dim() <= 4
+        and p.stride(-1) == q.stride(-1) == 1
+        and p.numel() > 0
+        and _triton() is not None
+    )
+
+
+@functools.cache
+def _kernel():
+    triton, tl = _triton()
+
+    @triton.jit
+    def row_masses_kernel(
+        p_ptr,
+        q_ptr,
+        t_ptr,  # [N] float64
+        s_ptr,  # [N] float64 (unused without HAS_S)
+        c_ptr,  # [N] float64: p's scale (unused without HAS_C)
+        sel_ptr,  # [d0] int64: index into p's and q's first dim (unused without HAS_SEL)
+        out_ptr,  # [N, splits, 2] float64
+        V,
+        span,  # columns per program, a multiple of BLOCK
+        d1,
+        d2,  # the leading dims after the first: row r = (i, j, l)
+        p_s0,
+        p_s1,
+        p_s2,
+        q_s0,
+        q_s1,
+        q_s2,
+        max_scalar,  # as_row_scalars' clamp for the rows' dtype
+        HAS_S: tl.constexpr,
+        HAS_C: tl.constexpr,
+        HAS_SEL: tl.constexpr,
+        F64: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        i = row // (d1 * d2)
+        if HAS_SEL:
+            i = tl.load(sel_ptr + i)
+        j = (row // d2) % d1
+        l_ = row % d2
+        p_row = p_ptr + i.to(tl.int64) * p_s0 + j.to(tl.int64) * p_s1 + l_.to(tl.int64) * p_s2
+        q_row = q_ptr + i.to(tl.int64) * q_s0 + j.to(tl.int64) * q_s1 + l_.to(tl.int64) * q_s2
+        compute = tl.float64 if F64 else tl.float32
+        t = tl.minimum(tl.load(t_ptr + row), max_scalar).to(compute)
+        if HAS_S:
+            s = tl.minimum(tl.load(s_ptr + row), max_scalar).to(compute)
+        if HAS_C:
+            c = tl.load(c_ptr + row).to(compute)
+        above = tl.zeros([BLOCK], dtype=tl.float64)
+        below = tl.zeros([BLOCK], dtype=tl.float64)
+        start = part * span
+        for off in range(0, span, BLOCK):
+            cols = start + off + tl.arange(0, BLOCK)
+            inside = cols < V
+            p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
+            q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
+            if HAS_C:
+                p = c * p
+            e = tl.maximum(p - t * q, 0.0)  # m = (c p - t q)_+
+            if HAS_S:
+                e = e - s * q
+                below += tl.maximum(-e, 0.0).to(tl.float64)
+            above += tl.maximum(e, 0.0).to(tl.float64)
+        out = out_ptr + (row * tl.num_programs(1) + part) * 2
+        tl.store(out, tl.sum(above, axis=0))
+        tl.store(out + 1, tl.sum(below, axis=0))
+
+    return row_masses_kernel
+
+
+def row_masses(
+    p: torch.Tensor,  # [..., V]: target rows (≤ 3 leading dims, contiguous along V)
+    q: torch.Tensor,  # [..., V]: draft rows, same shape
+    t: torch.Tensor,  # [...] float64: offsets
+    s: torch.Tensor | None = None,  # [...] float64: draft scale, or None
+    c: torch.Tensor | None = None,  # [...]: target scale, or None (1)
+    rows: torch.Tensor | None = None,  # [n] int64: read the rows p[rows], q[rows] in place
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """With m = (c p - t q)_+ and e = m - s q (e = m without s): (Σ e_+, Σ (-e)_+) over V,
+    float64 [...] each ([n, ...] with ``rows``). Without s the first is F(t) = Σ (p - t q)_+
+    and the second is 0. No host reads (capturable in a CUDA graph)."""
+    triton, _ = _triton()
+    V = p.shape[-1]
+    lead = p.shape[:-1] if rows is None else torch.Size([rows.shape[0], *p.shape[1:-1]])
+    pad = 3 - len(lead)  # rows (i, j, l) of up to 3 leading dims; i is read through `rows`
+    d0, d1, d2 = list(lead) + [1] * pad
+    p_strides = list(p.stride()[:-1]) + [0] * pad
+    q_strides = list(q.stride()[:-1]) + [0] * pad
+    n = d0 * d1 * d2
+    tiles = triton.cdiv(V, BLOCK)
+    span = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
+    splits = triton.cdiv(V, span)
+
+    def per_row(x):  # [...] -> [n] float64
+        return x.double().expand(lead).reshape(n).contiguous()
+
+    t = per_row(t)
+    s_flat = t if s is None else per_row(s)
+    c_flat = t if c is None else per_row(c)
+    out = torch.empty(n, splits, 2, dtype=torch.float64, device=p.device)
+    _kernel()[(n, splits)](
+        p,
+        q,
+        t,
+        s_flat,
+        c_flat,
+        t if rows is None else rows,
+        out,
+        V,
+        span,
+        d1,
+        d2,
+        *p_strides,
+        *q_strides,
+        torch.finfo(p.dtype).max / 4,
+        HAS_S=s is not None,
+        HAS_C=c is not None,
+        HAS_SEL=rows is not None,
+        F64=torch.float64 in (p.dtype, q.dtype),
+        BLOCK=BLOCK,
+        num_warps=8,
+    )
+    sums = out.sum(1)  # [n, 2]
+    return sums[:, 0].view(lead), sums[:, 1].view(lead)

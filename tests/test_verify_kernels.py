@@ -1,0 +1,84 @@
+"""The fused CUDA row passes (service/verification/kernels.py) against float64 torch sums.
+
+They run where CUDA is present (scripts/gpu_checks.sh), or on CPU tensors under Triton's
+interpreter (TRITON_INTERPRET=1, with triton installed); elsewhere they are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from service.verification import kernels
+
+if torch.cuda.is_available() and kernels._triton() is not None:
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1" and kernels._triton() is not None:
+    DEVICE = "cpu"
+else:
+    DEVICE = None
+pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or Triton's interpreter)")
+
+
+def reference(p, q, t, s=None, c=None):
+    """The same masses from float64 copies, with torch ops."""
+    p, q = p.double(), q.double()
+    if c is not None:
+        p = p * c.double().unsqueeze(-1)
+    e = (p - t.unsqueeze(-1) * q).clamp_min(0)
+    if s is not None:
+        e = e - s.unsqueeze(-1) * q
+    return e.clamp_min(0).sum(-1), (-e).clamp_min(0).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lead,vocab", [((), 2048), ((3,), 5000), ((2, 3), 4097), ((2, 2, 3), 100), ((4, 1, 2), 9000)]
+)
+@pytest.mark.parametrize("with_s", [False, True])
+def test_row_masses_match_float64_sums(dtype, lead, vocab, with_s):
+    """Rows cut out of larger tensors (strided leading dims, offset columns), every dtype."""
+    gen = torch.Generator().manual_seed(vocab)
+    big_p = torch.randn(*lead, 2, vocab + 3, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    big_q = torch.randn(*lead, 2, vocab + 3, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    p = big_p.to(DEVICE, dtype)[..., 1, 2 : vocab + 2]
+    q = big_q.to(DEVICE, dtype)[..., 0, :vocab]
+    t = torch.rand(lead, generator=gen, dtype=torch.float64).mul(2).to(DEVICE)
+    s = torch.rand(lead, generator=gen, dtype=torch.float64).mul(2).to(DEVICE) if with_s else None
+    above, below = kernels.row_masses(p, q, t, s)
+    ref_above, ref_below = reference(p, q, t, s)
+    assert above.shape == below.shape == lead and above.dtype == torch.float64
+    tol = 1e-6 if dtype != torch.bfloat16 else 1e-5  # bf16 inputs are exact in float32
+    torch.testing.assert_close(above, ref_above, rtol=0, atol=tol)
+    torch.testing.assert_close(below, ref_below, rtol=0, atol=tol)
+    if not with_s:
+        assert (below == 0).all()
+
+
+def test_row_masses_scale_the_target_rows():
+    """c: block verification's R = Σ(p_i p - q)_+ (t = 1)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(3, 4, 5000, generator=gen).mul(3).softmax(-1).to(DEVICE)
+    q = torch.randn(3, 4, 5000, generator=gen).mul(3).softmax(-1).to(DEVICE)
+    c = torch.rand(3, 4, generator=gen).to(DEVICE)
+    ones = torch.ones(3, 4, dtype=torch.float64, device=DEVICE)
+    above, below = kernels.row_masses(p, q, ones, c=c)
+    torch.testing.assert_close(above, reference(p, q, ones, c=c)[0], rtol=0, atol=1e-6)
+    assert (below == 0).all()
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float64, torch.float32)])
+def test_row_masses_read_selected_rows_in_place(dtypes):
+    """rows: p[rows], q[rows] without gathering them (traversal's path rows), mixed dtypes."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.randn(6, 5, 3000, generator=gen).mul(3).softmax(-1).to(DEVICE, dtypes[0])
+    q = torch.randn(6, 6, 3000, generator=gen).mul(3).softmax(-1).to(DEVICE, dtypes[1])[:, :5]
+    rows = torch.tensor([4, 0, 4, 2], device=DEVICE)
+    c = torch.rand(4, 5, generator=gen, dtype=torch.float64).to(DEVICE)
+    ones = torch.ones(4, 5, dtype=torch.float64, device=DEVICE)
+    above, below = kernels.row_masses(p, q, ones, c=c, rows=rows)
+    ref = reference(p[rows], q[rows], ones, c=c)[0]
+    torch.testing.assert_close(above, ref, rtol=0, atol=1e-6)
+    assert above.shape == (4, 5) and (below == 0).all()
