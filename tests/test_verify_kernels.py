@@ -82,3 +82,38 @@ def test_row_masses_read_selected_rows_in_place(dtypes):
     ref = reference(p[rows], q[rows], ones, c=c)[0]
     torch.testing.assert_close(above, ref, rtol=0, atol=1e-6)
     assert above.shape == (4, 5) and (below == 0).all()
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_skewed_by_rank_is_gbvs_skew_by_id(k, dtype):
+    """GBV's q̃ from rank-ordered rows, written by id: gbv.skewed_probs on the scattered C."""
+    from service.verification.gbv import mass_ranked_below, ranking_key, skewed_probs
+    from service.verification.sorting import ascending_order
+    from workers.sampling import cumsum64
+
+    gen = torch.Generator().manual_seed(k)
+    q = (
+        torch.randn(6, 5000, generator=gen, dtype=torch.float64)
+        .mul(3)
+        .softmax(-1)
+        .to(DEVICE, dtype)
+    )
+    p = (
+        torch.randn(6, 5000, generator=gen, dtype=torch.float64)
+        .mul(3)
+        .softmax(-1)
+        .to(DEVICE, dtype)
+    )
+    q[0, :100] = 0  # ties at +inf, broken by id
+    q = q / q.sum(-1, keepdim=True)
+    lam = torch.rand(6, generator=gen, dtype=torch.float64).mul(5).to(DEVICE)
+    key = ranking_key(p, q)
+    order = ascending_order(key)
+    q_sorted = q.gather(-1, order)
+    got = kernels.skewed_by_rank(q_sorted, cumsum64(q_sorted).contiguous(), order, lam, k)
+    want = skewed_probs(q, mass_ranked_below(key, q), lam, k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(
+        got.double().sum(-1), torch.ones(6, dtype=torch.float64, device=DEVICE), rtol=0, atol=1e-5
+    )

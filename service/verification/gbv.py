@@ -13,7 +13,8 @@ The cost is step 3's ranking: a sort of each row by p/q. Block verification need
 (for p_i and λ: one masked sum per row, no sort), the residual masses R_i of the levels it
 tests, and the residual row at τ. On CPU it tests the levels top-down and ranks only the rows
 whose level its uniform can pass (_verify_lazily); elsewhere every row is ranked, without host
-reads. Both give the same tokens.
+reads (on CUDA skewed and scattered back by one fused kernel, kernels.skewed_by_rank). Both
+give the same tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from workers.sampling import cumsum64
 
+from . import kernels
 from .block import block_verify_rows, levels_top_down, residual_token, running_products
 from .common import (
     draft_support,
@@ -42,12 +44,18 @@ def ranking_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return ratio_key(p, q).float()
 
 
-def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """C(x) = Σ_{x' ranked below x} q(x') for every token of each row: [N, V] -> [N, V]."""
+def _by_rank(key: torch.Tensor, q: torch.Tensor):
+    """Each row [N, V] ranked: (token ids in rank order, q in that order, its float64 running
+    sums), [N, V] each."""
     order = ascending_order(key)
     q_sorted = q.gather(-1, order)
-    below_sorted = (cumsum64(q_sorted) - q_sorted).to(q.dtype)
-    return torch.empty_like(q).scatter_(-1, order, below_sorted)
+    return order, q_sorted, cumsum64(q_sorted)
+
+
+def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """C(x) = Σ_{x' ranked below x} q(x') for every token of each row: [N, V] -> [N, V]."""
+    order, q_sorted, cdf = _by_rank(key, q)
+    return torch.empty_like(q).scatter_(-1, order, (cdf - q_sorted).to(q.dtype))
 
 
 def _power_sum(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
@@ -119,8 +127,12 @@ def skewed_rows(
         skewed = skewed_rows(q.index_select(-1, support), p.index_select(-1, support), lam, k, None)
         return q.new_zeros(q.shape).index_copy_(-1, support, skewed)
     V = q.shape[-1]
-    key = ranking_key(p, q)
-    below = mass_ranked_below(key.view(-1, V), q.reshape(-1, V)).view(q.shape)
+    key = ranking_key(p, q).view(-1, V)
+    if kernels.applies(q, q):  # CUDA: skewed in rank order and written by id, one pass
+        order, q_sorted, cdf = _by_rank(key, q.reshape(-1, V))
+        skewed = kernels.skewed_by_rank(q_sorted, cdf.contiguous(), order, lam.reshape(-1), k)
+        return skewed.view(q.shape)
+    below = mass_ranked_below(key, q.reshape(-1, V)).view(q.shape)
     return skewed_probs(q, below, lam, k)
 
 

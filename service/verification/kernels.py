@@ -171,3 +171,76 @@ def row_masses(
     )
     sums = out.sum(1)  # [n, 2]
     return sums[:, 0].view(lead), sums[:, 1].view(lead)
+
+
+@functools.cache
+def _skew_kernel():
+    triton, tl = _triton()
+
+    @triton.jit
+    def skew_kernel(
+        q_sorted_ptr,  # [N, V]: each row's draft probabilities in rank order
+        cdf_ptr,  # [N, V] float64: their running sums
+        order_ptr,  # [N, V] int64: the token id at each rank
+        lam_ptr,  # [N] float64
+        out_ptr,  # [N, V]: q̃ by token id
+        V,
+        K: tl.constexpr,
+        F64: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < V
+        base = row.to(tl.int64) * V
+        compute = tl.float64 if F64 else tl.float32
+        lam = tl.load(lam_ptr + row)
+        inv = (1 / (lam + 1)).to(compute)  # divided through by (λ+1): no overflow
+        t = (lam / (lam + 1)).to(compute)
+        q64 = tl.load(q_sorted_ptr + base + cols, mask=inside, other=0.0).to(tl.float64)
+        below = (tl.load(cdf_ptr + base + cols, mask=inside, other=0.0) - q64).to(compute)
+        q = q64.to(compute)
+        b = t + below * inv
+        a = b + q * inv
+        # S_K(a, b) = Σ_{j<K} a^j b^(K-1-j), so that a^K - b^K = (a - b) S_K: no cancellation
+        total = tl.full([BLOCK], 1.0, compute)
+        b_pow = tl.full([BLOCK], 1.0, compute)
+        norm = 1.0
+        t_pow = 1.0
+        for _ in tl.static_range(K - 1):
+            b_pow = b_pow * b
+            total = total * a + b_pow
+            t_pow = t_pow * t
+            norm = norm * 1.0 + t_pow
+        skewed = total * q / norm
+        ids = tl.load(order_ptr + base + cols, mask=inside, other=0)
+        tl.store(out_ptr + base + ids, skewed.to(out_ptr.dtype.element_ty), mask=inside)
+
+    return skew_kernel
+
+
+def skewed_by_rank(
+    q_sorted: torch.Tensor,  # [N, V]: draft rows in rank order (contiguous)
+    cdf: torch.Tensor,  # [N, V] float64: running sums of q_sorted (contiguous)
+    order: torch.Tensor,  # [N, V] int64: token id at each rank (contiguous)
+    lam: torch.Tensor,  # [N] float64: λ of each row's prefix
+    k: int,
+) -> torch.Tensor:
+    """GBV's q̃ (gbv.skewed_probs with C(x) = cdf - q at x's rank) written by token id:
+    [N, V] in q's dtype. One pass instead of a scatter of C and ~3k passes of the skew."""
+    triton, _ = _triton()
+    n, V = q_sorted.shape
+    out = torch.empty_like(q_sorted)
+    _skew_kernel()[(n, triton.cdiv(V, BLOCK))](
+        q_sorted,
+        cdf,
+        order,
+        lam.double().contiguous(),
+        out,
+        V,
+        K=k,
+        F64=q_sorted.dtype == torch.float64,
+        BLOCK=BLOCK,
+        num_warps=8,
+    )
+    return out
