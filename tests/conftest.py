@@ -12,6 +12,12 @@ pytest_plugins = ["tests.redis_server", "tests.live_service"]
 # oversubscribes the cores and OpenMP spin-waiting then slows everything ~10x.
 torch.set_num_threads(1)
 
+# Without a GPU, Triton's interpreter runs the verifiers' CUDA kernels on CPU tensors
+# (tests/test_verify_kernels.py). Triton reads this when it is imported, so it is set here,
+# before any test imports it; nothing else runs Triton code on a CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture
 def clean_env(monkeypatch):

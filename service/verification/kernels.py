@@ -38,11 +38,15 @@ def _triton():
 
 
 def applies(p: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether :func:`row_masses` runs for rows p, q: on CUDA, with Triton, of one shape with
-    at most three leading dims, contiguous along V."""
+    """Whether the verifiers take the kernels for rows p, q: on CUDA, where they :func:`fit`."""
+    return p.device.type == "cuda" and fit(p, q)
+
+
+def fit(p: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether :func:`row_masses` can read rows p, q: Triton is there, and they have one shape
+    with at most three leading dims, contiguous along V."""
     return (
-        p.device.type == "cuda"
-        and p.shape == q.shape
+        p.shape == q.shape
         and p.dim() <= 4
         and p.stride(-1) == q.stride(-1) == 1
         and p.numel() > 0
