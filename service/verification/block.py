@@ -103,8 +103,8 @@ def residual_mass(
     """R = Σ_x (p_i p(x) - q(x))_+ = -Σ_x (q - p_i p)_-: [...], two passes and one temporary
     (on CUDA one fused pass)."""
     if kernels.applies(p, q):
-        mass = kernels.row_masses(p, q, torch.ones_like(pi, dtype=torch.float64), c=pi)[0]
-        return mass.to(torch.promote_types(torch.promote_types(q.dtype, p.dtype), pi.dtype))
+        dtype = torch.promote_types(torch.promote_types(q.dtype, p.dtype), pi.dtype)
+        return kernels.excess_mass(p, q, pi).to(dtype)
     return torch.addcmul(q, p, pi.unsqueeze(-1), value=-1).clamp_max_(0).sum(-1).neg()
 
 

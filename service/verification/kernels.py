@@ -177,6 +177,18 @@ def row_masses(
     return sums[:, 0].view(lead), sums[:, 1].view(lead)
 
 
+def excess_mass(
+    p: torch.Tensor,  # [..., V]: target rows
+    q: torch.Tensor,  # [..., V]: draft rows
+    c: torch.Tensor,  # [...]: the target's scale per row
+    rows: torch.Tensor | None = None,  # [n] int64: read p[rows], q[rows] in place
+) -> torch.Tensor:
+    """Σ_x (c p(x) - q(x))_+ float64 [...] ([n, ...] with ``rows``): block verification's R
+    (c = p_i) and traversal's masses (c = α); row_masses with t = 1."""
+    ones = torch.ones_like(c, dtype=torch.float64)
+    return row_masses(p, q, ones, c=c, rows=rows)[0]
+
+
 @functools.cache
 def _skew_kernel():
     triton, tl = _triton()

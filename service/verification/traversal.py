@@ -155,8 +155,7 @@ def traversal_verify(
     def masses(node: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """Σ_x (α_d p_d - q_d)_+ over the original rows of every inner node: [n, γ]."""
         if fused:
-            ones = torch.ones_like(alpha, dtype=torch.float64)
-            return kernels.row_masses(inner_p, inner_q, ones, c=alpha, rows=node)[0].to(work)
+            return kernels.excess_mass(inner_p, inner_q, alpha, rows=node).to(work)
         p = flat_p.index_select(0, (node[:, None] * (gamma + 1) + inner).flatten())
         q = flat_q.index_select(0, (node[:, None] * gamma + inner).flatten())
         p = p.view(-1, gamma, V).mul_(alpha.unsqueeze(-1)).to(work)  # in place: no new pages
@@ -183,8 +182,7 @@ def traversal_verify(
         else:  # every row's, kept where it is modified
             p, q = mod_p.view(B, gamma, V), mod_q.view(B, gamma, V)
             if fused:
-                ones = torch.ones_like(alpha, dtype=torch.float64)
-                mod_mass = kernels.row_masses(p, q, ones, c=alpha)[0].to(mass.dtype)
+                mod_mass = kernels.excess_mass(p, q, alpha).to(mass.dtype)
             else:
                 mod_mass = (alpha.unsqueeze(-1) * p - q).clamp_min(0).sum(-1)
             mass = torch.where(modified, mod_mass, mass)
