@@ -156,7 +156,7 @@ def sequential_greedy_verify(
     uniforms: torch.Tensor,  # [B, K*γ + 1]
     modified: ResidualRows,  # [B, K, γ]: earlier modifications carried into these rows
 ):
-    """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], needleft [B, K]))."""
+    """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], rows_left [B, K]))."""
     B, K, gamma = draft_tokens.shape
     dev = draft_tokens.device
     ar = torch.arange(B, device=dev)
@@ -250,10 +250,10 @@ def sequential_greedy_verify(
         dim=1,
     )
     rec_log_q = log_q_a + q_y.log()
-    needleft = (gamma - 1 - length).clamp_min(0)
+    rows_left = (gamma - 1 - length).clamp_min(0)
     records = (
         rec_log_p,
         rec_log_q.unsqueeze(1).expand(B, K),
-        needleft.unsqueeze(1).expand(B, K).clone(),
+        rows_left.unsqueeze(1).expand(B, K).clone(),
     )
     return emit(draft_tokens[ar, best_path], length, y), length, best_path, records
