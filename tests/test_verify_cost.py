@@ -298,11 +298,8 @@ def test_gbv_levels_compare_uniforms_in_the_promoted_dtype(monkeypatch):
     tokens, q, p = inputs("agree", 32, 2, 4, vocab=50)
     tokens[:, 1], q[:, 1], p[:, 1] = tokens[:, 0], q[:, 0], p[:, 0]  # both paths equal: path 0
     q, p = q.double(), p.float()
-    x, q0, p0 = tokens[:, 0], q[:, 0], p[:, 0, :4]
-    below_x = gbv.drafted_mass_below(gbv.ranking_key(p0, q0), q0, x)
-    q_x, p_x = q0.gather(-1, x[..., None])[..., 0], p0.gather(-1, x[..., None])[..., 0]
-    lam = gbv.prefix_lambdas(below_x, q_x)
-    q_tilde_x = gbv.skewed_probs(q_x[..., None], below_x[..., None], lam, 2)[..., 0]
+    below_x, q_x, p_x = gbv._path_values(q[:, 0], p[:, 0], tokens[:, 0])
+    _, q_tilde_x = gbv._skew_at_path(below_x, q_x, 2)
     pi_last = gbv.running_products(p_x, q_tilde_x, p.dtype)[:, -1].double()
     u = torch.rand(32, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     u[:, 3] = pi_last - 1e-12
