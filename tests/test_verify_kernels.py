@@ -88,39 +88,57 @@ def test_row_masses_read_selected_rows_in_place(dtypes):
     assert above.shape == (4, 5) and (below == 0).all()
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_skewed_by_rank_is_gbvs_skew_by_id(k, dtype):
-    """GBV's q̃ from rank-ordered rows, written by id: gbv.skewed_probs on the scattered C."""
-    from service.verification.gbv import mass_ranked_below, ranking_key, skewed_probs
+def skew_inputs(k, dtype, lead=(6,), vocab=5000):
+    """Rows q, p [*lead, V] with ties at +inf in the first (q = 0 on 100 tokens), λ [*lead],
+    and GBV's rank order of each row."""
+    from service.verification.gbv import ranking_key
     from service.verification.sorting import ascending_order
-    from workers.sampling import cumsum64
 
     gen = torch.Generator().manual_seed(k)
-    q = (
-        torch.randn(6, 5000, generator=gen, dtype=torch.float64)
-        .mul(3)
-        .softmax(-1)
-        .to(DEVICE, dtype)
-    )
-    p = (
-        torch.randn(6, 5000, generator=gen, dtype=torch.float64)
-        .mul(3)
-        .softmax(-1)
-        .to(DEVICE, dtype)
-    )
-    q[0, :100] = 0  # ties at +inf, broken by id
+
+    def rows():
+        x = torch.randn(*lead, vocab, generator=gen, dtype=torch.float64)
+        return x.mul(3).softmax(-1).to(DEVICE, dtype)
+
+    q, p = rows(), rows()
+    q.view(-1, vocab)[0, :100] = 0  # ties at +inf, broken by id
     q = q / q.sum(-1, keepdim=True)
-    lam = torch.rand(6, generator=gen, dtype=torch.float64).mul(5).to(DEVICE)
-    key = ranking_key(p, q)
-    order = ascending_order(key)
-    q_sorted = q.gather(-1, order)
-    got = kernels.skewed_by_rank(q_sorted, cumsum64(q_sorted).contiguous(), order, lam, k)
-    want = skewed_probs(q, mass_ranked_below(key, q), lam, k)
+    lam = torch.rand(*lead, generator=gen, dtype=torch.float64).mul(5).to(DEVICE)
+    key = ranking_key(p, q).view(-1, vocab)
+    return q, p, lam, ascending_order(key).view(*lead, vocab), key
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_skewed_rows_are_gbvs_skew_by_id(k, dtype):
+    """GBV's q̃ from a walk in rank order, written by id: gbv.skewed_probs on the scattered C;
+    and the same rows picked out by flat index."""
+    from service.verification.gbv import mass_ranked_below, skewed_probs
+
+    q, _, lam, order, key = skew_inputs(k, dtype, lead=(2, 3))
+    want = skewed_probs(q, mass_ranked_below(key, q.view(-1, 5000)).view(q.shape), lam, k)
+    got = kernels.skewed_rows(q, order, lam, k)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(
-        got.double().sum(-1), torch.ones(6, dtype=torch.float64, device=DEVICE), rtol=0, atol=1e-5
-    )
+    torch.testing.assert_close(got.double().sum(-1), torch.ones_like(lam), rtol=0, atol=1e-5)
+    rows = torch.tensor([5, 0, 3], device=DEVICE)
+    picked = kernels.skewed_rows(q, order, lam, k, rows=rows)
+    torch.testing.assert_close(picked, want.view(-1, 5000)[rows], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_skewed_excess_is_the_residual_mass_of_the_skewed_rows(k, dtype):
+    """Σ (c p - q̃)_+ summed in rank order against float64 sums over q̃ by id, on strided rows
+    (a slice of levels, as GBV passes them)."""
+    from service.verification.gbv import mass_ranked_below, skewed_probs
+
+    q, p, lam, order, key = skew_inputs(k, dtype, lead=(2, 4))
+    c = torch.rand(2, 3, dtype=torch.float64, device=DEVICE)
+    q_tilde = skewed_probs(q, mass_ranked_below(key, q.view(-1, 5000)).view(q.shape), lam, k)
+    want = reference(p[:, 1:], q_tilde[:, 1:], torch.ones_like(c), c=c)[0]
+    got = kernels.skewed_excess(q[:, 1:], p[:, 1:], order[:, 1:], lam[:, 1:], c, k)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got.shape == (2, 3) and got.dtype == torch.float64 and (got > 0).all()
 
 
 # Every verifier whose accelerator path calls the kernels (gbv and traversal at K = 1
@@ -137,7 +155,7 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
     these inputs, and the carried joints to ~1e-6."""
     take_accelerator_paths(monkeypatch)
     calls = []
-    for name in ("row_masses", "skewed_by_rank"):
+    for name in ("row_masses", "skewed_rows", "skewed_excess"):
         real = getattr(kernels, name)
         monkeypatch.setattr(
             kernels,
@@ -155,8 +173,9 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
             out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
             carry = out.carry
             runs[fused].append(out)
-    assert "row_masses" in calls  # the fused run went through the kernels
-    assert ("skewed_by_rank" in calls) == (method == "gbv" and k > 1)
+    # the fused run went through the kernels: GBV's skew at K > 1, the masses elsewhere
+    gbv_skew = method == "gbv" and k > 1
+    assert set(calls) == ({"skewed_excess", "skewed_rows"} if gbv_skew else {"row_masses"})
     for plain, fused in zip(runs[False], runs[True], strict=True):
         assert same_tokens(plain, fused)
         if plain.carry is not None:

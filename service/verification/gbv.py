@@ -13,8 +13,8 @@ The cost is step 3's ranking: a sort of each row by p/q. Block verification need
 (for p_i and λ: one masked sum per row, no sort), the residual masses R_i of the levels it
 tests, and the residual row at τ. On CPU it tests the levels top-down and ranks only the rows
 whose level its uniform can pass (_verify_lazily); elsewhere every row is ranked, without host
-reads (on CUDA skewed and scattered back by one fused kernel, kernels.skewed_by_rank). Both
-give the same tokens.
+reads (on CUDA each level's R is summed in rank order by one fused kernel and only the row
+at τ is skewed by id, _verify_in_rank_order). Both give the same tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ import torch
 from workers.sampling import cumsum64
 
 from . import kernels
-from .block import block_verify_rows, levels_top_down, residual_token, running_products
+from .block import (
+    accepted_length,
+    block_verify_rows,
+    levels_top_down,
+    residual_token,
+    running_products,
+)
 from .common import (
     draft_support,
     emit,
@@ -44,18 +50,11 @@ def ranking_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return ratio_key(p, q).float()
 
 
-def _by_rank(key: torch.Tensor, q: torch.Tensor):
-    """Each row [N, V] ranked: (token ids in rank order, q in that order, its float64 running
-    sums), [N, V] each."""
-    order = ascending_order(key)
-    q_sorted = q.gather(-1, order)
-    return order, q_sorted, cumsum64(q_sorted)
-
-
 def mass_ranked_below(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """C(x) = Σ_{x' ranked below x} q(x') for every token of each row: [N, V] -> [N, V]."""
-    order, q_sorted, cdf = _by_rank(key, q)
-    return torch.empty_like(q).scatter_(-1, order, (cdf - q_sorted).to(q.dtype))
+    order = ascending_order(key)
+    q_sorted = q.gather(-1, order)
+    return torch.empty_like(q).scatter_(-1, order, (cumsum64(q_sorted) - q_sorted).to(q.dtype))
 
 
 def _power_sum(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
@@ -129,9 +128,7 @@ def skewed_rows(
     V = q.shape[-1]
     key = ranking_key(p, q).view(-1, V)
     if kernels.applies(q, q):  # CUDA: skewed in rank order and written by id, one pass
-        order, q_sorted, cdf = _by_rank(key, q.reshape(-1, V))
-        skewed = kernels.skewed_by_rank(q_sorted, cdf.contiguous(), order, lam.reshape(-1), k)
-        return skewed.view(q.shape)
+        return kernels.skewed_rows(q.reshape(-1, V), ascending_order(key), lam, k).view(q.shape)
     below = mass_ranked_below(key, q.reshape(-1, V)).view(q.shape)
     return skewed_probs(q, below, lam, k)
 
@@ -179,8 +176,32 @@ def _skew_at_path(below_x: torch.Tensor, q_x: torch.Tensor, k: int):
 
 def _verify_all_levels(x, q, p, k, u):
     """Off the CPU: every level's residual mass, no host reads (capturable in a CUDA graph)."""
+    if kernels.applies(q, q):
+        return _verify_in_rank_order(x, q, p, k, u)
     q_tilde, q_tilde_x = skewed_draft(x, q, p, k)
     return block_verify_rows(x, q_tilde, p, u, q_drafted=q_tilde_x)
+
+
+def _verify_in_rank_order(
+    x: torch.Tensor,  # [n, γ] int64: the selected path
+    q: torch.Tensor,  # [n, γ, V]: its draft rows
+    p: torch.Tensor,  # [n, γ+1, V]: its target rows
+    k: int,
+    u: torch.Tensor,  # [n, γ+1]
+):
+    """CUDA: _verify_all_levels without the [n, γ, V] rows of q̃. Each level's R sums
+    (p_i p - q̃)_+ while walking the row in rank order, where C(x) is a running sum
+    (kernels.skewed_excess), and only the row at τ is skewed and written by id. -> τ, y."""
+    n, gamma, V = q.shape
+    below_x, q_x, p_x = _path_values(q, p, x)
+    lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
+    pi = running_products(p_x, q_tilde_x, p.dtype)  # [n, γ]
+    order = ascending_order(ranking_key(p[:, :gamma], q).view(-1, V)).view(n, gamma, V)
+    mass = kernels.skewed_excess(q[:, 1:], p[:, 1:gamma], order[:, 1:], lam[:, 1:], pi[:, :-1], k)
+    tau = accepted_length(pi, mass.to(pi.dtype), u)
+    at_tau = torch.arange(n, device=x.device) * gamma + tau.clamp_max(gamma - 1)  # [n]
+    q_row = kernels.skewed_rows(q, order, lam, k, rows=at_tau) * (tau < gamma).unsqueeze(-1)
+    return tau, residual_token(pi, tau, take_rows(p, tau), q_row, u[:, gamma])
 
 
 def _verify_lazily(
