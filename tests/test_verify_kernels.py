@@ -9,6 +9,8 @@ code, executed op by op. Skipped where triton is not installed.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,10 +143,126 @@ def test_skewed_excess_is_the_residual_mass_of_the_skewed_rows(k, dtype):
     assert got.shape == (2, 3) and got.dtype == torch.float64 and (got > 0).all()
 
 
+def kseq_case(dtype, gen, rows=64, vocab=1000, k=4):
+    """SpecTr nodes: target/draft rows (a row with p = q: ρ* = 1; one with q = 0 on 100
+    tokens: ratios +inf), 1..k candidates drawn from q, and candidates' uniforms near 1 on
+    every other row, so that rejections, and the residual draw, are common."""
+    p = torch.randn(rows, vocab, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    q = (p.log() + torch.randn(rows, vocab, generator=gen, dtype=torch.float64)).softmax(-1)
+    q[0] = p[0]
+    q[1, :100] = 0
+    q = q / q.sum(-1, keepdim=True)
+    cand = torch.multinomial(q, k, replacement=True, generator=gen)
+    n = torch.randint(1, k + 1, (rows,), generator=gen)
+    is_cand = torch.arange(k) < n.unsqueeze(-1)
+    u = torch.rand(rows, k + 1, generator=gen, dtype=torch.float64)
+    u[::2, :k] = 1 - u[::2, :k] * 1e-3
+    return [x.to(DEVICE) for x in (p.to(dtype), q.to(dtype), cand, is_cand, u)]
+
+
+@pytest.mark.parametrize(
+    "dtype,block", [(torch.float32, 128), (torch.float64, 1024), (torch.bfloat16, 256)]
+)
+def test_kseq_token_is_spectrs_node_rule(dtype, block, monkeypatch):
+    """ρ*, β(ρ*) against kseq_rho_all's search, and the token against spectr_rule's torch ops
+    (the tests and, where all are rejected, the residual's inverse-CDF draw) on the same
+    uniforms: equal up to the last bits of ρ (the probes' rounding) and of the scans."""
+    from service.verification import top_down
+    from service.verification.sorting import ratio_key, sort_ascending
+
+    gen = torch.Generator().manual_seed(3)
+    p, q, cand, is_cand, u = kseq_case(dtype, gen)
+    key = ratio_key(p, q)
+    ratio_sorted, order = sort_ascending(key)
+    token, rho, beta = kernels.kseq_token(
+        p, q, key, ratio_sorted, order, cand, is_cand, u, top_down.SEARCH_WIDE, block=block
+    )
+    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
+    monkeypatch.setattr(top_down, "SEARCH_NARROW", top_down.SEARCH_WIDE)  # the same grid on CPU
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, is_cand.sum(-1).double())
+    torch.testing.assert_close(rho, want_rho, rtol=1e-8, atol=0)  # a few steps of the grid
+    torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
+    assert rho[0] == 1 and (rho[is_cand.sum(-1) == 1] == 1).all()
+    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
+    want = top_down.spectr_rule(p, q, cand, is_cand, u)
+    rejected = ~(is_cand & (u[:, :-1] * rho[:, None] * q.gather(-1, cand) < p.gather(-1, cand)))
+    assert rejected.all(-1).sum() >= 10  # the residual draw is exercised
+    if dtype != torch.bfloat16:
+        assert torch.equal(token, want)
+    else:  # the kernel computes a bfloat16 row's residual in float32, torch in bfloat16
+        assert (token == want).float().mean() > 0.9
+
+
+# The kernels' pointer arguments that are not float64 (rows' pointers are set per case).
+POINTERS = {
+    "order_ptr": "*i64",
+    "sel_ptr": "*i64",
+    "cand_ptr": "*i64",
+    "token_ptr": "*i64",
+    "is_cand_ptr": "*i8",
+}
+
+
+def compile_for_sm90() -> None:
+    """Compile every kernel for an H100/H200 (sm_90, with the ptxas Triton ships): no GPU."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for f64 in (False, True):
+        rows = "*fp64" if f64 else "*fp32"
+        cases = [
+            (
+                kernels._kernel(),
+                {"p_ptr": rows, "q_ptr": rows, "max_scalar": "fp64"},
+                {"HAS_S": True, "HAS_C": True, "HAS_SEL": True, "F64": f64, "BLOCK": 2048},
+            ),
+            *[
+                (
+                    kernels._skew_kernel(),
+                    {"q_ptr": rows, "p_ptr": rows},
+                    {"K": 3, "HAS_P": has_p, "HAS_SEL": not has_p, "F64": f64, "BLOCK": 1024},
+                )
+                for has_p in (False, True)
+            ],
+            (
+                kernels._kseq_kernel(),
+                {"p_ptr": rows, "q_ptr": rows, "key_ptr": rows, "ratio_ptr": rows},
+                {"K": 3, "KP": 4, "WAYS": 256, "ROUNDS": 4, "F64": f64, "BLOCK": 1024},
+            ),
+        ]
+        for kernel, types, constants in cases:
+            names = kernel.arg_names
+
+            def arg_type(name, types=types, constants=constants):
+                if name in constants:
+                    return "constexpr"
+                if name.endswith("_ptr"):
+                    return types.get(name, POINTERS.get(name, "*fp64"))
+                return types.get(name, "i32")
+
+            signature = {name: arg_type(name) for name in names}
+            constexprs = {(names.index(k),): v for k, v in constants.items()}
+            source = ASTSource(kernel, signature, constexprs=constexprs)
+            assert triton_compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the other tests compile the kernels")
+def test_kernels_compile_for_a_gpu():
+    """The interpreter runs a kernel op by op and misses what only the compiler checks (a
+    variable whose type differs between the branches of an `if` failed on an H200 that way),
+    so the kernels are also compiled here, in a process without the interpreter (it patches
+    triton.language)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_verify_kernels import compile_for_sm90; compile_for_sm90()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 # Every verifier whose accelerator path calls the kernels (gbv and traversal at K = 1
 # through block verification's R; specinfer at K = 1 is token verification, which does not).
 CALLERS = [("block", 1), ("greedy_block", 1), ("gbv", 1), ("traversal", 1), ("spectr_gbv", 1)]
-CALLERS += [(m, 3) for m in ("specinfer", "gbv", "traversal", "spectr_gbv")]
+CALLERS += [(m, 3) for m in ("specinfer", "spectr", "gbv", "traversal", "spectr_gbv")]
 
 
 @pytest.mark.parametrize("method,k", CALLERS)
@@ -155,7 +273,7 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
     these inputs, and the carried joints to ~1e-6."""
     take_accelerator_paths(monkeypatch)
     calls = []
-    for name in ("row_masses", "skewed_rows", "skewed_excess"):
+    for name in ("row_masses", "skewed_rows", "skewed_excess", "kseq_token"):
         real = getattr(kernels, name)
         monkeypatch.setattr(
             kernels,
@@ -173,9 +291,10 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
             out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
             carry = out.carry
             runs[fused].append(out)
-    # the fused run went through the kernels: GBV's skew at K > 1, the masses elsewhere
-    gbv_skew = method == "gbv" and k > 1
-    assert set(calls) == ({"skewed_excess", "skewed_rows"} if gbv_skew else {"row_masses"})
+    # the fused run went through the kernels: GBV's skew and SpecTr's node at K > 1, the
+    # masses elsewhere
+    fused_by = {"gbv": {"skewed_excess", "skewed_rows"}, "spectr": {"kseq_token"}}
+    assert set(calls) == (fused_by.get(method, {"row_masses"}) if k > 1 else {"row_masses"})
     for plain, fused in zip(runs[False], runs[True], strict=True):
         assert same_tokens(plain, fused)
         if plain.carry is not None:

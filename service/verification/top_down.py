@@ -16,6 +16,7 @@ import torch
 from workers.sampling import cumsum64, sample_from_weights
 from workers.tree import rows_at
 
+from . import kernels
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ratio_key, sort_ascending
@@ -185,6 +186,13 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
 
 def spectr_rule(p_row, q_row, cand, is_cand, u):
     """K-SEQ with ρ* for k = n_v candidates (spec §7); first acceptance wins."""
+    if kernels.applies(p_row, q_row):  # CUDA: all of it after the sort in one kernel
+        key = ratio_key(p_row, q_row)
+        ratio_sorted, order = sort_ascending(key)
+        token, _, _ = kernels.kseq_token(
+            p_row, q_row, key, ratio_sorted, order, cand, is_cand, u, SEARCH_WIDE
+        )
+        return token
     n = is_cand.sum(-1)  # [B] multiplicity of the node
     rho, beta = kseq_rho(p_row, q_row, n)  # [B], [B]
     # Each candidate's test reads its own uniform, so all K are tested at once and the first
