@@ -397,8 +397,8 @@ def _kseq_kernel():
         # the first ratio r_a < n where f(r_a) >= 0 (j = a ratios below it: the first of a
         # tie), else the first ratio >= n. On (r_{a-1}, r_a] f is f_a, the same sums with P
         # and Q below a fixed; f_a is nondecreasing on all ρ > 0 too, and its root is ρ*, so
-        # the search asks f_a whether a probe is feasible, inside the segment or not, and
-        # never reads the row again.
+        # the search asks f_a whether a probe is feasible, inside the segment or not: no
+        # probe reads the row.
         nf = n.to(tl.float64)
         q_sum = tl.zeros([BLOCK], tl.float64)  # summed across lanes once, after the loop
         for start in range(0, V, BLOCK):
