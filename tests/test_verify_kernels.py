@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,7 +256,10 @@ def test_kernels_compile_for_a_gpu():
     triton.language)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "from tests.test_verify_kernels import compile_for_sm90; compile_for_sm90()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
