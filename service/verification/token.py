@@ -25,13 +25,28 @@ def token_verify_rows(
     gamma = x.shape[1]
     px = p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
     qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-    accepted = tests * qx < px  # u < p/q without dividing
-    tau = accepted.long().cumprod(-1).sum(-1)  # [B]
-
+    tau = accepted_length(px, qx, tests)
     p_row = take_rows(p, tau)  # [B, V]
     q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)  # q := 0 at γ
-    y = sample_from_weights(positive_part_or(p_row - q_row, p_row), take_rows(draws, tau))
-    return tau, y
+    return tau, recovered_token(p_row, q_row, take_rows(draws, tau))
+
+
+def accepted_length(
+    px: torch.Tensor,  # [B, L]: p of each path token
+    qx: torch.Tensor,  # [B, L]: q of each path token
+    tests: torch.Tensor,  # [B, L] float64: the accept test's uniform at each position
+) -> torch.Tensor:
+    """τ [B]: how many tokens pass u < p/q before the first that does not."""
+    return (tests * qx < px).long().cumprod(-1).sum(-1)  # u < p/q without dividing
+
+
+def recovered_token(
+    p_row: torch.Tensor,  # [B, V]: the target row after the accepted prefix
+    q_row: torch.Tensor,  # [B, V]: its draft row, zeros after a full block (bonus)
+    u: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """y ~ (p - q)_+ normalised (p itself where nothing is left): the recovered or bonus token."""
+    return sample_from_weights(positive_part_or(p_row - q_row, p_row), u)
 
 
 def token_verify(

@@ -20,7 +20,7 @@ from . import kernels
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ratio_key, sort_ascending
-from .token import token_verify_rows
+from .token import accepted_length, recovered_token, token_verify_rows
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
 #   -> token [B]
@@ -48,6 +48,7 @@ def walk_tree(
     draft_probs: torch.Tensor,  # [B, K, γ, V]
     target_probs: torch.Tensor,  # [B, K, γ+1, V]
     uniforms: torch.Tensor,  # [B, (γ+1)(K+1)]
+    single_is_token: bool = False,  # the rule at a one-candidate node is token verification
 ):
     B, K, gamma = draft_tokens.shape
     dev = draft_tokens.device
@@ -63,6 +64,19 @@ def walk_tree(
     live = torch.arange(B, device=dev)
     walking = torch.ones(B, dtype=torch.bool, device=dev)
     for d in range(gamma + 1):
+        if compact and single_is_token and d < gamma:
+            # A node with one path through it stays so below it: the rest of that request's
+            # walk is token verification along its path, done for all such requests at once
+            # from their scalars p(x), q(x) (only the stopping depth's rows are read).
+            alone = on_path[live].sum(-1) == 1
+            if bool(alone.any()):
+                done = live[alone]
+                tau[done], last[done] = _token_from(
+                    d, done, on_path[done], draft_tokens, draft_probs, target_probs, u
+                )
+                live = live[~alone]
+                if live.numel() == 0:
+                    break
         rows = live if compact else ALL  # every request: views, no gathers
         on_node = on_path[rows]  # [n, K]
         node_path = on_node.to(torch.int8).argmax(-1)  # a path through v: v's rows
@@ -95,16 +109,45 @@ def walk_tree(
     return emit(take_rows(draft_tokens, path), tau, last), tau, path
 
 
+def _token_from(
+    d: int,  # the depth the requests stand at
+    done: torch.Tensor,  # [m] int64: requests with one path through their node
+    on_node: torch.Tensor,  # [m, K] bool: that path
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+    u: torch.Tensor,  # [B, γ+1, K+1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of a walk below a one-candidate node, as token verification along its path
+    with the uniforms the walk reads (the test of depth d' in column k, the draw in column K):
+    -> (τ [m], the last token [m]). The walk's node rule there is TV's test, u q < p, and TV's
+    residual (p - q)_+: SpecInfer's level 1 bit for bit, SpecTr's p - min(q, p/ρ)·scale at
+    ρ = 1 up to its scale's rounding (1 - (1 - β)) / β."""
+    K, gamma = draft_tokens.shape[1:]
+    k = on_node.to(torch.int8).argmax(-1, keepdim=True)  # [m, 1]
+    b = done.unsqueeze(-1)  # [m, 1]
+    depth = torch.arange(d, gamma, device=done.device)  # [L]
+    x = draft_tokens[b, k, depth]  # [m, L]
+    tau = d + accepted_length(
+        target_probs[b, k, depth, x], draft_probs[b, k, depth, x], u[b, depth, k]
+    )
+    k = k.squeeze(-1)
+    p_row = rows_at(target_probs, done, k, tau)
+    q_row = rows_at(draft_probs, done, k, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
+    return tau, recovered_token(p_row, q_row, u[done, tau, K])
+
+
 def single_candidate_is_token(rule: NodeRule) -> Callable:
     """The verifier of a rule whose one-candidate node is token verification (SpecInfer and
     SpecTr: spec §6, §7): at K = 1 it runs TV over the whole path at once, with the uniforms
     the walk would read (depth d's test u[d, 0], the draw at the stopping depth u[τ, 1]), so
-    the same seeds give the same tokens without a per-depth walk."""
+    the same seeds give the same tokens without a per-depth walk. At K > 1 the walk on CPU
+    hands a request to TV the same way once one path is left through its node."""
 
     def verify(draft_tokens, draft_probs, target_probs, uniforms):
         B, K, gamma = draft_tokens.shape
         if K > 1:
-            return walk_tree(rule, draft_tokens, draft_probs, target_probs, uniforms)
+            return walk_tree(rule, draft_tokens, draft_probs, target_probs, uniforms, True)
         u = uniforms.view(B, gamma + 1, 2)  # [B, γ+1, K+1]
         x = draft_tokens[:, 0]
         tau, y = token_verify_rows(
