@@ -38,17 +38,18 @@ def block_verify_rows(
     # R_i = Σ_x (p_i p(x|X^i) - q(x|X^i))_+ for i = 1..γ-1, in one batched pass: summing only
     # the levels a uniform can reach (levels_top_down) was 1.0-1.4x slower here on CPU.
     mass = over_batch_chunks(residual_mass, p[:, 1:gamma], q[:, 1:], pi[:, :-1])
-    tau = accepted_length(pi, mass, uniforms)
+    tau = block_tau(pi, mass, uniforms)
     q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
     return tau, residual_token(pi, tau, take_rows(p, tau), q_row, uniforms[:, gamma])
 
 
-def accepted_length(
+def block_tau(
     pi: torch.Tensor,  # [B, γ]: the running products p_1..p_γ
     mass: torch.Tensor,  # [B, γ-1]: the residual masses R_1..R_{γ-1}
     uniforms: torch.Tensor,  # [B, ≥γ]: η_1..η_γ first
 ) -> torch.Tensor:
-    """τ [B]: the highest level i whose η_i < h_i (h_γ = p_γ; level 0 always passes)."""
+    """Block verification's τ [B]: the highest level i whose η_i < h_i (h_γ = p_γ; level 0
+    always passes)."""
     gamma = pi.shape[1]
     h = torch.cat([level_probs(mass, pi[:, :-1]), pi[:, -1:]], dim=1)
     return last_passing_level(uniforms[:, :gamma].to(h.dtype), h)  # independent η_i, no break

@@ -25,7 +25,7 @@ from workers.sampling import cumsum64
 
 from . import kernels
 from .block import (
-    accepted_length,
+    block_tau,
     block_verify_rows,
     levels_top_down,
     residual_token,
@@ -176,7 +176,7 @@ def _skew_at_path(below_x: torch.Tensor, q_x: torch.Tensor, k: int):
 
 def _verify_all_levels(x, q, p, k, u):
     """Off the CPU: every level's residual mass, no host reads (capturable in a CUDA graph)."""
-    if kernels.applies(q, q):
+    if kernels.applies(q, q):  # (p has one row more; the kernels read it by its strides)
         return _verify_in_rank_order(x, q, p, k, u)
     q_tilde, q_tilde_x = skewed_draft(x, q, p, k)
     return block_verify_rows(x, q_tilde, p, u, q_drafted=q_tilde_x)
@@ -198,7 +198,7 @@ def _verify_in_rank_order(
     pi = running_products(p_x, q_tilde_x, p.dtype)  # [n, γ]
     order = ascending_order(ranking_key(p[:, :gamma], q).view(-1, V)).view(n, gamma, V)
     mass = kernels.skewed_excess(q[:, 1:], p[:, 1:gamma], order[:, 1:], lam[:, 1:], pi[:, :-1], k)
-    tau = accepted_length(pi, mass.to(pi.dtype), u)
+    tau = block_tau(pi, mass.to(pi.dtype), u)
     at_tau = torch.arange(n, device=x.device) * gamma + tau.clamp_max(gamma - 1)  # [n]
     q_row = kernels.skewed_rows(q, order, lam, k, rows=at_tau) * (tau < gamma).unsqueeze(-1)
     return tau, residual_token(pi, tau, take_rows(p, tau), q_row, u[:, gamma])
