@@ -20,8 +20,8 @@ def token_verify_rows(
     tests: torch.Tensor,  # [B, γ] float64: the accept test's uniform at each position
     draws: torch.Tensor,  # [B, γ+1] float64: the recovered/bonus draw's uniform, by τ
 ):
-    """TV on one path per request; returns (τ [B], y [B]). Shared with SpecInfer and SpecTr,
-    which are TV at K = 1 (spec §6, §7) and draw their uniforms per depth of the walk."""
+    """TV on one path per request; returns (τ [B], y [B]). SpecInfer and SpecTr, TV along one
+    path (spec §6, §7), read the walk's uniforms instead: top_down._token_from."""
     gamma = x.shape[1]
     px = p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]
     qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, γ]

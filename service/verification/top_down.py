@@ -20,7 +20,7 @@ from . import kernels
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ratio_key, sort_ascending
-from .token import accepted_length, recovered_token, token_verify_rows
+from .token import accepted_length, recovered_token
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
 #   -> token [B]
@@ -139,21 +139,20 @@ def _token_from(
 
 def single_candidate_is_token(rule: NodeRule) -> Callable:
     """The verifier of a rule whose one-candidate node is token verification (SpecInfer and
-    SpecTr: spec §6, §7): at K = 1 it runs TV over the whole path at once, with the uniforms
-    the walk would read (depth d's test u[d, 0], the draw at the stopping depth u[τ, 1]), so
-    the same seeds give the same tokens without a per-depth walk. At K > 1 the walk on CPU
-    hands a request to TV the same way once one path is left through its node."""
+    SpecTr: spec §6, §7): at K = 1 it runs TV over the whole path at once (_token_from at the
+    root), with the uniforms the walk would read, so the same seeds give the same tokens
+    without a per-depth walk. At K > 1 the walk on CPU hands a request to TV the same way once
+    one path is left through its node."""
 
     def verify(draft_tokens, draft_probs, target_probs, uniforms):
         B, K, gamma = draft_tokens.shape
         if K > 1:
             return walk_tree(rule, draft_tokens, draft_probs, target_probs, uniforms, True)
+        everyone = torch.arange(B, device=draft_tokens.device)
+        one_path = torch.ones(B, 1, dtype=torch.bool, device=draft_tokens.device)
         u = uniforms.view(B, gamma + 1, 2)  # [B, γ+1, K+1]
-        x = draft_tokens[:, 0]
-        tau, y = token_verify_rows(
-            x, draft_probs[:, 0], target_probs[:, 0], u[:, :-1, 0], u[..., 1]
-        )
-        return emit(x, tau, y), tau, torch.zeros_like(tau)
+        tau, y = _token_from(0, everyone, one_path, draft_tokens, draft_probs, target_probs, u)
+        return emit(draft_tokens[:, 0], tau, y), tau, torch.zeros_like(tau)
 
     return verify
 
