@@ -14,7 +14,9 @@ The cost is step 3's ranking: a sort of each row by p/q. Block verification need
 tests, and the residual row at τ. On CPU it tests the levels top-down and ranks only the rows
 whose level its uniform can pass (_verify_lazily); elsewhere every row is ranked, without host
 reads (on CUDA each level's R is summed in rank order by one fused kernel and only the row
-at τ is skewed by id, _verify_in_rank_order). Both give the same tokens.
+at τ is skewed by id, _verify_in_rank_order). Both give the same tokens. On CPU, float32 C at
+the path and the skewed rows are numba loops (cpu_kernels), one pass each instead of ~10
+torch passes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from workers.sampling import cumsum64
 
-from . import kernels
+from . import cpu_kernels, kernels
 from .block import (
     block_tau,
     block_verify_rows,
@@ -126,6 +128,9 @@ def skewed_rows(
         skewed = skewed_rows(q.index_select(-1, support), p.index_select(-1, support), lam, k, None)
         return q.new_zeros(q.shape).index_copy_(-1, support, skewed)
     V = q.shape[-1]
+    if cpu_kernels.applies(q, p):  # one pass for the sort words, one walk for q̃
+        rows = cpu_kernels.skewed_rows(q.reshape(-1, V), p.reshape(-1, V), lam.reshape(-1), k)
+        return rows.view(q.shape)
     key = ranking_key(p, q).view(-1, V)
     if kernels.applies(q, q):  # CUDA: skewed in rank order and written by id, one pass
         return kernels.skewed_rows(q.reshape(-1, V), ascending_order(key), lam, k).view(q.shape)
@@ -166,6 +171,25 @@ def _path_values(
     below_x = drafted_mass_below(ranking_key(p, q), q, x)
     x = x.unsqueeze(-1)
     return below_x, q.gather(-1, x).squeeze(-1), p.gather(-1, x).squeeze(-1)
+
+
+def _selected_path_values(
+    q_all: torch.Tensor,  # [B, K, γ, V] float32
+    p_all: torch.Tensor,  # [B, K, γ+1, V] float32
+    path: torch.Tensor,  # [B] int64
+    x: torch.Tensor,  # [B, γ] int64: the selected path
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_path_values of the selected paths, read in place by the CPU kernel (no copies)."""
+    B, K, gamma, V = q_all.shape
+    node = (torch.arange(B) * K + path).unsqueeze(-1)  # [B, 1]: (request, path) in B·K
+    levels = torch.arange(gamma)
+    rows_q = (node * gamma + levels).view(-1)  # [B·γ]: rows of q_all viewed as [B·K·γ, V]
+    rows_p = (node * (gamma + 1) + levels).view(-1)
+    tokens = x.reshape(-1)
+    below_x = cpu_kernels.mass_below_at(p_all, q_all, rows_p, rows_q, tokens)
+    q_x = q_all.reshape(-1, V)[rows_q, tokens]
+    p_x = p_all.reshape(-1, V)[rows_p, tokens]
+    return tuple(t.to(q_all.dtype).view(B, gamma) for t in (below_x, q_x, p_x))
 
 
 def _skew_at_path(below_x: torch.Tensor, q_x: torch.Tensor, k: int):
@@ -222,7 +246,12 @@ def _verify_lazily(
     def path_values(q_all, p_all, path, x):  # one chunk of requests: copies of its path rows
         return _path_values(take_rows(q_all, path), take_rows(p_all, path), x)
 
-    below_x, q_x, p_x = over_batch_chunks(path_values, q_all, p_all, path, x, item_numel=gamma * V)
+    if cpu_kernels.applies(q_all, p_all):
+        below_x, q_x, p_x = _selected_path_values(q_all, p_all, path, x)
+    else:
+        below_x, q_x, p_x = over_batch_chunks(
+            path_values, q_all, p_all, path, x, item_numel=gamma * V
+        )
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
     support = path_support(q_all, x)

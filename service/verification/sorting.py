@@ -12,23 +12,16 @@ itself gives the same order: a GPU's radix sort then moves 32-bit keys, not 64-b
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-_SORT_THREADS = 4
-_SORT_POOL = ThreadPoolExecutor(max_workers=_SORT_THREADS, thread_name_prefix="row-sort")
+from .cpu_kernels import over_row_ranges
 
 
-def _sort_rows(words: np.ndarray) -> None:
+def sort_words(words: np.ndarray) -> None:
     """Sort each row of a 2-D array in place, rows split over torch's thread count."""
-    parts = min(torch.get_num_threads(), _SORT_THREADS, words.shape[0])
-    if parts <= 1:
-        words.sort(axis=-1)
-        return
-    bounds = np.linspace(0, words.shape[0], parts + 1).astype(int)
-    list(_SORT_POOL.map(lambda i: words[bounds[i] : bounds[i + 1]].sort(axis=-1), range(parts)))
+    over_row_ranges(lambda lo, hi: words[lo:hi].sort(axis=-1), words.shape[0])
 
 
 def ratio_key(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -64,5 +57,5 @@ def ascending_order(key: torch.Tensor) -> torch.Tensor:
     words[..., 0] = np.arange(V, dtype=np.int32)
     words[..., 1] = bits.numpy()
     packed = words.view(np.int64).reshape(n, V)
-    _sort_rows(packed)
+    sort_words(packed)
     return torch.from_numpy(packed.view(np.int32)[:, 0::2]).long()

@@ -1,0 +1,178 @@
+"""Fused row passes for the CPU (numba): GBV's ranking and skew, one loop over a row each.
+
+In torch ops every elementwise step over a [rows, V] block is a pass over memory and a fresh
+temporary (on this VM mostly page faults): C(x_i), the q-mass ranked below a drafted token,
+took a division, a NaN fix, three comparisons, two logical ops, a product and a sum per row,
+and a skewed row (the ranking key, the packed sort words, the running sum, a scatter and the
+skew's six products) about fifteen. These kernels read each row once and keep the rest in
+registers: the CPU's counterpart of the Triton kernels in ``kernels.py``.
+
+Bit for bit where the math is elementwise: the skew repeats the torch ops' float32 steps in
+their order (an FMA where torch's addcmul is one, as its compiler builds it here; nothing else
+contracted, as numba compiles without fast-math), and the running sum is float64 and
+sequential like torch's CPU ``cumsum``. C(x_i) is summed in float64 in whatever order the
+compiler vectorises (``torch.sum`` has its own): the totals can differ in their last bits,
+and the float32 C that GBV uses only where a total lies that close to a float32 rounding
+boundary (~1e-7 of values at most; no seeded output in the benchmarks changed).
+
+The kernels release the GIL; rows are split over a small thread pool (numba's own parallel
+layer would be a second thread pool beside torch's). float32 rows only: others take the
+torch ops.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numba.extending
+import numpy as np
+import torch
+
+_THREADS = 4
+_POOL = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="row-kernel")
+
+
+def over_row_ranges(fn, n: int) -> None:
+    """fn(lo, hi) on consecutive parts of range(n), one per torch intra-op thread (at most
+    _THREADS): for numpy and numba work that releases the GIL."""
+    parts = min(torch.get_num_threads(), _THREADS, n)
+    if parts <= 1:
+        fn(0, n)
+        return
+    bounds = np.linspace(0, n, parts + 1).astype(int)
+    list(_POOL.map(lambda i: fn(bounds[i], bounds[i + 1]), range(parts)))
+
+
+def applies(*rows: torch.Tensor) -> bool:
+    """Whether GBV's CPU passes take these kernels: float32 CPU rows, contiguous along V."""
+    return sys.byteorder == "little" and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in rows
+    )
+
+
+# Compiled on first use and cached on disk next to this module. error_model="numpy": x/0 is
+# ±inf or NaN, as in torch, not an exception.
+_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+_f32 = np.float32
+_INF = np.float32(np.inf)
+
+
+@numba.extending.intrinsic
+def _fma(typingctx, a, b, c):
+    """a·b + c rounded once: torch's CPU addcmul (its compiler contracts it to an FMA)."""
+    f32 = numba.types.float32
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return f32(f32, f32, f32), codegen
+
+
+@_jit
+def _ratio(p, q):
+    """The ranking key: float32 p/q, +inf for 0/0 (sorting.ratio_key)."""
+    k = _f32(p / q)
+    return _INF if k != k else k
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
+def _mass_below_at(p, q, rows_p, rows_q, x, out, lo, hi):
+    """out[r] = Σ_v q[v] over v ranked below x[r] by (p/q, id), in rows p[rows_p[r]] and
+    q[rows_q[r]]. The sum may be reassociated (and so vectorised): 5x faster than in order."""
+    V = p.shape[1]
+    for r in range(lo, hi):
+        pr, qr, t = p[rows_p[r]], q[rows_q[r]], x[r]
+        kx = _ratio(pr[t], qr[t])
+        total = 0.0
+        for v in range(V):
+            k = _f32(pr[v] / qr[v])  # 0/0 is NaN here, not +inf: its q adds 0 anyway
+            below = (k < kx) | ((k == kx) & (v < t))
+            total += np.float64(qr[v]) if below else 0.0
+        out[r] = total
+
+
+@_jit
+def _ranking_words(p, q, ids, keys, lo, hi):
+    """The sort words of sorting.ascending_order, (key bits << 32) | id, written through two
+    views of one int64 array [n, V]: ids[r, 2v] = v, keys[r, 2v + 1] = key(v)."""
+    V = p.shape[1]
+    for r in range(lo, hi):
+        for v in range(V):
+            ids[r, 2 * v] = v
+            keys[r, 2 * v + 1] = _ratio(p[r, v], q[r, v])
+
+
+@_jit
+def _power_sum(a, b, k):
+    """gbv._power_sum in the same float32 steps."""
+    if k == 1:
+        return _f32(1)
+    total = a + b
+    b_pow = b
+    for _ in range(k - 2):
+        b_pow = b_pow * b
+        total = total * a + b_pow
+    return total
+
+
+@_jit
+def _skew_sorted(q, ids, lam, k, out, lo, hi):
+    """out[r] = q̃ of row q[r], whose ids ascend by (p/q, id) in ids[r, 0::2]:
+    gbv.mass_ranked_below and gbv.skewed_probs in one walk up the order."""
+    V = q.shape[1]
+    for r in range(lo, hi):
+        inv = _f32(1 / (lam[r] + 1))  # divided through by (λ+1), as skewed_probs
+        t = _f32(lam[r] / (lam[r] + 1))
+        scale = _power_sum(_f32(1), t, k)
+        running = 0.0  # float64 and sequential: torch's CPU cumsum
+        for j in range(V):
+            v = ids[r, 2 * j]
+            qv = q[r, v]
+            running += np.float64(qv)
+            below = _f32(running - np.float64(qv))
+            b = _fma(below, inv, t)  # torch.addcmul(t, below, inv)
+            a = _fma(qv, inv, b)
+            out[r, v] = _power_sum(a, b, k) * qv / scale
+
+
+def _rows2d(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1, t.shape[-1]).numpy()
+
+
+def mass_below_at(
+    p: torch.Tensor,  # [N, V] float32: target rows
+    q: torch.Tensor,  # [M, V] float32: draft rows
+    rows_p: torch.Tensor,  # [n] int64: a row of p per output
+    rows_q: torch.Tensor,  # [n] int64: a row of q per output
+    x: torch.Tensor,  # [n] int64: a token per output
+) -> torch.Tensor:
+    """C(x) = Σ q(x') over x' ranked below x by (p/q, id) in the rows p[rows_p], q[rows_q]:
+    [n] float64, without a sort or a copy of the rows (gbv.drafted_mass_below)."""
+    out = np.empty(x.numel())
+    args = (_rows2d(p), _rows2d(q), rows_p.numpy(), rows_q.numpy(), x.numpy(), out)
+    over_row_ranges(lambda lo, hi: _mass_below_at(*args, lo, hi), x.numel())
+    return torch.from_numpy(out)
+
+
+def skewed_rows(
+    q: torch.Tensor,  # [n, V] float32: draft rows
+    p: torch.Tensor,  # [n, V] float32: the target rows at the same prefixes
+    lam: torch.Tensor,  # [n] float64: λ of each prefix
+    k: int,
+) -> torch.Tensor:
+    """gbv.skewed_rows without its temporaries: the sort words in one pass, numpy's sort
+    (sorting.sort_words), and q̃ written by id in one walk up the order. [n, V] float32."""
+    from .sorting import sort_words  # (sorting imports this module)
+
+    n, V = q.shape
+    q2, p2 = _rows2d(q), _rows2d(p)
+    words = np.empty((n, V), dtype=np.int64)
+    ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
+    over_row_ranges(lambda lo, hi: _ranking_words(p2, q2, ids, keys, lo, hi), n)
+    sort_words(words)
+    out = np.empty((n, V), dtype=np.float32)
+    lam64 = lam.double().contiguous().numpy()
+    over_row_ranges(lambda lo, hi: _skew_sorted(q2, ids, lam64, k, out, lo, hi), n)
+    return torch.from_numpy(out)

@@ -1,0 +1,97 @@
+"""GBV's fused CPU passes (service/verification/cpu_kernels.py, numba) against its torch ops.
+
+The skew repeats the torch ops' float32 steps, so it is bit for bit the same wherever torch's
+CPU addcmul is one fused multiply-add (as its compiler builds it here), and within an ulp of
+the power sum's steps elsewhere. C at the drafted tokens sums in another order than
+``torch.sum``: the same float64 total up to its last bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.verification import cpu_kernels, gbv
+
+VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
+
+
+def addcmul_is_fused() -> bool:
+    """Whether torch's CPU addcmul rounds t + a·b once (as the kernel's FMA does)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, t = (torch.rand(4096, generator=gen) for _ in range(3))
+    once = (a.double() * b.double() + t.double()).float()  # a·b exact in float64
+    return torch.equal(torch.addcmul(t, a, b), once)
+
+
+def rows(vocab: int, seed: int, ties: bool):
+    """p, q [8, V] float32. With ties: p/q quantised to 1..3, a row with p = q (every ratio
+    equal: the order is the ids'), a row with p = 0 on half the tokens (ratio 0) and one with
+    q = 0 on every third (ratio +inf, and 0/0 = +inf where p is 0 too)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(8, vocab, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    p = torch.randn(8, vocab, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    if ties:
+        p = torch.randint(1, 4, q.shape, generator=gen) * q
+        p[0] = q[0]
+        p[1, : vocab // 2] = 0
+        q[2, ::3] = 0
+        p[2, ::6] = 0
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    return p.float(), q.float()
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_skewed_rows_equal_the_torch_ops(vocab, ties, k):
+    """q̃ of whole rows: sort words, sort and walk against gbv's ranking, running sum and
+    skew as torch ops; λ = 0 (the root) and λ up to 50."""
+    p, q = rows(vocab, seed=vocab + k, ties=ties)
+    lam = torch.linspace(0, 50, 8, dtype=torch.float64)
+    key = gbv.ranking_key(p, q)
+    want = gbv.skewed_probs(q, gbv.mass_ranked_below(key, q), lam, k)
+    got = cpu_kernels.skewed_rows(q, p, lam, k)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    if addcmul_is_fused():
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=4 * k * 2**-24, atol=0)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_mass_below_at_equals_the_masked_sum(vocab, ties):
+    """C(x) read from rows picked by index (p's and q's paired differently) against the
+    running sum of the rows sorted by (p/q, id) at x, in float64, ties by id included."""
+    p, q = rows(vocab, seed=vocab, ties=ties)
+    gen = torch.Generator().manual_seed(1)
+    rows_p = torch.randperm(8, generator=gen)
+    rows_q = rows_p.roll(1)  # any pairing: the kernel reads what it is told
+    pp, qq = p[rows_p], q[rows_q]
+    x = torch.multinomial(qq.double(), 1, generator=gen).squeeze(-1)
+    ranked = gbv.mass_ranked_below(gbv.ranking_key(pp, qq), qq.double())  # [8, V] float64
+    want = ranked.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    got = cpu_kernels.mass_below_at(p, q, rows_p, rows_q, x)
+    assert got.dtype == torch.float64 and got.shape == (8,)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_mass_below_a_drafted_token_of_ratio_0_over_0():
+    """An unvalidated call can draft a token with p = q = 0: its key is +inf (sorting's), so
+    every token of finite ratio ranks below it, not none."""
+    p, q = rows(300, seed=3, ties=True)  # row 2: p = q = 0 on tokens 0, 6, 12, ...
+    x = torch.full((8,), 6)
+    r = torch.arange(8)
+    ranked = gbv.mass_ranked_below(gbv.ranking_key(p, q), q.double())
+    got = cpu_kernels.mass_below_at(p, q, r, r, x)
+    torch.testing.assert_close(got[2], ranked[2, 6], rtol=1e-12, atol=1e-14)
+    assert got[2] > 0.9
+
+
+def test_gbv_takes_the_kernels_only_for_float32_cpu_rows():
+    q = torch.rand(2, 3)
+    assert cpu_kernels.applies(q, q)
+    assert not cpu_kernels.applies(q, q.double())
+    assert not cpu_kernels.applies(q.bfloat16())
+    assert not cpu_kernels.applies(q.t())  # V must be contiguous
