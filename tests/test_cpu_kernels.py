@@ -95,3 +95,21 @@ def test_gbv_takes_the_kernels_only_for_float32_cpu_rows():
     assert not cpu_kernels.applies(q, q.double())
     assert not cpu_kernels.applies(q.bfloat16())
     assert not cpu_kernels.applies(q.t())  # V must be contiguous
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
+    """SpecTr's ρ* and β(ρ*) from the kernel against top_down.kseq_rho_all's torch ops, for
+    n = 2..5 candidates: the same prefix sums and probes; ρ* equal up to the last bits of
+    (1 - β)^n, which torch's vectorised pow and the compiled one may round differently."""
+    from service.verification import top_down
+
+    p, q = rows(vocab, seed=vocab + 7, ties=ties)
+    nf = torch.arange(8).remainder(4).add(2).double()
+    rho, beta = cpu_kernels.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf)
+    torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
+    torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
+    assert (rho > 1).any() and (rho >= 1).all() and (rho <= nf).all()

@@ -1,11 +1,12 @@
-"""Fused row passes for the CPU (numba): GBV's ranking and skew, one loop over a row each.
+"""Fused row passes for the CPU (numba): GBV's ranking and skew and SpecTr's ρ* solve.
 
 In torch ops every elementwise step over a [rows, V] block is a pass over memory and a fresh
 temporary (on this VM mostly page faults): C(x_i), the q-mass ranked below a drafted token,
 took a division, a NaN fix, three comparisons, two logical ops, a product and a sum per row,
 and a skewed row (the ranking key, the packed sort words, the running sum, a scatter and the
-skew's six products) about fifteen. These kernels read each row once and keep the rest in
-registers: the CPU's counterpart of the Triton kernels in ``kernels.py``.
+skew's six products) about fifteen; SpecTr's ρ* search ~400 small ops after the sort. These
+kernels read each row once and keep the rest in registers: the CPU's counterpart of the
+Triton kernels in ``kernels.py``.
 
 Bit for bit where the math is elementwise: the skew repeats the torch ops' float32 steps in
 their order (an FMA where torch's addcmul is one, as its compiler builds it here; nothing else
@@ -13,7 +14,9 @@ contracted, as numba compiles without fast-math), and the running sum is float64
 sequential like torch's CPU ``cumsum``. C(x_i) is summed in float64 in whatever order the
 compiler vectorises (``torch.sum`` has its own): the totals can differ in their last bits,
 and the float32 C that GBV uses only where a total lies that close to a float32 rounding
-boundary (~1e-7 of values at most; no seeded output in the benchmarks changed).
+boundary (~1e-7 of values at most; no seeded output in the benchmarks changed). The ρ*
+search repeats top_down.kseq_rho_all's sums and probes; only (1 - β)^n may round apart
+(torch's vectorised pow against the compiled one): ρ* equal here, at worst a grid step apart.
 
 The kernels release the GIL; rows are split over a small thread pool (numba's own parallel
 layer would be a second thread pool beside torch's). float32 rows only: others take the
@@ -46,7 +49,7 @@ def over_row_ranges(fn, n: int) -> None:
 
 
 def applies(*rows: torch.Tensor) -> bool:
-    """Whether GBV's CPU passes take these kernels: float32 CPU rows, contiguous along V."""
+    """Whether GBV and SpecTr take these kernels for rows: float32 on CPU, contiguous along V."""
     return sys.byteorder == "little" and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in rows
     )
@@ -137,8 +140,72 @@ def _skew_sorted(q, ids, lam, k, out, lo, hi):
             out[r, v] = _power_sum(a, b, k) * qv / scale
 
 
+@_jit
+def _kseq_f(rho, p_below, q_below, q_total, n, keys, r):
+    """top_down.kseq_rho_all's f_beta at one ρ: the sorted ratios below ρ by binary search
+    (torch.searchsorted's left side), then f(ρ) and β(ρ)."""
+    lo, hi = 0, p_below.shape[0] - 1  # the count of keys below ρ lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if np.float64(keys[r, 2 * mid + 1]) < rho:
+            lo = mid + 1
+        else:
+            hi = mid
+    beta = (q_total - q_below[lo]) / q_total + p_below[lo] / rho
+    return rho * beta - 1 + max(1 - beta, 0.0) ** n, beta
+
+
+@_jit
+def _kseq_search(p, q, ids, keys, nf, ways, rounds, rho_out, beta_out, lo, hi):
+    """top_down.kseq_rho_all after the sort, for rows r whose ids ascend by (p/q, id) in
+    ids[r, 0::2] (their keys in keys[r, 1::2]): the prefix masses of p and q in that order
+    (float64, sequential), then the same search, probe for probe."""
+    V = p.shape[1]
+    p_below = np.empty(V + 1)
+    q_below = np.empty(V + 1)
+    for r in range(lo, hi):
+        p_below[0] = q_below[0] = 0.0
+        for j in range(V):
+            v = ids[r, 2 * j]
+            p_below[j + 1] = p_below[j] + np.float64(p[r, v])
+            q_below[j + 1] = q_below[j] + np.float64(q[r, v])
+        q_total = max(q_below[V], 1e-300)
+        n = nf[r]
+        low, high = 1.0, n
+        for _ in range(rounds):
+            # The first of lo, ways - 1 inner points and hi where f >= 0 (at hi it is).
+            first = ways
+            for i in range(ways):
+                if (
+                    _kseq_f(low + (high - low) * (i / ways), p_below, q_below, q_total, n, keys, r)[
+                        0
+                    ]
+                    >= 0
+                ):
+                    first = i
+                    break
+            before = max(first - 1, 0)
+            new_high = high if first == ways else low + (high - low) * (first / ways)
+            low = low + (high - low) * (before / ways)
+            high = new_high
+        rho_out[r] = high
+        beta_out[r] = _kseq_f(high, p_below, q_below, q_total, n, keys, r)[1]
+
+
 def _rows2d(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1, t.shape[-1]).numpy()
+
+
+def _ranked(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [n, V] sorted by (p/q, id), as int32 and float32 views of the sorted sort words:
+    ids[r, 0::2] are row r's ids in that order, keys[r, 1::2] their keys."""
+    from .sorting import sort_words  # (sorting imports this module)
+
+    words = np.empty(p.shape, dtype=np.int64)
+    ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
+    over_row_ranges(lambda lo, hi: _ranking_words(p, q, ids, keys, lo, hi), p.shape[0])
+    sort_words(words)
+    return ids, keys
 
 
 def mass_below_at(
@@ -164,15 +231,32 @@ def skewed_rows(
 ) -> torch.Tensor:
     """gbv.skewed_rows without its temporaries: the sort words in one pass, numpy's sort
     (sorting.sort_words), and q̃ written by id in one walk up the order. [n, V] float32."""
-    from .sorting import sort_words  # (sorting imports this module)
-
     n, V = q.shape
     q2, p2 = _rows2d(q), _rows2d(p)
-    words = np.empty((n, V), dtype=np.int64)
-    ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
-    over_row_ranges(lambda lo, hi: _ranking_words(p2, q2, ids, keys, lo, hi), n)
-    sort_words(words)
+    ids, _ = _ranked(p2, q2)
     out = np.empty((n, V), dtype=np.float32)
     lam64 = lam.double().contiguous().numpy()
     over_row_ranges(lambda lo, hi: _skew_sorted(q2, ids, lam64, k, out, lo, hi), n)
     return torch.from_numpy(out)
+
+
+def kseq_rho(
+    p: torch.Tensor,  # [n, V] float32: target rows
+    q: torch.Tensor,  # [n, V] float32: draft rows
+    nf: torch.Tensor,  # [n] float64: candidates at each node
+    ways: int,
+    rounds: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_down.kseq_rho_all: the sort words in one pass, numpy's sort, then each row's prefix
+    masses and search in one loop. -> ρ* [n] float64, β(ρ*) [n] float64."""
+    n = p.shape[0]
+    p2, q2 = _rows2d(p), _rows2d(q)
+    ids, keys = _ranked(p2, q2)
+    rho, beta = np.empty(n), np.empty(n)
+    nf64 = nf.double().contiguous().numpy()
+
+    def search(lo, hi):
+        _kseq_search(p2, q2, ids, keys, nf64, ways, rounds, rho, beta, lo, hi)
+
+    over_row_ranges(search, n)
+    return torch.from_numpy(rho), torch.from_numpy(beta)

@@ -16,7 +16,7 @@ import torch
 from workers.sampling import cumsum64, sample_from_weights
 from workers.tree import rows_at
 
-from . import kernels
+from . import cpu_kernels, kernels
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ratio_key, sort_ascending
@@ -284,12 +284,15 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor):
 
 
 def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor):
-    """kseq_rho's sort and search for every row (nf [B]: n as float64). -> ρ [B], β(ρ) [B]."""
+    """kseq_rho's sort and search for every row (nf [B]: n as float64). -> ρ [B], β(ρ) [B].
+    float32 rows on CPU: cpu_kernels.kseq_rho, the same sums and probes in one loop a row."""
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
     support = draft_support(q_row)
     if support is not None:
         p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
+    if cpu_kernels.applies(p_row, q_row):  # the sort words, the sort, then one loop a row
+        return cpu_kernels.kseq_rho(p_row, q_row, nf, *SEARCH_NARROW)
     ratio = ratio_key(p_row, q_row)  # [B, V]
     ratio_sorted, order = sort_ascending(ratio)
     ratio_sorted = ratio_sorted.double()  # [B, V]: compared with float64 ρ
