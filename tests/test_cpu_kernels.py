@@ -61,7 +61,7 @@ def test_skewed_rows_equal_the_torch_ops(vocab, ties, k):
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("ties", [False, True])
-def test_mass_below_at_equals_the_masked_sum(vocab, ties):
+def test_mass_below_at_equals_the_ranked_running_sum(vocab, ties):
     """C(x) read from rows picked by index (p's and q's paired differently) against the
     running sum of the rows sorted by (p/q, id) at x, in float64, ties by id included."""
     p, q = rows(vocab, seed=vocab, ties=ties)

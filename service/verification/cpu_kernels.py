@@ -48,6 +48,11 @@ def over_row_ranges(fn, n: int) -> None:
     list(_POOL.map(lambda i: fn(bounds[i], bounds[i + 1]), range(parts)))
 
 
+def sort_words(words: np.ndarray) -> None:
+    """Sort each row of a 2-D array in place, rows split over torch's thread count."""
+    over_row_ranges(lambda lo, hi: words[lo:hi].sort(axis=-1), words.shape[0])
+
+
 def applies(*rows: torch.Tensor) -> bool:
     """Whether GBV and SpecTr take these kernels for rows: float32 on CPU, contiguous along V."""
     return sys.byteorder == "little" and all(
@@ -57,7 +62,8 @@ def applies(*rows: torch.Tensor) -> bool:
 
 # Compiled on first use and cached on disk next to this module. error_model="numpy": x/0 is
 # ±inf or NaN, as in torch, not an exception.
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+_JIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+_jit = numba.njit(**_JIT_OPTIONS)
 _f32 = np.float32
 _INF = np.float32(np.inf)
 
@@ -80,7 +86,7 @@ def _ratio(p, q):
     return _INF if k != k else k
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
 def _mass_below_at(p, q, rows_p, rows_q, x, out, lo, hi):
     """out[r] = Σ_v q[v] over v ranked below x[r] by (p/q, id), in rows p[rows_p[r]] and
     q[rows_q[r]]. The sum may be reassociated (and so vectorised): 5x faster than in order."""
@@ -199,8 +205,6 @@ def _rows2d(t: torch.Tensor) -> np.ndarray:
 def _ranked(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows [n, V] sorted by (p/q, id), as int32 and float32 views of the sorted sort words:
     ids[r, 0::2] are row r's ids in that order, keys[r, 1::2] their keys."""
-    from .sorting import sort_words  # (sorting imports this module)
-
     words = np.empty(p.shape, dtype=np.int64)
     ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
     over_row_ranges(lambda lo, hi: _ranking_words(p, q, ids, keys, lo, hi), p.shape[0])
