@@ -1,4 +1,4 @@
-"""GBV's fused CPU passes (service/verification/cpu_kernels.py, numba) against its torch ops.
+"""The fused CPU passes of service/verification/cpu_kernels.py (numba) against torch ops.
 
 The skew repeats the torch ops' float32 steps, so it is bit for bit the same wherever torch's
 CPU addcmul is one fused multiply-add (as its compiler builds it here), and within an ulp of
@@ -59,34 +59,33 @@ def test_skewed_rows_equal_the_torch_ops(vocab, ties, k):
         torch.testing.assert_close(got, want, rtol=4 * k * 2**-24, atol=0)
 
 
+def mass_below(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's C(x[r]) in each row r of p, q [n, V]: [n] float64."""
+    rows = zip(p.numpy(), q.numpy(), x.numpy(), strict=True)
+    return torch.tensor([cpu_kernels._mass_below(*row) for row in rows], dtype=torch.float64)
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("ties", [False, True])
-def test_mass_below_at_equals_the_ranked_running_sum(vocab, ties):
-    """C(x) read from rows picked by index (p's and q's paired differently) against the
-    running sum of the rows sorted by (p/q, id) at x, in float64, ties by id included."""
+def test_mass_below_equals_the_ranked_running_sum(vocab, ties):
+    """C(x) against the running sum of the rows sorted by (p/q, id) at x, in float64, ties by
+    id included."""
     p, q = rows(vocab, seed=vocab, ties=ties)
     gen = torch.Generator().manual_seed(1)
-    rows_p = torch.randperm(8, generator=gen)
-    rows_q = rows_p.roll(1)  # any pairing: the kernel reads what it is told
-    pp, qq = p[rows_p], q[rows_q]
-    x = torch.multinomial(qq.double(), 1, generator=gen).squeeze(-1)
-    ranked = gbv.mass_ranked_below(gbv.ranking_key(pp, qq), qq.double())  # [8, V] float64
+    x = torch.multinomial(q.double(), 1, generator=gen).squeeze(-1)
+    ranked = gbv.mass_ranked_below(gbv.ranking_key(p, q), q.double())  # [8, V] float64
     want = ranked.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-    got = cpu_kernels.mass_below_at(p, q, rows_p, rows_q, x)
-    assert got.dtype == torch.float64 and got.shape == (8,)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(mass_below(p, q, x), want, rtol=1e-12, atol=1e-14)
 
 
 def test_mass_below_a_drafted_token_of_ratio_0_over_0():
     """An unvalidated call can draft a token with p = q = 0: its key is +inf (sorting's), so
     every token of finite ratio ranks below it, not none."""
     p, q = rows(300, seed=3, ties=True)  # row 2: p = q = 0 on tokens 0, 6, 12, ...
-    x = torch.full((8,), 6)
-    r = torch.arange(8)
     ranked = gbv.mass_ranked_below(gbv.ranking_key(p, q), q.double())
-    got = cpu_kernels.mass_below_at(p, q, r, r, x)
-    torch.testing.assert_close(got[2], ranked[2, 6], rtol=1e-12, atol=1e-14)
-    assert got[2] > 0.9
+    got = mass_below(p[2:3], q[2:3], torch.tensor([6]))
+    torch.testing.assert_close(got[0], ranked[2, 6], rtol=1e-12, atol=1e-14)
+    assert got[0] > 0.9
 
 
 def test_gbv_takes_the_kernels_only_for_float32_cpu_rows():
@@ -113,59 +112,3 @@ def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
     torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert (rho > 1).any() and (rho >= 1).all() and (rho <= nf).all()
-
-
-def drafted_tree(vocab: int, b: int, k: int, gamma: int, regime: str, seed: int):
-    """A batch of draft trees whose rows are a function of their prefix (paths that share a
-    prefix share its rows): tokens [b, k, γ], q [b, k, γ, V], p [b, k, γ+1, V] float32. Peaked
-    rows, so that paths share prefixes at any vocabulary. realistic: q = p perturbed; agree:
-    q = p (long acceptances); disjoint: q reversed (deletions all the way to the root)."""
-    gen = torch.Generator().manual_seed(seed)
-    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def node(prefix: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        if prefix not in cache:
-            logits = torch.randn(vocab, generator=gen, dtype=torch.float64) * 5
-            noise = torch.randn(vocab, generator=gen, dtype=torch.float64)
-            q_logits = {
-                "realistic": logits + noise,
-                "agree": logits,
-                "disjoint": -logits,
-            }[regime]
-            cache[prefix] = (logits.softmax(-1).float(), q_logits.softmax(-1).float())
-        return cache[prefix]
-
-    tokens = torch.empty(b, k, gamma, dtype=torch.int64)
-    q = torch.empty(b, k, gamma, vocab)
-    p = torch.empty(b, k, gamma + 1, vocab)
-    for r in range(b):
-        for j in range(k):
-            prefix = (r,)
-            for d in range(gamma + 1):
-                p[r, j, d], q_row = node(prefix)
-                if d < gamma:
-                    q[r, j, d] = q_row
-                    tokens[r, j, d] = torch.multinomial(q_row.double(), 1, generator=gen).item()
-                    prefix += (int(tokens[r, j, d]),)
-    return tokens, q, p
-
-
-@pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("k", [2, 3, 4])
-@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime, monkeypatch):
-    """The walk as one loop a request against traversal_verify's batched torch segments: the
-    same τ, path and tokens (y included, drawn from the row the walk stopped at) for 4 × 32
-    trees with shared prefixes, duplicate paths and deletions down to the root. Its sums are
-    float64 where torch's are float32, so a test whose uniform lies within ~1e-7 of its α
-    could go the other way; none does here."""
-    from service.verification import traversal
-
-    tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
-    gen = torch.Generator().manual_seed(k)
-    uniforms = [torch.rand(32, k * 5 + 2, generator=gen, dtype=torch.float64) for _ in range(4)]
-    got = [traversal.traversal_verify(tokens, q, p, u) for u in uniforms]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    for u, out in zip(uniforms, got, strict=True):
-        for a, b in zip(out, traversal.traversal_verify(tokens, q, p, u), strict=True):
-            assert torch.equal(a, b)

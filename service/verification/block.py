@@ -78,8 +78,7 @@ def levels_top_down(
     # Levels 0..γ-1, with p_0 = 1; level 0 (τ = 0) always passes.
     pi_lvl = torch.cat([torch.ones_like(pi[:, :1]), pi[:, :-1]], dim=1)
     eta_lvl = torch.cat([torch.zeros_like(eta[:, :1]), eta[:, :-1]], dim=1)
-    # Rows sum to 1 within ROW_SUM_TOL, and the slack covers rounding h and p_i.
-    slack = 1 + ROW_SUM_TOL + 8 * torch.finfo(pi.dtype).eps
+    slack = reach_slack(pi.dtype)
     reach = (eta_lvl.double() < pi_lvl.double() * slack) & (tau < 0).unsqueeze(-1)  # [B, γ]
     levels = torch.arange(gamma, device=pi.device)
     while bool(reach.any()):
@@ -94,6 +93,12 @@ def levels_top_down(
         reach[rows[won]] = False
         tau[rows[won]], q_row[rows[won]] = level[won], q_at[won]
     return tau
+
+
+def reach_slack(dtype: torch.dtype) -> float:
+    """Level i can pass only where η_i < p_i Σp, and Σp <= this: rows sum to 1 within
+    ROW_SUM_TOL, and the rest covers rounding h and p_i in ``dtype``."""
+    return 1 + ROW_SUM_TOL + 8 * torch.finfo(dtype).eps
 
 
 def running_products(

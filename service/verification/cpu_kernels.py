@@ -1,5 +1,5 @@
-"""Fused row passes for the CPU (numba): GBV's ranking and skew, SpecTr's ρ* solve and
-traversal verification's walk.
+"""Fused row passes for the CPU (numba): GBV's ranking and skew and SpecTr's ρ* solve, and
+the steps that cpu_verifiers' whole-verifier loops share.
 
 In torch ops every elementwise step over a [rows, V] block is a pass over memory and a fresh
 temporary (on this VM mostly page faults): C(x_i), the q-mass ranked below a drafted token,
@@ -18,8 +18,6 @@ and the float32 C that GBV uses only where a total lies that close to a float32 
 boundary (~1e-7 of values at most; no seeded output in the benchmarks changed). The ρ*
 search repeats top_down.kseq_rho_all's sums and probes; only (1 - β)^n may round apart
 (torch's vectorised pow against the compiled one): ρ* equal here, at worst a grid step apart.
-Traversal's walk sums its masses in float64 where torch sums float32: α and the final row
-agree to float32's last bits, and a uniform would have to fall that close to its threshold.
 
 The kernels release the GIL; rows are split over a small thread pool (numba's own parallel
 layer would be a second thread pool beside torch's). float32 rows only: others take the
@@ -89,22 +87,6 @@ def _ratio(p, q):
     return _INF if k != k else k
 
 
-@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
-def _mass_below_at(p, q, rows_p, rows_q, x, out, lo, hi):
-    """out[r] = Σ_v q[v] over v ranked below x[r] by (p/q, id), in rows p[rows_p[r]] and
-    q[rows_q[r]]. The sum may be reassociated (and so vectorised): 5x faster than in order."""
-    V = p.shape[1]
-    for r in range(lo, hi):
-        pr, qr, t = p[rows_p[r]], q[rows_q[r]], x[r]
-        kx = _ratio(pr[t], qr[t])
-        total = 0.0
-        for v in range(V):
-            k = _f32(pr[v] / qr[v])  # 0/0 is NaN here, not +inf: its q adds 0 anyway
-            below = (k < kx) | ((k == kx) & (v < t))
-            total += np.float64(qr[v]) if below else 0.0
-        out[r] = total
-
-
 @_jit
 def _ranking_words(p, q, ids, keys, lo, hi):
     """The sort words of sorting.ascending_order, (key bits << 32) | id, written through two
@@ -130,23 +112,90 @@ def _power_sum(a, b, k):
 
 
 @_jit
-def _skew_sorted(q, ids, lam, k, out, lo, hi):
-    """out[r] = q̃ of row q[r], whose ids ascend by (p/q, id) in ids[r, 0::2]:
+def _skew_factors(lam, k):
+    """gbv.skewed_probs' per-prefix float32 factors of λ: 1/(λ+1), λ/(λ+1) and the divisor
+    Σ_j t^j (divided through by (λ+1): no overflow)."""
+    inv = _f32(1 / (lam + 1))
+    t = _f32(lam / (lam + 1))
+    return inv, t, _power_sum(_f32(1), t, k)
+
+
+@_jit
+def _skewed(q, below, inv, t, scale, k):
+    """gbv.skewed_probs of one token, in its float32 steps: q̃ from q and C."""
+    b = _fma(below, inv, t)  # torch.addcmul(t, below, inv)
+    a = _fma(q, inv, b)
+    return _power_sum(a, b, k) * q / scale
+
+
+@_jit
+def _skew_walk(q, ids, lam, k, out):
+    """out[v] = q̃(v) of the row q [V'] whose ids ascend by (p/q, id) in ids[0::2]:
     gbv.mass_ranked_below and gbv.skewed_probs in one walk up the order."""
-    V = q.shape[1]
+    inv, t, scale = _skew_factors(lam, k)
+    running = 0.0  # float64 and sequential: torch's CPU cumsum
+    for j in range(ids.shape[0] // 2):
+        v = ids[2 * j]
+        qv = q[v]
+        running += np.float64(qv)
+        out[v] = _skewed(qv, _f32(running - np.float64(qv)), inv, t, scale, k)
+
+
+@_jit
+def _skew_sorted(q, ids, lam, k, out, lo, hi):
+    """out[r] = q̃ of row q[r], whose ids ascend by (p/q, id) in ids[r, 0::2]."""
     for r in range(lo, hi):
-        inv = _f32(1 / (lam[r] + 1))  # divided through by (λ+1), as skewed_probs
-        t = _f32(lam[r] / (lam[r] + 1))
-        scale = _power_sum(_f32(1), t, k)
-        running = 0.0  # float64 and sequential: torch's CPU cumsum
-        for j in range(V):
-            v = ids[r, 2 * j]
-            qv = q[r, v]
-            running += np.float64(qv)
-            below = _f32(running - np.float64(qv))
-            b = _fma(below, inv, t)  # torch.addcmul(t, below, inv)
-            a = _fma(qv, inv, b)
-            out[r, v] = _power_sum(a, b, k) * qv / scale
+        _skew_walk(q[r], ids[r], lam[r], k, out[r])
+
+
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
+def _mass_below(p, q, x):
+    """Σ_v q[v] over v ranked below x by (p/q, id) in the rows p, q [V]: float64. The sum may
+    be reassociated (and so vectorised): 5x faster than in order."""
+    kx = _ratio(p[x], q[x])
+    total = 0.0
+    for v in range(p.shape[0]):
+        k = _f32(p[v] / q[v])  # 0/0 is NaN here, not +inf: its q adds 0 anyway
+        below = (k < kx) | ((k == kx) & (v < x))
+        total += np.float64(q[v]) if below else 0.0
+    return total
+
+
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
+def _excess_mass(p, q, alpha):
+    """float32 Σ_v (α p[v] - q[v])_+, the products and differences in float32 as torch's
+    ops, summed in float64 (reassociated, so vectorised)."""
+    total = 0.0
+    for v in range(p.shape[0]):
+        total += max(np.float64(alpha * p[v] - q[v]), 0.0)
+    return _f32(total)
+
+
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
+def _residual_mass(p, q, pi):
+    """block.residual_mass of one row: -Σ_v min(q[v] - p_i p[v], 0) with the product fused as
+    torch's addcmul does it, summed in float64 (reassociated, so vectorised) -> float32."""
+    total = 0.0
+    for v in range(p.shape[0]):
+        total -= min(np.float64(_fma(-p[v], pi, q[v])), 0.0)
+    return _f32(total)
+
+
+@_jit
+def _draw(w, u):
+    """workers.sampling.sample_from_weights of one row w [V] >= 0: the first index whose
+    float64 running sum (sequential, as torch's CPU cumsum) exceeds u·total, kept below the
+    total."""
+    total = 0.0
+    for v in range(w.shape[0]):
+        total += np.float64(w[v])
+    target = min(np.float64(u) * total, np.nextafter(total, 0.0))
+    running = 0.0
+    for v in range(w.shape[0]):
+        running += np.float64(w[v])
+        if running > target:
+            return v
+    return w.shape[0]
 
 
 @_jit
@@ -215,21 +264,6 @@ def _ranked(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids, keys
 
 
-def mass_below_at(
-    p: torch.Tensor,  # [N, V] float32: target rows
-    q: torch.Tensor,  # [M, V] float32: draft rows
-    rows_p: torch.Tensor,  # [n] int64: a row of p per output
-    rows_q: torch.Tensor,  # [n] int64: a row of q per output
-    x: torch.Tensor,  # [n] int64: a token per output
-) -> torch.Tensor:
-    """C(x) = Σ q(x') over x' ranked below x by (p/q, id) in the rows p[rows_p], q[rows_q]:
-    [n] float64, without a sort or a copy of the rows (gbv.drafted_mass_below)."""
-    out = np.empty(x.numel())
-    args = (_rows2d(p), _rows2d(q), rows_p.numpy(), rows_q.numpy(), x.numpy(), out)
-    over_row_ranges(lambda lo, hi: _mass_below_at(*args, lo, hi), x.numel())
-    return torch.from_numpy(out)
-
-
 def skewed_rows(
     q: torch.Tensor,  # [n, V] float32: draft rows
     p: torch.Tensor,  # [n, V] float32: the target rows at the same prefixes
@@ -267,124 +301,3 @@ def kseq_rho(
 
     over_row_ranges(search, n)
     return torch.from_numpy(rho), torch.from_numpy(beta)
-
-
-@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
-def _excess_mass(p, q, alpha):
-    """float32 Σ_v (α p[v] - q[v])_+, the products and differences in float32 as torch's
-    ops, summed in float64 (reassociated, so vectorised)."""
-    total = 0.0
-    for v in range(p.shape[0]):
-        total += max(np.float64(alpha * p[v] - q[v]), 0.0)
-    return _f32(total)
-
-
-@_jit
-def _clipped_log_alpha(log_alpha, ratio, first_edge, u, log_start):
-    """common.clipped_products below depth u: log α at levels u+1..γ of a path whose first
-    edge below u is first_edge and the rest its original log ratios (float64, in order)."""
-    running = 0.0
-    peak = -np.inf
-    for d in range(u, ratio.shape[0]):
-        running += first_edge if d == u else ratio[d]
-        s = running + log_start
-        if s >= peak or s != s:  # torch's cummax: NaN propagates
-            peak = s
-        log_alpha[d + 1] = s - (peak if (peak > 0 or peak != peak) else 0.0)
-
-
-@_jit
-def _traversal_walk(p, q, tokens, leaves, branch, log_ratio, u, tau, path_out, row, lo, hi):
-    """traversal.traversal_verify's walk for requests lo..hi, one at a time: its segments
-    tested top-down, each node's mass summed only when its test is reached (the deepest
-    pass wins, so the first from the top does), and only the branch node's rows rewritten.
-    Writes τ, the final path and the row y is drawn from."""
-    _, K, gamma = tokens.shape
-    V = p.shape[3]
-    mod_p = np.empty((gamma, V), np.float32)  # the rows deletions rewrote, by depth
-    mod_q = np.empty((gamma, V), np.float32)
-    modified = np.zeros(gamma, np.bool_)
-    log_alpha = np.zeros(gamma + 1)
-    one = _f32(1)
-    for r in range(lo, hi):
-        modified[:] = False
-        tests = 0
-        path = leaves[r, 0]
-        log_alpha[0] = 0.0
-        _clipped_log_alpha(log_alpha, log_ratio[r, path], log_ratio[r, path, 0], 0, 0.0)
-        for leaf in range(K):  # one segment per distinct leaf, as traversal_verify
-            b = branch[r, leaf]
-            # Tests from the leaf up to depth b + 1, then (if none passed) the update of b.
-            depth, d = -1, gamma
-            alpha, mass, new_log_alpha = one, _f32(0), 0.0
-            p_row, q_row = p[r, path, 0], q[r, path, 0]  # (typed here; read where set below)
-            while d >= max(b, 0):
-                if d < gamma:
-                    p_row = mod_p[d] if modified[d] else p[r, path, d]
-                    q_row = mod_q[d] if modified[d] else q[r, path, d]
-                    alpha = _f32(np.exp(log_alpha[d]))
-                    mass = _excess_mass(p_row, q_row, alpha)
-                    denom = mass + one - alpha
-                    new_alpha = min(mass / denom, one) if denom > 0 else one
-                    new_log_alpha = np.log(np.float64(new_alpha))
-                if d == b:
-                    break
-                test_log_alpha = log_alpha[gamma] if d == gamma else new_log_alpha
-                if np.log(u[r, min(max(tests + gamma - d, 0), K * gamma)]) < test_log_alpha:
-                    depth = d
-                    break
-                d -= 1
-            if depth == gamma:
-                row[r] = p[r, path, gamma]
-            elif depth >= 0:  # the updated row norm((α p - q)_+) (p if 0/0)
-                for v in range(V):
-                    excess = max(alpha * p_row[v] - q_row[v], _f32(0))
-                    row[r, v] = excess / mass if mass > 0 else p_row[v]
-            if depth >= 0:
-                tau[r], path_out[r] = depth, path
-                break
-            # Not accepted: everything below b is deleted. b keeps its updated rows, q without
-            # the deleted child's token, renormalised; the walk moves to the next leaf.
-            tok = tokens[r, path, b]
-            q_mass = 0.0
-            for v in range(V):
-                pv, qv = p_row[v], q_row[v]
-                mod_p[b, v] = max(alpha * pv - qv, _f32(0)) / mass if mass > 0 else pv
-                mod_q[b, v] = qv if v != tok else _f32(0)
-                q_mass += np.float64(mod_q[b, v])
-            if _f32(q_mass) > 0:
-                mod_q[b] /= _f32(q_mass)
-            tests += gamma - b
-            modified[b] = True
-            modified[b + 1 :] = False
-            log_alpha[b] = new_log_alpha
-            path = leaves[r, leaf + 1]
-            new_tok = tokens[r, path, b]
-            first_edge = np.float64(np.log(mod_p[b, new_tok]) - np.log(mod_q[b, new_tok]))
-            _clipped_log_alpha(log_alpha, log_ratio[r, path], first_edge, b, new_log_alpha)
-
-
-def traversal_walk(
-    draft_tokens: torch.Tensor,  # [B, K, γ] int64
-    draft_probs: torch.Tensor,  # [B, K, γ, V] float32
-    target_probs: torch.Tensor,  # [B, K, γ+1, V] float32
-    leaves: torch.Tensor,  # [B, K] int64: path ids in post-order (traversal._leaf_order)
-    branch: torch.Tensor,  # [B, K] int64: where each leaf branches off the next, -1 last
-    log_ratio: torch.Tensor,  # [B, K, γ] float64: log p/q of each drafted token
-    uniforms: torch.Tensor,  # [B, Kγ + 2]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """traversal_verify's walk as one loop a request. -> τ [B], path [B], and the row [B, V]
-    float32 whose normalised law y is drawn from."""
-    B, _, _, V = draft_probs.shape
-    tau, path = np.empty(B, np.int64), np.empty(B, np.int64)
-    row = np.empty((B, V), np.float32)
-    args = [
-        t.contiguous().numpy()
-        for t in (target_probs, draft_probs, draft_tokens, leaves, branch, log_ratio, uniforms)
-    ]
-
-    def walk(lo, hi):
-        _traversal_walk(*args, tau, path, row, lo, hi)
-
-    over_row_ranges(walk, B)
-    return torch.from_numpy(tau), torch.from_numpy(path), torch.from_numpy(row)

@@ -14,9 +14,14 @@ The cost is step 3's ranking: a sort of each row by p/q. Block verification need
 tests, and the residual row at τ. On CPU it tests the levels top-down and ranks only the rows
 whose level its uniform can pass (_verify_lazily); elsewhere every row is ranked, without host
 reads (on CUDA each level's R is summed in rank order by one fused kernel and only the row
-at τ is skewed by id, _verify_in_rank_order). Both give the same tokens. On CPU, float32 C at
-the path and the skewed rows are numba loops (cpu_kernels), one pass each instead of ~10
-torch passes.
+at τ is skewed by id, _verify_in_rank_order). Both give the same tokens.
+
+On CPU with float32 rows the whole call (selection, the path's values, the rounds of levels,
+the residual draw) runs as numba loops a request, cpu_verifiers.gbv_verify: the same steps as
+_verify_lazily in the same float32 arithmetic, where torch's ops cost ~300 dispatches a call
+and ~10 passes over each row they touch. It sums C, R and the sampler's totals in float64 in
+its own order and takes exp/log from libm: a test or a draw whose uniform lies within a few
+float32 ulps of its threshold could go the other way.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import torch
 
 from workers.sampling import cumsum64
 
-from . import cpu_kernels, kernels
+from . import cpu_kernels, cpu_verifiers, kernels
 from .block import (
     block_tau,
     block_verify_rows,
     levels_top_down,
+    reach_slack,
     residual_token,
     running_products,
 )
@@ -173,25 +179,6 @@ def _path_values(
     return below_x, q.gather(-1, x).squeeze(-1), p.gather(-1, x).squeeze(-1)
 
 
-def _selected_path_values(
-    q_all: torch.Tensor,  # [B, K, γ, V] float32
-    p_all: torch.Tensor,  # [B, K, γ+1, V] float32
-    path: torch.Tensor,  # [B] int64
-    x: torch.Tensor,  # [B, γ] int64: the selected path
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_path_values of the selected paths, read in place by the CPU kernel (no copies)."""
-    B, K, gamma, V = q_all.shape
-    node = (torch.arange(B) * K + path).unsqueeze(-1)  # [B, 1]: (request, path) in B·K
-    levels = torch.arange(gamma)
-    rows_q = (node * gamma + levels).view(-1)  # [B·γ]: rows of q_all viewed as [B·K·γ, V]
-    rows_p = (node * (gamma + 1) + levels).view(-1)
-    tokens = x.reshape(-1)
-    below_x = cpu_kernels.mass_below_at(p_all, q_all, rows_p, rows_q, tokens)
-    q_x = q_all.reshape(-1, V)[rows_q, tokens]
-    p_x = p_all.reshape(-1, V)[rows_p, tokens]
-    return tuple(t.to(q_all.dtype).view(B, gamma) for t in (below_x, q_x, p_x))
-
-
 def _skew_at_path(below_x: torch.Tensor, q_x: torch.Tensor, k: int):
     """λ [n, γ] float64 of every prefix and q̃(x_i) [n, γ], from C and q at the path."""
     lam = prefix_lambdas(below_x, q_x)
@@ -236,22 +223,17 @@ def _verify_lazily(
     k: int,
     u: torch.Tensor,  # [B, γ+1]
 ):
-    """CPU: block verification that ranks only the rows its uniforms reach (levels_top_down:
-    a level i < γ with η_i >= p_i Σp fails unranked, and the first pass from the top wins);
-    the same tokens as _verify_all_levels. -> τ [B], y [B]. p_i and λ need C at the path only
-    (drafted_mass_below). On the benchmark's rows (per-token acceptance ~0.6) this ranks ~1.5
-    of γ = 8 rows per request."""
+    """CPU, rows other than float32: block verification that ranks only the rows its
+    uniforms reach (levels_top_down: a level i < γ with η_i >= p_i Σp fails unranked, and the
+    first pass from the top wins); the same tokens as _verify_all_levels. -> τ [B], y [B].
+    p_i and λ need C at the path only (drafted_mass_below). On the benchmark's rows
+    (per-token acceptance ~0.6) this ranks ~1.5 of γ = 8 rows per request."""
     B, _, gamma, V = q_all.shape
 
     def path_values(q_all, p_all, path, x):  # one chunk of requests: copies of its path rows
         return _path_values(take_rows(q_all, path), take_rows(p_all, path), x)
 
-    if cpu_kernels.applies(q_all, p_all):
-        below_x, q_x, p_x = _selected_path_values(q_all, p_all, path, x)
-    else:
-        below_x, q_x, p_x = over_batch_chunks(
-            path_values, q_all, p_all, path, x, item_numel=gamma * V
-        )
+    below_x, q_x, p_x = over_batch_chunks(path_values, q_all, p_all, path, x, item_numel=gamma * V)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
     support = path_support(q_all, x)
@@ -275,6 +257,14 @@ def gbv_verify(
 ):
     B, K, gamma = draft_tokens.shape
     V = draft_probs.shape[-1]
+    on_cpu = host_reads_are_free(draft_probs)
+    if K > 1 and on_cpu and cpu_kernels.applies(draft_probs, target_probs):
+        # float32 CPU rows: all of the below as loops a request (cpu_verifiers.gbv_verify)
+        support, slack = draft_support(draft_probs), reach_slack(target_probs.dtype)
+        tau, path, y = cpu_verifiers.gbv_verify(
+            draft_tokens, draft_probs, target_probs, uniforms, support, slack
+        )
+        return emit(take_rows(draft_tokens, path), tau, y), tau, path
     # Selection: the lexicographically largest tuple of ranks. Paths still tied at depth d share
     # their prefix, so their tokens sit at the same node, where rank order is key order: compare
     # the drafted tokens' keys (ratio, then id) directly, no rank over V needed.
@@ -294,7 +284,7 @@ def gbv_verify(
         tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
         return emit(x, tau, y), tau, path
 
-    if host_reads_are_free(draft_probs):
+    if on_cpu:
         tau, y = _verify_lazily(x, draft_probs, target_probs, path, K, uniforms)
         return emit(x, tau, y), tau, path
 

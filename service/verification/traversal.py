@@ -24,7 +24,7 @@ updated α at once (the deepest pass wins). The sequential order of the paper's 
 which uniform each test reads, are unchanged; only the branch node b and the accepted node's
 rows are materialised. At most K segments, instead of up to Kγ + 1 single-node steps.
 
-On CPU (float32 rows) the walk is one compiled loop a request (cpu_kernels.traversal_walk):
+On CPU (float32 rows) the walk is one compiled loop a request (cpu_verifiers.traversal_walk):
 the same segments, with each node's mass summed only when its test is reached. Batched torch
 segments cost ~80 dispatched ops and several passes over γ rows each; the loop reads the rows
 it tests once. Its sums are float64 where torch's are float32: a test or a draw whose uniform
@@ -37,7 +37,7 @@ import torch
 
 from workers.sampling import sample_from_weights
 
-from . import cpu_kernels, kernels
+from . import cpu_kernels, cpu_verifiers, kernels
 from .block import block_verify_rows
 from .common import (
     ALL,
@@ -104,10 +104,10 @@ def traversal_verify(
     q_tok = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     log_ratio = (p_tok.log() - q_tok.log()).double()  # [B, K, γ] original per-edge ratios
     if host_reads_are_free(draft_tokens) and cpu_kernels.applies(target_probs, draft_probs):
-        tau, path, final_row = cpu_kernels.traversal_walk(
+        tau, path, y = cpu_verifiers.traversal_walk(
             draft_tokens, draft_probs, target_probs, leaves, branch, log_ratio, uniforms
         )
-        return _emitted(draft_tokens, tau, path, final_row, uniforms)
+        return emit(take_rows(draft_tokens, path), tau, y), tau, path
 
     # Per-request state; each segment reads and updates the requests still testing (`live`).
     leaf = torch.zeros(B, dtype=torch.int64, device=dev)  # index into `leaves`
@@ -261,11 +261,6 @@ def traversal_verify(
         log_alpha = put(log_alpha, rows, below, moved)
         live = sw
 
-    return _emitted(draft_tokens, tau, path, final_row, uniforms)
-
-
-def _emitted(draft_tokens, tau, path, final_row, uniforms):
-    """Each request stopped at the node it accepted: τ [B] is its depth on its current path
-    [B]; y is drawn from final_row [B, V] with the last uniform."""
-    y = sample_from_weights(final_row, uniforms[:, -1])
+    # Each request stopped at the node it accepted: τ is its depth, on its current path.
+    y = sample_from_weights(final_row, uniforms[:, K * gamma + 1])
     return emit(take_rows(draft_tokens, path), tau, y), tau, path

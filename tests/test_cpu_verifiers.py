@@ -1,0 +1,89 @@
+"""The whole-verifier loops of service/verification/cpu_verifiers.py (numba, float32 CPU rows)
+against the verifiers' torch ops: the same tokens, τ and paths on trees of every regime.
+
+The loops sum in float64 in their own order and take exp/log from libm, so a uniform within a
+few float32 ulps of a threshold could go the other way; with these seeds none does, and the
+mutants of the loops that were tried (a wrong uniform, level or running product, ties broken
+the wrong way, a deletion's bookkeeping left out) all fail here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.verification import cpu_kernels, gbv, traversal
+
+VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
+
+
+def drafted_tree(vocab: int, b: int, k: int, gamma: int, regime: str, seed: int):
+    """A batch of draft trees whose rows are a function of their prefix (paths that share a
+    prefix share its rows): tokens [b, k, γ], q [b, k, γ, V], p [b, k, γ+1, V] float32. Peaked
+    rows, so that paths share prefixes at any vocabulary. realistic: q = p perturbed; agree:
+    q = p (long acceptances); disjoint: q reversed (deletions all the way to the root)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def node(prefix: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        if prefix not in cache:
+            logits = torch.randn(vocab, generator=gen, dtype=torch.float64) * 5
+            noise = torch.randn(vocab, generator=gen, dtype=torch.float64)
+            q_logits = {
+                "realistic": logits + noise,
+                "agree": logits,
+                "disjoint": -logits,
+            }[regime]
+            cache[prefix] = (logits.softmax(-1).float(), q_logits.softmax(-1).float())
+        return cache[prefix]
+
+    tokens = torch.empty(b, k, gamma, dtype=torch.int64)
+    q = torch.empty(b, k, gamma, vocab)
+    p = torch.empty(b, k, gamma + 1, vocab)
+    for r in range(b):
+        for j in range(k):
+            prefix = (r,)
+            for d in range(gamma + 1):
+                p[r, j, d], q_row = node(prefix)
+                if d < gamma:
+                    q[r, j, d] = q_row
+                    tokens[r, j, d] = torch.multinomial(q_row.double(), 1, generator=gen).item()
+                    prefix += (int(tokens[r, j, d]),)
+    return tokens, q, p
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime, monkeypatch):
+    """The walk as one loop a request against traversal_verify's batched torch segments: the
+    same τ, path and tokens (y included, drawn from the row the walk stopped at) for 4 × 32
+    trees with shared prefixes, duplicate paths and deletions down to the root. Its sums are
+    float64 where torch's are float32, so a test whose uniform lies within ~1e-7 of its α
+    could go the other way; none does here."""
+    tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
+    gen = torch.Generator().manual_seed(k)
+    uniforms = [torch.rand(32, k * 5 + 2, generator=gen, dtype=torch.float64) for _ in range(4)]
+    got = [traversal.traversal_verify(tokens, q, p, u) for u in uniforms]
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    for u, out in zip(uniforms, got, strict=True):
+        for a, b in zip(out, traversal.traversal_verify(tokens, q, p, u), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
+    """cpu_kernels.gbv_verify against gbv_verify's torch ops (_verify_lazily): the same
+    selected path, τ and tokens for 4 × 32 trees, from τ = γ to deep rounds of levels. Its sums
+    are float64 in its own order and its exp/log libm's, so a uniform within a few float32
+    ulps of its threshold could go the other way; none does here."""
+    tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
+    gen = torch.Generator().manual_seed(k)
+    uniforms = [torch.rand(32, 6, generator=gen, dtype=torch.float64) for _ in range(4)]
+    got = [gbv.gbv_verify(tokens, q, p, u) for u in uniforms]
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    for u, out in zip(uniforms, got, strict=True):
+        for a, b in zip(out, gbv.gbv_verify(tokens, q, p, u), strict=True):
+            assert torch.equal(a, b)
