@@ -112,3 +112,22 @@ def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
     torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert (rho > 1).any() and (rho >= 1).all() and (rho <= nf).all()
+
+
+def test_draft_support_equals_the_torch_ops(monkeypatch):
+    """common.draft_support through the kernel against its torch ops: a sparse draft (the
+    union of the rows' supports), a dense one, and one whose first row alone is sparse."""
+    from service.verification import common
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.rand(6, 1000, generator=gen)
+    sparse = q * (torch.rand(6, 1000, generator=gen) < 0.05)
+    first_sparse = q.clone()
+    first_sparse[0] = sparse[0]
+    cases = [sparse, q, first_sparse, sparse.view(2, 3, 1000)]
+    got = [common.draft_support(t) for t in cases]
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    want = [common.draft_support(t) for t in cases]
+    assert want[0] is not None and want[1] is None and want[2] is None
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

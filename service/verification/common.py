@@ -25,6 +25,8 @@ import torch
 
 from workers.tree import gather_rows
 
+from . import cpu_kernels
+
 if TYPE_CHECKING:  # modification.py imports this module
     from .modification import TargetModification
 
@@ -189,7 +191,11 @@ def draft_support(q: torch.Tensor) -> torch.Tensor | None:
     read, free there and a wait on an accelerator."""
     rows = q.flatten(0, -2)  # [N, V]
     most = SUPPORT_SHARE * rows.shape[-1]
-    if not host_reads_are_free(q) or not rows.shape[0] or int((rows[0] > 0).sum()) > most:
+    if not host_reads_are_free(q) or not rows.shape[0]:
+        return None
+    if cpu_kernels.applies(rows):  # no torch op wide enough to wake its thread pool (see there)
+        return cpu_kernels.draft_support(rows, most)
+    if int((rows[0] > 0).sum()) > most:
         return None  # a dense first row settles it for one row's cost
     ids = (rows > 0).any(0).nonzero().squeeze(-1)
     return ids if 0 < ids.numel() <= most else None

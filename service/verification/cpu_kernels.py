@@ -21,7 +21,10 @@ search repeats top_down.kseq_rho_all's sums and probes; only (1 - β)^n may roun
 
 The kernels release the GIL; rows are split over a small thread pool (numba's own parallel
 layer would be a second thread pool beside torch's). float32 rows only: others take the
-torch ops.
+torch ops. After a torch op wide enough to run in parallel, torch's OpenMP workers spin for
+milliseconds (libgomp's default wait policy) on the cores this pool needs: one such op (the
+support check's comparison of one row of 49,152) made a GBV call at B = 8, K = 2 take 12.9 ms
+instead of 8.7. So the CPU paths keep such ops away from these kernels (draft_support below).
 """
 
 from __future__ import annotations
@@ -248,6 +251,32 @@ def _kseq_search(p, q, ids, keys, nf, ways, rounds, rho_out, beta_out, lo, hi):
             high = new_high
         rho_out[r] = high
         beta_out[r] = _kseq_f(high, p_below, q_below, q_total, n, keys, r)[1]
+
+
+@_jit
+def _positive_columns(rows, out, lo, hi):
+    """out[v] |= rows[r, v] > 0 for rows lo..hi."""
+    for r in range(lo, hi):
+        for v in range(rows.shape[1]):
+            out[v] |= rows[r, v] > 0
+
+
+def draft_support(rows: torch.Tensor, most: float) -> torch.Tensor | None:
+    """common.draft_support of float32 rows [N, V] on CPU: the ids [V'] where some row is
+    positive, or None where the first row alone has more than ``most``."""
+    rows = rows.numpy()
+    if np.count_nonzero(rows[0] > 0) > most:
+        return None
+    seen = []  # one mask a thread, then their union
+
+    def mark(lo, hi):
+        mask = np.zeros(rows.shape[1], np.bool_)
+        _positive_columns(rows, mask, lo, hi)
+        seen.append(mask)
+
+    over_row_ranges(mark, rows.shape[0])
+    ids = np.flatnonzero(np.logical_or.reduce(seen))
+    return torch.from_numpy(ids) if 0 < ids.size <= most else None
 
 
 def _rows2d(t: torch.Tensor) -> np.ndarray:
