@@ -201,6 +201,16 @@ def draft_support(q: torch.Tensor) -> torch.Tensor | None:
     return ids if 0 < ids.numel() <= most else None
 
 
+def support_holding(support: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """support [V'] (draft_support's) if it holds every drafted token of x [...], else None:
+    ranking the support alone needs them in it. A drafted token with q = 0 (an unvalidated,
+    inconsistent call) ranks the whole vocabulary instead."""
+    if support is None:
+        return None
+    cols = torch.searchsorted(support, x.reshape(-1)).clamp_max(support.numel() - 1)
+    return support if bool((support[cols] == x.reshape(-1)).all()) else None
+
+
 def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """rows [B, L, ...], index [B] -> rows[b, index[b]]: [B, ...]; a view when L = 1 (index can
     only be 0: a single path is never copied)."""

@@ -1,5 +1,6 @@
-"""Fused row passes for the CPU (numba): GBV's ranking and skew and SpecTr's ρ* solve, and
-the steps that cpu_verifiers' whole-verifier loops share.
+"""Fused row passes for the CPU (numba): SpecTr's ρ* solve, the support check, and the steps
+of cpu_verifiers' whole-verifier loops (GBV's ranking words, C at a token and skew walk; the
+masses; the sampler's draw).
 
 In torch ops every elementwise step over a [rows, V] block is a pass over memory and a fresh
 temporary (on this VM mostly page faults): C(x_i), the q-mass ranked below a drafted token,
@@ -58,7 +59,7 @@ def sort_words(words: np.ndarray) -> None:
 
 
 def applies(*rows: torch.Tensor) -> bool:
-    """Whether GBV and SpecTr take these kernels for rows: float32 on CPU, contiguous along V."""
+    """Whether the verifiers take these kernels for rows: float32 on CPU, contiguous along V."""
     return sys.byteorder == "little" and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in rows
     )
@@ -91,14 +92,21 @@ def _ratio(p, q):
 
 
 @_jit
-def _ranking_words(p, q, ids, keys, lo, hi):
-    """The sort words of sorting.ascending_order, (key bits << 32) | id, written through two
-    views of one int64 array [n, V]: ids[r, 2v] = v, keys[r, 2v + 1] = key(v)."""
-    V = p.shape[1]
+def _row_words(p, q, ids, words_id, words_key):
+    """The sort words of sorting.ascending_order, (key bits << 32) | id, of the rows p, q [V]
+    over the given ids, written through two views of one int64 row: words_id[2j] = ids[j],
+    words_key[2j + 1] = its key."""
+    for j in range(ids.shape[0]):
+        v = ids[j]
+        words_id[2 * j] = v
+        words_key[2 * j + 1] = _ratio(p[v], q[v])
+
+
+@_jit
+def _ranking_words(p, q, ids, words_id, words_key, lo, hi):
+    """_row_words of rows lo..hi of p, q [n, V]."""
     for r in range(lo, hi):
-        for v in range(V):
-            ids[r, 2 * v] = v
-            keys[r, 2 * v + 1] = _ratio(p[r, v], q[r, v])
+        _row_words(p[r], q[r], ids, words_id[r], words_key[r])
 
 
 @_jit
@@ -142,13 +150,6 @@ def _skew_walk(q, ids, lam, k, out):
         qv = q[v]
         running += np.float64(qv)
         out[v] = _skewed(qv, _f32(running - np.float64(qv)), inv, t, scale, k)
-
-
-@_jit
-def _skew_sorted(q, ids, lam, k, out, lo, hi):
-    """out[r] = q̃ of row q[r], whose ids ascend by (p/q, id) in ids[r, 0::2]."""
-    for r in range(lo, hi):
-        _skew_walk(q[r], ids[r], lam[r], k, out[r])
 
 
 @numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
@@ -288,26 +289,10 @@ def _ranked(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ids[r, 0::2] are row r's ids in that order, keys[r, 1::2] their keys."""
     words = np.empty(p.shape, dtype=np.int64)
     ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
-    over_row_ranges(lambda lo, hi: _ranking_words(p, q, ids, keys, lo, hi), p.shape[0])
+    every = np.arange(p.shape[1])
+    over_row_ranges(lambda lo, hi: _ranking_words(p, q, every, ids, keys, lo, hi), p.shape[0])
     sort_words(words)
     return ids, keys
-
-
-def skewed_rows(
-    q: torch.Tensor,  # [n, V] float32: draft rows
-    p: torch.Tensor,  # [n, V] float32: the target rows at the same prefixes
-    lam: torch.Tensor,  # [n] float64: λ of each prefix
-    k: int,
-) -> torch.Tensor:
-    """gbv.skewed_rows without its temporaries: the sort words in one pass, numpy's sort
-    (sorting.sort_words), and q̃ written by id in one walk up the order. [n, V] float32."""
-    n, V = q.shape
-    q2, p2 = _rows2d(q), _rows2d(p)
-    ids, _ = _ranked(p2, q2)
-    out = np.empty((n, V), dtype=np.float32)
-    lam64 = lam.double().contiguous().numpy()
-    over_row_ranges(lambda lo, hi: _skew_sorted(q2, ids, lam64, k, out, lo, hi), n)
-    return torch.from_numpy(out)
 
 
 def kseq_rho(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .common import support_holding
 from .cpu_kernels import (
     _draw,
     _excess_mass,
@@ -24,6 +25,7 @@ from .cpu_kernels import (
     _mass_below,
     _ratio,
     _residual_mass,
+    _row_words,
     _skew_factors,
     _skew_walk,
     _skewed,
@@ -217,15 +219,12 @@ def _next_level(eta, pi, slack, r, below):
 
 @_jit
 def _level_words(p, q, path, level, rows, ids, words_id, words_key, lo, hi):
-    """The sort words (key bits << 32) | id of row (path, level) of each request rows[i],
-    over the ids given (the draft's support, or every token)."""
+    """The sort words of row (path, level) of each request rows[i], over the ids given (the
+    draft's support, or every token)."""
     for i in range(lo, hi):
         r = rows[i]
-        pr, qr = p[r, path[r], level[r]], q[r, path[r], level[r]]
-        for j in range(ids.shape[0]):
-            v = ids[j]
-            words_id[i, 2 * j] = v
-            words_key[i, 2 * j + 1] = _ratio(pr[v], qr[v])
+        at = (r, path[r], level[r])
+        _row_words(p[at], q[at], ids, words_id[i], words_key[i])
 
 
 @_jit
@@ -288,12 +287,8 @@ def gbv_verify(
         _gbv_path(p, q, tokens, K, eta, slack, path, lam, pi, tau, level, lo, hi)
 
     over_row_ranges(prepare, B)
+    support = support_holding(support, torch.from_numpy(tokens[np.arange(B), path]))
     ids = np.arange(V) if support is None else support.numpy()
-    if support is not None:  # ranking the support alone needs every path token in it
-        in_support = np.zeros(V, np.bool_)
-        in_support[ids] = True
-        if not in_support[tokens[np.arange(B), path]].all():
-            ids = np.arange(V)
     q_row = np.zeros((B, V), np.float32)  # q̃ at the level tried last; zeros where τ = γ
     rows = np.flatnonzero(tau < 0)
     while rows.size:

@@ -44,6 +44,7 @@ from .common import (
     emit,
     host_reads_are_free,
     over_batch_chunks,
+    support_holding,
     take_rows,
 )
 from .sorting import ascending_order, ratio_key
@@ -134,24 +135,11 @@ def skewed_rows(
         skewed = skewed_rows(q.index_select(-1, support), p.index_select(-1, support), lam, k, None)
         return q.new_zeros(q.shape).index_copy_(-1, support, skewed)
     V = q.shape[-1]
-    if cpu_kernels.applies(q, p):  # one pass for the sort words, one walk for q̃
-        rows = cpu_kernels.skewed_rows(q.reshape(-1, V), p.reshape(-1, V), lam.reshape(-1), k)
-        return rows.view(q.shape)
     key = ranking_key(p, q).view(-1, V)
     if kernels.applies(q, q):  # CUDA: skewed in rank order and written by id, one pass
         return kernels.skewed_rows(q.reshape(-1, V), ascending_order(key), lam, k).view(q.shape)
     below = mass_ranked_below(key, q.reshape(-1, V)).view(q.shape)
     return skewed_probs(q, below, lam, k)
-
-
-def path_support(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """draft_support(q) [V'] if it holds every path token x [..., γ], else None. A drafted token
-    with q = 0 (an unvalidated, inconsistent call) ranks the whole vocabulary instead."""
-    support = draft_support(q)
-    if support is None:
-        return None
-    cols = torch.searchsorted(support, x.reshape(-1)).clamp_max(support.numel() - 1)
-    return support if bool((support[cols] == x.reshape(-1)).all()) else None
 
 
 def skewed_draft(
@@ -164,7 +152,8 @@ def skewed_draft(
     [n, γ, V], and q̃(x_i) [n, γ] as the lazy path computes it (from C at the path alone)."""
     below_x, q_x, _ = _path_values(q, p, x)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
-    return skewed_rows(q, p[:, : x.shape[1]], lam, k, path_support(q, x)), q_tilde_x
+    support = support_holding(draft_support(q), x)
+    return skewed_rows(q, p[:, : x.shape[1]], lam, k, support), q_tilde_x
 
 
 def _path_values(
@@ -236,7 +225,7 @@ def _verify_lazily(
     below_x, q_x, p_x = over_batch_chunks(path_values, q_all, p_all, path, x, item_numel=gamma * V)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
-    support = path_support(q_all, x)
+    support = support_holding(draft_support(q_all), x)
 
     def rows_at(rows, level):  # the selected path's q̃ and p rows at a level: [m, V] each
         at = (rows, path[rows], level)

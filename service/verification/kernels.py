@@ -15,8 +15,8 @@ torch ops were ~200 small kernels a depth ("GPU, fourth stop").
 
 The sums accumulate in float64 (the torch ops sum in the rows' dtype and then widen), and
 rows below float32 are computed in float32: the same masses up to rounding, never less
-accurate; callers cast them to the torch ops' dtype. The CPU keeps the torch ops for these
-masses; GBV's skew and SpecTr's ρ* have CPU loops of their own (cpu_kernels.py).
+accurate; callers cast them to the torch ops' dtype. On CPU GBV and traversal run as numba
+loops a request (cpu_verifiers.py) and SpecTr's ρ* as one loop a row (cpu_kernels.py).
 """
 
 from __future__ import annotations
