@@ -162,24 +162,22 @@ def kseq_case(dtype, gen, rows=64, vocab=1000, k=4):
 
 
 @pytest.mark.parametrize(
-    "dtype,block", [(torch.float32, 128), (torch.float64, 1024), (torch.bfloat16, 256)]
+    "dtype,block,programs",
+    [(torch.float32, 128, None), (torch.float64, 64, 512), (torch.bfloat16, 256, 1)],
 )
-def test_kseq_token_is_spectrs_node_rule(dtype, block, monkeypatch):
+def test_kseq_token_is_spectrs_node_rule(dtype, block, programs, monkeypatch):
     """ρ*, β(ρ*) against kseq_rho_all's search, and the token against spectr_rule's torch ops
     (the tests and, where all are rejected, the residual's inverse-CDF draw) on the same
-    uniforms: equal up to the last bits of ρ (the probes' rounding) and of the scans."""
+    uniforms: equal up to the last bits of ρ (the probes' rounding) and of the sums. Rows
+    split into 4 chunks (as on an H100), 8, or none (programs=1)."""
     from service.verification import top_down
-    from service.verification.sorting import ratio_key, sort_ascending
 
     gen = torch.Generator().manual_seed(3)
     p, q, cand, is_cand, u = kseq_case(dtype, gen)
-    key = ratio_key(p, q)
-    ratio_sorted, order = sort_ascending(key)
     token, rho, beta = kernels.kseq_token(
-        p, q, key, ratio_sorted, order, cand, is_cand, u, top_down.SEARCH_WIDE, block=block
+        p, q, cand, is_cand, u, top_down.SEARCH_NARROW, block=block, programs=programs
     )
     monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
-    monkeypatch.setattr(top_down, "SEARCH_NARROW", top_down.SEARCH_WIDE)  # the same grid on CPU
     want_rho, want_beta = top_down.kseq_rho_all(p, q, is_cand.sum(-1).double())
     torch.testing.assert_close(rho, want_rho, rtol=1e-8, atol=0)  # a few steps of the grid
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
@@ -210,8 +208,11 @@ def compile_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    round_kernel, tests_kernel, draw_kernel = kernels._kseq_kernels()
     for f64 in (False, True):
         rows = "*fp64" if f64 else "*fp32"
+        kseq = {"K": 3, "KP": 4, "WAYS": 16, "SP": 8, "BLOCK": 128, "F64": f64}
+        kseq |= {"FIRST": False, "BF16": False}
         cases = [
             (
                 kernels._kernel(),
@@ -226,14 +227,18 @@ def compile_for_sm90() -> None:
                 )
                 for has_p in (False, True)
             ],
-            (
-                kernels._kseq_kernel(),
-                {"p_ptr": rows, "q_ptr": rows, "key_ptr": rows, "ratio_ptr": rows},
-                {"K": 3, "KP": 4, "WAYS": 256, "ROUNDS": 4, "F64": f64, "BLOCK": 1024},
-            ),
+            *[
+                (round_kernel, {"p_ptr": rows, "q_ptr": rows}, {**kseq, "FIRST": first})
+                for first in (False, True)
+            ],
+            (round_kernel, {"p_ptr": "*bf16", "q_ptr": "*bf16"}, {**kseq, "BF16": True}),
+            (tests_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
+            (draw_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
         ]
         for kernel, types, constants in cases:
             names = kernel.arg_names
+
+            constants = {k: v for k, v in constants.items() if k in names}
 
             def arg_type(name, types=types, constants=constants):
                 if name in constants:

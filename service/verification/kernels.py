@@ -9,9 +9,11 @@ at B = 32, K = 4, γ = 8, V = 32000 such passes took 0.8 of SpecTr-GBV*'s 1.5 ms
 :func:`row_masses` is all of them in one kernel that reads p and q once, in place
 (docs/verification_benchmark.md, "GPU, third stop").
 
-Two verifiers also walk rows in rank order, one program per row: GBV's skewed draft
-(:func:`skewed_rows`, :func:`skewed_excess`) and SpecTr's node rule (:func:`kseq_token`), whose
-torch ops were ~200 small kernels a depth ("GPU, fourth stop").
+GBV's skewed draft also walks rows in rank order, one program per row (:func:`skewed_rows`,
+:func:`skewed_excess`). SpecTr's node rule (:func:`kseq_token`, kernels in spectr_kernels.py)
+needs no order: each round of its ρ* search sums P below and Q above every probe over the row
+directly, in one kernel whose programs each take a chunk of a row ("GPU, fifth stop"; a sort
+and a walk of the sorted row, one program per row, took twice as long on an H100).
 
 The sums accumulate in float64 (the torch ops sum in the rows' dtype and then widen), and
 rows below float32 are computed in float32: the same masses up to rounding, never less
@@ -31,10 +33,13 @@ BLOCK = 2048
 MAX_SPLITS = 8
 # GBV's skew walks each row in rank order (a running sum), one program per row.
 SKEW_BLOCK = 1024
-# SpecTr's node walks one row per program too, and there are only B rows: wide steps, so
-# that few of them (each waits on gathers and cross-warp scans) cover a row.
-KSEQ_BLOCK = 2048
-KSEQ_WARPS = 8  # 8 float64 columns a thread: 182 registers, no spills (sm_90)
+# SpecTr's node sums every probe of a round at once ([probes, KSEQ_BLOCK] float64 a step),
+# each row split over programs: about KSEQ_PROGRAMS_PER_SM a multiprocessor in all. The best
+# of six settings on an H100 at B = 32, K = 4, V = 32000 (docs, "GPU, fifth stop").
+KSEQ_BLOCK = 128
+KSEQ_WARPS = 4
+KSEQ_PROGRAMS_PER_SM = 2
+KSEQ_MAX_SPLITS = 64
 
 
 @functools.cache
@@ -343,239 +348,74 @@ def skewed_excess(
 
 
 @functools.cache
-def _kseq_kernel():
-    triton, tl = _triton()
+def _kseq_kernels():
+    from . import spectr_kernels
 
-    @triton.jit
-    def kseq_kernel(
-        p_ptr,  # [B, V]: target rows by id (row stride p_s0)
-        q_ptr,  # [B, V]: draft rows by id (row stride q_s0)
-        key_ptr,  # [B, V]: each row's p/q by id (contiguous)
-        ratio_ptr,  # [B, V]: the same, ascending (contiguous)
-        order_ptr,  # [B, V] int64: the token ids in that order (contiguous)
-        cand_ptr,  # [B, K] int64: the candidates
-        is_cand_ptr,  # [B, K] int8: which of them pass through the node
-        u_ptr,  # [B, K+1]: a uniform per candidate test, then one for the residual draw
-        below_ptr,  # [B, 2, V] float64 scratch: P and Q below each rank
-        token_ptr,  # [B] int64 out
-        rho_ptr,  # [B] float64 out
-        beta_ptr,  # [B] float64 out
-        V,
-        p_s0,
-        q_s0,
-        c_s0,
-        c_s1,
-        i_s0,
-        i_s1,
-        u_s0,
-        u_s1,
-        K: tl.constexpr,
-        KP: tl.constexpr,  # K rounded up to a power of two
-        WAYS: tl.constexpr,
-        ROUNDS: tl.constexpr,
-        F64: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        b = tl.program_id(0).to(tl.int64)
-        p_row = p_ptr + b * p_s0
-        q_row = q_ptr + b * q_s0
-        key_row = key_ptr + b * V
-        p_below_row = below_ptr + b * 2 * V
-        q_below_row = p_below_row + V
-        ratio_row = ratio_ptr + b * V
-        order_row = order_ptr + b * V
-        compute = tl.float64 if F64 else tl.float32
-        ks = tl.arange(0, KP)
-        in_k = ks < K
-        cand = tl.load(cand_ptr + b * c_s0 + ks * c_s1, mask=in_k, other=0)
-        is_cand = tl.load(is_cand_ptr + b * i_s0 + ks * i_s1, mask=in_k, other=0) != 0
-        n = tl.maximum(tl.sum(is_cand.to(tl.int32), axis=0), 1)
-        lanes = tl.arange(0, BLOCK)
-        zero = tl.sum(tl.zeros([BLOCK], tl.float64), axis=0)
-
-        # f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n, β(ρ) = Q(ratio >= ρ)/Q + P(ratio < ρ)/ρ, is
-        # nondecreasing, so one walk up the sorted ratios finds the segment that holds ρ*:
-        # the first ratio r_a < n where f(r_a) >= 0 (j = a ratios below it: the first of a
-        # tie), else the first ratio >= n. On (r_{a-1}, r_a] f is f_a, the same sums with P
-        # and Q below a fixed; f_a is nondecreasing on all ρ > 0 too, and its root is ρ*, so
-        # the search asks f_a whether a probe is feasible, inside the segment or not: no
-        # probe reads the row.
-        nf = n.to(tl.float64)
-        q_sum = tl.zeros([BLOCK], tl.float64)  # summed across lanes once, after the loop
-        for start in range(0, V, BLOCK):
-            cols = start + lanes
-            q_sum += tl.load(q_row + cols, mask=cols < V, other=0.0).to(tl.float64)
-        q_total = tl.maximum(tl.sum(q_sum, axis=0), 1e-300)
-        p_run, q_run = zero, zero  # P and Q below the block
-        at = zero.to(tl.int32) + V  # the first r_a < n with f(r_a) >= 0; V: none
-        past = zero.to(tl.int32) + V  # the first ratio >= n; V: none
-        for start in range(0, V, BLOCK):
-            cols = start + lanes
-            inside = cols < V
-            ids = tl.load(order_row + cols, mask=inside, other=0)
-            p_ranked = tl.load(p_row + ids, mask=inside, other=0.0).to(tl.float64)
-            q_ranked = tl.load(q_row + ids, mask=inside, other=0.0).to(tl.float64)
-            p_scan = p_run + tl.cumsum(p_ranked, 0)
-            q_scan = q_run + tl.cumsum(q_ranked, 0)
-            p_below, q_below = p_scan - p_ranked, q_scan - q_ranked
-            tl.store(p_below_row + cols, p_below, mask=inside)
-            tl.store(q_below_row + cols, q_below, mask=inside)
-            ratio = tl.load(ratio_row + cols, mask=inside, other=float("inf")).to(tl.float64)
-            before = tl.load(ratio_row + cols - 1, mask=inside & (cols > 0), other=-float("inf"))
-            starts = inside & (ratio > before.to(tl.float64))  # j(r_i) = i: a tie's first
-            beta_at = (q_total - q_below) / q_total + p_below / ratio
-            miss = tl.full([BLOCK], 1.0, tl.float64)
-            for i in tl.static_range(K):
-                miss = tl.where(i < n, miss * tl.maximum(1 - beta_at, 0.0), miss)
-            found = starts & (ratio < nf) & (ratio * beta_at - 1 + miss >= 0)
-            at = tl.minimum(at, tl.min(tl.where(found, cols, V), axis=0))
-            past = tl.minimum(past, tl.min(tl.where(inside & (ratio >= nf), cols, V), axis=0))
-            p_run = tl.max(tl.where(lanes == BLOCK - 1, p_scan, -1.0), axis=0)
-            q_run = tl.max(tl.where(lanes == BLOCK - 1, q_scan, -1.0), axis=0)
-        tl.debug_barrier()  # other threads of this program read the scratch rows back
-        seg = tl.minimum(at, past)  # j of the segment; V: every ratio is below it
-        seg_p = tl.where(seg < V, tl.load(p_below_row + tl.minimum(seg, V - 1)), p_run)
-        seg_q = tl.where(seg < V, tl.load(q_below_row + tl.minimum(seg, V - 1)), q_run)
-
-        # ρ*: the first probe with f >= 0 among WAYS evenly spaced in [lo, hi], ROUNDS times
-        # (kseq_rho_all's search, f from the segment's P and Q)
-        ways = tl.arange(0, WAYS)
-        lo = zero + 1.0
-        hi = nf + zero
-        for _ in tl.static_range(ROUNDS):
-            rho = lo + (hi - lo) * (ways.to(tl.float64) / WAYS)
-            beta_at = (q_total - seg_q) / q_total + seg_p / rho
-            miss = tl.full([WAYS], 1.0, tl.float64)
-            for i in tl.static_range(K):
-                miss = tl.where(i < n, miss * tl.maximum(1 - beta_at, 0.0), miss)
-            m = tl.min(tl.where(rho * beta_at - 1 + miss >= 0, ways, WAYS), axis=0)
-            lo_next = tl.sum(tl.where(ways == tl.maximum(m - 1, 0), rho, 0.0), axis=0)
-            hi = tl.where(m == WAYS, hi, tl.sum(tl.where(ways == m, rho, 0.0), axis=0))
-            lo = lo_next
-        rho = hi
-        # β(ρ*) = Q(ratio >= ρ*)/Q + P(ratio < ρ*)/ρ*, summed in id order (ρ* may lie past
-        # the segment), each token's ratio read from the unsorted key
-        q_above = tl.zeros([BLOCK], tl.float64)
-        p_under = tl.zeros([BLOCK], tl.float64)
-        for start in range(0, V, BLOCK):
-            cols = start + lanes
-            p_id = tl.load(p_row + cols, mask=cols < V, other=0.0).to(tl.float64)
-            q_id = tl.load(q_row + cols, mask=cols < V, other=0.0).to(tl.float64)
-            key = tl.load(key_row + cols, mask=cols < V, other=float("inf"))
-            above = key.to(tl.float64) >= rho
-            q_above += tl.where(above, q_id, 0.0)
-            p_under += tl.where(above, 0.0, p_id)
-        beta = tl.sum(q_above, axis=0) / q_total + tl.sum(p_under, axis=0) / rho
-
-        # the candidates' tests, each with its own uniform: the first that passes is taken
-        p_c = tl.load(p_row + cand, mask=in_k, other=0.0).to(tl.float64)
-        q_c = tl.load(q_row + cand, mask=in_k, other=0.0).to(tl.float64)
-        u_c = tl.load(u_ptr + b * u_s0 + ks * u_s1, mask=in_k, other=1.0).to(tl.float64)
-        first = tl.min(tl.where(is_cand & (u_c * rho * q_c < p_c), ks, KP), axis=0)
-        token = tl.sum(tl.where(ks == first, cand, 0), axis=0)
-        if first == KP:
-            # every candidate rejected: draw from p - min(q, p/ρ) (1 - (1-β)^n) / β clamped
-            # at 0 (p itself where nothing is left) by its inverse CDF in id order: one pass
-            # for the total, one for the first running sum above u times it
-            none_pass = zero + 1.0  # (1 - β)^n
-            for i in tl.static_range(K):
-                none_pass = tl.where(i < n, none_pass * (1 - beta), none_pass)
-            scale = (1 - none_pass) / tl.maximum(beta, 1e-300)
-            scale = tl.where(beta > 0, scale, 0.0).to(compute)
-            rho_c = rho.to(compute)
-            residual_sum = tl.zeros([BLOCK], tl.float64)
-            p_sum = tl.zeros([BLOCK], tl.float64)
-            found = tl.full([BLOCK], V, tl.int32)  # per lane: the first hit's id, V: none
-            last = tl.full([BLOCK], -1, tl.int32)  # per lane: the last positive weight's id
-            for sweep in tl.static_range(2):
-                if sweep == 1:
-                    residual_total = tl.sum(residual_sum, axis=0)
-                    use_p = residual_total <= 0
-                    total = tl.where(use_p, tl.sum(p_sum, axis=0), residual_total)
-                    u_draw = tl.load(u_ptr + b * u_s0 + K * u_s1).to(tl.float64)
-                    target = tl.minimum(u_draw * total, total * (1 - 2.0**-53))  # < total
-                run = zero
-                for start in range(0, V, BLOCK):
-                    cols = start + lanes
-                    inside = cols < V
-                    p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
-                    q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
-                    w = tl.maximum(p - tl.minimum(q, p / rho_c) * scale, 0.0)
-                    if sweep == 0:
-                        p_sum += p.to(tl.float64)
-                        residual_sum += w.to(tl.float64)
-                    else:
-                        w = tl.where(use_p, p, w).to(tl.float64)
-                        cdf = run + tl.cumsum(w, 0)
-                        run = tl.max(tl.where(lanes == BLOCK - 1, cdf, -1.0), axis=0)
-                        positive = inside & (w > 0)
-                        found = tl.minimum(found, tl.where(positive & (cdf > target), cols, V))
-                        last = tl.maximum(last, tl.where(positive, cols, -1))
-            # rounding could leave no running sum above the target: then the last weight
-            found_id = tl.min(found, axis=0)
-            token = tl.where(found_id < V, found_id, tl.max(last, axis=0)).to(tl.int64)
-        tl.store(token_ptr + b, token)
-        tl.store(rho_ptr + b, rho)
-        tl.store(beta_ptr + b, beta)
-
-    return kseq_kernel
+    return spectr_kernels.round_kernel, spectr_kernels.tests_kernel, spectr_kernels.draw_kernel
 
 
 def kseq_token(
     p_row: torch.Tensor,  # [B, V]: target rows at the nodes (contiguous along V)
     q_row: torch.Tensor,  # [B, V]: draft rows
-    key: torch.Tensor,  # [B, V]: sorting.ratio_key(p, q)
-    ratio_sorted: torch.Tensor,  # [B, V]: sorting.sort_ascending(key), the keys
-    order: torch.Tensor,  # [B, V] int64: and their token ids
     cand: torch.Tensor,  # [B, K] int64: the node's candidates
     is_cand: torch.Tensor,  # [B, K] bool: the ones that pass through it
     u: torch.Tensor,  # [B, K+1]: the node's uniforms
     search: tuple[int, int],  # (ways, rounds) of the ρ* search, ways a power of two
-    block: int | None = None,  # columns per step, KSEQ_BLOCK (tests take small ones)
+    block: int | None = None,  # columns per step, KSEQ_BLOCK (tests take other ones)
+    programs: int | None = None,  # programs per call, KSEQ_PROGRAMS_PER_SM a multiprocessor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SpecTr's node rule (top_down.spectr_rule) after the sort, one program per node: the
-    segment of sorted ratios that holds ρ*, the ρ* search (kseq_rho_all's grid, f from that
-    segment's sums), β(ρ*), the K tests, and where all are rejected the residual draw by
-    inverse CDF. -> (token [B] int64, ρ [B], β(ρ) [B] float64). No host reads; one kernel
-    where the torch ops launch ~200 a depth."""
+    """SpecTr's node rule (top_down.spectr_rule) without a sort: kseq_rho_all's search for ρ*
+    on the same grid, with f at each round's probes summed over the row directly (P below and
+    Q above each probe), each row split into chunks over several programs; then β(ρ*), the K
+    tests, and where all are rejected the residual draw by inverse CDF. -> (token [B] int64,
+    ρ [B], β(ρ) [B] float64). rounds + 2 kernels, no host reads."""
     triton, _ = _triton()
     B, V = p_row.shape
     K = cand.shape[1]
     block = block or KSEQ_BLOCK
     ways, rounds = search
-    token = torch.empty(B, dtype=torch.int64, device=p_row.device)
-    rho = torch.empty(B, dtype=torch.float64, device=p_row.device)
+    if programs is None:
+        programs = KSEQ_PROGRAMS_PER_SM * _multiprocessors(p_row.device)
+    tiles = triton.cdiv(V, block)
+    splits = max(1, min(tiles, KSEQ_MAX_SPLITS, triton.cdiv(programs, B)))
+    chunk = triton.cdiv(tiles, splits) * block
+    splits = triton.cdiv(V, chunk)  # no empty chunk
+    dev = p_row.device
+    state = torch.empty(2, B, (3 * splits + 2) * ways, dtype=torch.float64, device=dev)
+    mass = torch.empty(B, splits, 2, dtype=torch.float64, device=dev)
+    token = torch.empty(B, dtype=torch.int64, device=dev)
+    rho = torch.empty(B, dtype=torch.float64, device=dev)
     beta = torch.empty_like(rho)
-    below = torch.empty(B, 2, V, dtype=torch.float64, device=p_row.device)
     is_cand = is_cand.to(torch.int8)
-    _kseq_kernel()[(B,)](
-        p_row,
-        q_row,
-        key.contiguous(),
-        ratio_sorted.contiguous(),
-        order.contiguous(),
-        cand,
-        is_cand,
-        u,
-        below,
-        token,
-        rho,
-        beta,
-        V,
-        p_row.stride(0),
-        q_row.stride(0),
-        cand.stride(0),
-        cand.stride(1),
-        is_cand.stride(0),
-        is_cand.stride(1),
-        u.stride(0),
-        u.stride(1),
-        K=K,
-        KP=triton.next_power_of_2(K),
-        WAYS=ways,
-        ROUNDS=rounds,
-        F64=torch.float64 in (p_row.dtype, q_row.dtype),
-        BLOCK=block,
-        num_warps=min(KSEQ_WARPS, max(1, block // 256)),
-    )
+    round_kernel, tests_kernel, draw_kernel = _kseq_kernels()
+    shape = dict(K=K, KP=triton.next_power_of_2(K), SP=triton.next_power_of_2(splits))
+    grid = (B, splits)
+    warps = dict(num_warps=KSEQ_WARPS)
+    for r in range(rounds):
+        round_kernel[grid](
+            p_row, q_row, is_cand, state[(r + 1) % 2], state[r % 2], V,
+            p_row.stride(0), q_row.stride(0), is_cand.stride(0), is_cand.stride(1),
+            splits, chunk, WAYS=ways, FIRST=r == 0,
+            BF16=p_row.dtype == q_row.dtype == torch.bfloat16,
+            BLOCK=block, **shape, **warps,
+        )  # fmt: skip
+    f64 = torch.float64 in (p_row.dtype, q_row.dtype)
+    tests_kernel[grid](
+        p_row, q_row, cand, is_cand, u, state[(rounds - 1) % 2], mass, token, rho, beta, V,
+        p_row.stride(0), q_row.stride(0), cand.stride(0), cand.stride(1),
+        is_cand.stride(0), is_cand.stride(1), u.stride(0), u.stride(1),
+        splits, chunk, WAYS=ways, F64=f64, BLOCK=block, **shape, **warps,
+    )  # fmt: skip
+    draw_kernel[grid](
+        p_row, q_row, is_cand, u, mass, token, rho, beta, V,
+        p_row.stride(0), q_row.stride(0), is_cand.stride(0), is_cand.stride(1),
+        u.stride(0), u.stride(1), splits, chunk, F64=f64, BLOCK=block, **shape, **warps,
+    )  # fmt: skip
     return token, rho, beta
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H100's count, so that tests split rows as a GPU would

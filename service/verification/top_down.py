@@ -31,11 +31,12 @@ NodeRule = Callable[
 
 # K-SEQ's ρ* search (kseq_rho) splits [lo, hi] into `ways` equal parts per round, for `rounds`
 # rounds: 2^32 parts of [1, n] either way, so ρ* lies within (n - 1) 2^-32 < 1e-9 (n - 1) of the
-# root, beyond the ~3e-8 precision of float32 rows. A GPU evaluates a row's 257 probes in the
-# time of one, so it takes few wide rounds (each round is ~25 kernels); on CPU every probe
-# costs (the law tests solve ~10^5 rows a call), so it takes narrow ones.
-SEARCH_WIDE = (256, 4)  # (ways, rounds) off the CPU
-SEARCH_NARROW = (16, 8)  # on CPU
+# root, beyond the ~3e-8 precision of float32 rows. The torch ops off the CPU evaluate a row's
+# 257 probes in the time of one, so they take few wide rounds (each round is ~25 kernels); on
+# CPU every probe costs (the law tests solve ~10^5 rows a call), and on CUDA the kernels sum
+# every probe over the row ([16, columns] a step), so these take narrow ones.
+SEARCH_WIDE = (256, 4)  # (ways, rounds): the torch ops off the CPU
+SEARCH_NARROW = (16, 8)  # CPU, and the CUDA kernels
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -228,13 +229,8 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
 
 def spectr_rule(p_row, q_row, cand, is_cand, u):
     """K-SEQ with ρ* for k = n_v candidates (spec §7); first acceptance wins."""
-    if kernels.applies(p_row, q_row):  # CUDA: all of it after the sort in one kernel
-        key = ratio_key(p_row, q_row)
-        ratio_sorted, order = sort_ascending(key)
-        token, _, _ = kernels.kseq_token(
-            p_row, q_row, key, ratio_sorted, order, cand, is_cand, u, SEARCH_WIDE
-        )
-        return token
+    if kernels.applies(p_row, q_row):  # CUDA: the search, tests and draw as kernels, no sort
+        return kernels.kseq_token(p_row, q_row, cand, is_cand, u, SEARCH_NARROW)[0]
     n = is_cand.sum(-1)  # [B] multiplicity of the node
     rho, beta = kseq_rho(p_row, q_row, n)  # [B], [B]
     # Each candidate's test reads its own uniform, so all K are tested at once and the first
