@@ -360,7 +360,7 @@ def kseq_token(
     cand: torch.Tensor,  # [B, K] int64: the node's candidates
     is_cand: torch.Tensor,  # [B, K] bool: the ones that pass through it
     u: torch.Tensor,  # [B, K+1]: the node's uniforms
-    search: tuple[int, int],  # (ways, rounds) of the ρ* search, ways a power of two
+    search: tuple[int, int],  # (ways, rounds) of the ρ* search, ways a power of two >= 4
     block: int | None = None,  # columns per step, KSEQ_BLOCK (tests take other ones)
     programs: int | None = None,  # programs per call, KSEQ_PROGRAMS_PER_SM a multiprocessor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,10 @@ below and Q above every probe over a chunk of the row; then the tests and the re
 chunk masses; then its inverse-CDF draw. The helpers are module-level because Triton (and its
 interpreter) resolves a kernel's callees among the module's globals.
 
+A round's state, per row: for each chunk CH = 3 WAYS float64 (P of the in-range keys below
+each probe, their Q at or above it, then P and Q of the keys below lo, Q at or above hi, P in
+range: WAYS >= 4), then the probes, then hi. Keys in [lo, hi) are "in range"; probe 0 is lo.
+
 Imported only where Triton is installed (kernels._kseq_kernels).
 """
 
@@ -19,11 +23,6 @@ def node_count(is_cand_ptr, b, i_s0, i_s1, K: tl.constexpr, KP: tl.constexpr):
     ks = tl.arange(0, KP)
     is_cand = tl.load(is_cand_ptr + b * i_s0 + ks * i_s1, mask=ks < K, other=0) != 0
     return tl.maximum(tl.sum(is_cand.to(tl.int32), axis=0), 1)
-
-
-# A round's state, per row: for each chunk CH = 3 WAYS float64 (P of the in-range keys below
-# each probe, their Q at or above it, then P and Q of the keys below lo, Q at or above hi, P
-# in range), then the probes, then hi. Keys in [lo, hi) are "in range"; probe 0 is lo.
 
 
 @triton.jit
@@ -92,8 +91,8 @@ def round_kernel(
     n = node_count(is_cand_ptr, b, i_s0, i_s1, K, KP)
     row_size = S * CH + 2 * WAYS
     if FIRST:
-        lo = tl.sum(tl.zeros([WAYS], tl.float64), axis=0) + 1.0
-        hi = lo * 0.0 + n.to(tl.float64)
+        lo = tl.full([], 1.0, tl.float64)
+        hi = n.to(tl.float64)
     else:
         lo, hi, _ = choose(prev_ptr + b * row_size, n, S, K, WAYS, SP)
     # lo and the WAYS - 1 inner points of [lo, hi] (kseq_rho_all's probes but hi)
