@@ -4,7 +4,9 @@ against the verifiers' torch ops: the same tokens, τ and paths on trees of ever
 The loops sum in float64 in their own order and take exp/log from libm, so a uniform within a
 few float32 ulps of a threshold could go the other way; with these seeds none does, and the
 mutants of the loops that were tried (a wrong uniform, level or running product, ties broken
-the wrong way, a deletion's bookkeeping left out) all fail here.
+the wrong way, a deletion's bookkeeping left out; in greedy BV a record's joint one token
+off, one unforced row left unmodified, a level's joint or a forced row's one-hot dropped, ties
+in |A| taken by the later draft) all fail here.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.verification import cpu_kernels, gbv, traversal
+from service.verification import cpu_kernels, gbv, traversal, verify
+from service.verification.modification import apply_records
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -87,3 +90,63 @@ def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
     for u, out in zip(uniforms, got, strict=True):
         for a, b in zip(out, gbv.gbv_verify(tokens, q, p, u), strict=True):
             assert torch.equal(a, b)
+
+
+def same_carried_joints(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Log-joints equal up to a float32 sum's rounding (the loops sum the masses z in float64
+    in their own order, torch in float32 in its), infinities in the same places."""
+    finite = a.isfinite()
+    return (
+        torch.equal(finite, b.isfinite())
+        and torch.equal(a[~finite], b[~finite])
+        and bool(torch.allclose(a[finite], b[finite], rtol=1e-5, atol=1e-5))
+    )
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+def test_greedy_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
+    """cpu_verifiers.greedy_verify and apply_records against the torch ops of greedy BV
+    (K = 1) and SpecTr-GBV*: 5 steps of 32 trees, each verifying against the modification
+    carried from the step before (up to 5 steps' records live at once). The same τ, paths,
+    tokens and record windows; the records' log-joints within a float32 sum's rounding."""
+    method = "greedy_block" if k == 1 else "spectr_gbv"
+    tokens, q, p = drafted_tree(vocab, 32, k, 6, regime, seed=vocab + k)
+    runs = []
+    for loops in (True, False):
+        if not loops:
+            monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+        carry, run = None, []
+        for step in range(5):
+            gen = torch.Generator().manual_seed(step)
+            out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
+            carry = out.carry
+            run.append(out)
+        runs.append(run)
+    for ours, theirs in zip(*runs, strict=True):
+        for field in ("tokens", "path"):
+            assert torch.equal(getattr(ours, field), getattr(theirs, field))
+        assert torch.equal(ours.carry.rows_left, theirs.carry.rows_left)
+        assert same_carried_joints(ours.carry.log_p, theirs.carry.log_p)
+        assert same_carried_joints(ours.carry.log_q, theirs.carry.log_q)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_apply_records_loop_gives_the_torch_ops_rows(vocab, monkeypatch):
+    """cpu_verifiers.apply_records against modification.apply_records' torch ops on a carry of
+    4 steps of SpecTr-GBV* at K = 3: every modified row's offset t and mass z, and every
+    record's base rows, equal up to a float32 sum's rounding."""
+    tokens, q, p = drafted_tree(vocab, 16, 3, 6, "realistic", seed=vocab)
+    carry = None
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        carry = verify("spectr_gbv", tokens, q, p, gen, carry=carry, validate=False).carry
+    assert carry.max_rows > 0
+    ours = apply_records(carry, tokens, q, p)
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    theirs = apply_records(carry, tokens, q, p)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.t.shape == b.t.shape
+        assert torch.allclose(a.t, b.t, rtol=1e-5) and torch.allclose(a.z, b.z, rtol=1e-5)
+    assert not torch.equal(ours[0].t, torch.zeros_like(ours[0].t))  # some row was modified

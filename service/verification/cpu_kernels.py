@@ -1,6 +1,7 @@
-"""Fused row passes for the CPU (numba): SpecTr's ρ* solve, the support check, and GBV's and
-traversal's whole-verifier loops that cpu_verifiers drives (with their steps: the ranking
-words, C at a token, the skew walk, the masses, the sampler's draw).
+"""Fused row passes for the CPU (numba): SpecTr's ρ* solve, the support check, and the
+whole-verifier loops of GBV, traversal, greedy BV / SpecTr-GBV* and their carried records that
+cpu_verifiers drives (with their steps: the ranking words, C at a token, the skew walk, the
+masses, M_new, the sampler's draw).
 
 In torch ops every elementwise step over a [rows, V] block is a pass over memory and a fresh
 temporary (on this VM mostly page faults): C(x_i), the q-mass ranked below a drafted token,
@@ -525,3 +526,172 @@ def _gbv_draw(p, path, tau, pi, q_row, u, y, weights, lo, hi):
             weights[v] = max(w, _f32(0))
             positive |= w > 0
         y[r] = _draw(weights if positive else pr, u[r])
+
+
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
+def _offset_mass(p, q, t):
+    """modification.residual_mass of one row: Σ_v (p[v] - t q[v])_+ with the product fused as
+    torch's addcmul does it, summed in float64 (reassociated, so vectorised) -> float32."""
+    total = 0.0
+    for v in range(p.shape[0]):
+        total += max(np.float64(_fma(-q[v], t, p[v])), 0.0)
+    return _f32(total)
+
+
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
+def _offset_masses(p, q, t, s):
+    """greedy._level_masses of one row: e = (p - t q)_+ - s q in torch's float32 steps, then
+    Σ e_+ and Σ (-e)_+ (float64, reassociated) -> float32 each."""
+    above, below = 0.0, 0.0
+    for v in range(p.shape[0]):
+        e = np.float64(_fma(-q[v], s, max(_fma(-q[v], t, p[v]), _f32(0))))
+        above += max(e, 0.0)
+        below -= min(e, 0.0)
+    return _f32(above), _f32(below)
+
+
+@_jit
+def _row_scalar(x):
+    """modification.as_row_scalars for float32 rows: clamped below float32's max / 4."""
+    return _f32(min(x, 8.507059e37))
+
+
+@_jit
+def _m_new(p, q, t, z, log_p, log_q, t_max):
+    """modification.m_new of one row (p - t q)_+ / z with prefix joints log_p, log_q: the new
+    (t, z), or the old where no mass is left or P(v) = 0."""
+    if not log_p > -np.inf:
+        return t, z
+    t_new = min(t + z * np.exp(log_q - log_p), t_max)
+    z_new = np.float64(_offset_mass(p, q, _row_scalar(t_new)))
+    return (t_new, z_new) if z_new > 0 else (t, z)
+
+
+@_jit
+def _greedy_tau(p, q, r, k, joint, log_q, t, z, length, u, bound_factor, t_max):
+    """greedy._greedy_tau's CPU path for path k of request r under a level's rows t, z [γ]
+    with its joints [γ+1], where only a level above |A| = length can change the outcome (A
+    grows only if τ_k > |A|; rows below |A| are the forced ones): the levels above |A| that
+    can pass, tried top-down, a row's masses summed only when its test is reached. -> τ_k,
+    or 0 where no level above |A| passes."""
+    gamma = joint.shape[0] - 1
+    base = k * gamma - 1  # η_i is u[r, base + i]
+    if u[r, base + gamma] < np.exp(min(joint[gamma] - log_q[gamma], 0.0)):
+        return gamma
+    for i in range(gamma - 1, length, -1):
+        log_p = joint[i]
+        if not log_p > -np.inf:  # P(X^i) = 0: acceptance 0
+            continue
+        s = min(z[i] * np.exp(log_q[i] - log_p), t_max)
+        eta = u[r, base + i]
+        if eta >= z[i] / s * bound_factor:  # above Σm / (s Σq): fails unsummed
+            continue
+        above, below = _offset_masses(p[r, k, i], q[r, k, i], _row_scalar(t[i]), _row_scalar(s))
+        premain, prej = np.float64(above), np.float64(below)
+        if eta < (min(premain / prej, 1.0) if prej > 0 else 1.0):
+            return i
+    return 0
+
+
+@_jit
+def _greedy_verify(
+    p, q, tokens, u, t0, z0, bound_factor, t_max, tau, path, y, rec_p, rec_q, lo, hi
+):
+    """greedy.sequential_greedy_verify for requests lo..hi, one at a time: each level's joints
+    on the paths still to test, τ_k of its path, A, then M_new of the later paths' rows (only
+    those not forced onto A: a forced row's offsets are never read again); then y ~ P_{K+1}(·|A)
+    and each level's record. Writes τ, the path that set A, y, the records' log P [K] and
+    log Q."""
+    _, K, gamma = tokens.shape
+    V = p.shape[3]
+    t, z = np.empty((K, gamma)), np.empty((K, gamma))  # the current level's rows
+    p_tok, q_tok = np.empty((K, gamma)), np.empty((K, gamma))
+    log_q = np.empty((K, gamma + 1))
+    joints = np.empty((K, K, gamma + 1))  # [level, path, prefix length]
+    accepted = np.empty(gamma, np.int64)
+    weights = np.empty(V, np.float32)
+    level_t, level_z, level_joint = np.empty(K), np.empty(K), np.empty(K)
+    for r in range(lo, hi):
+        for j in range(K):
+            log_q[j, 0] = 0.0
+            for i in range(gamma):
+                x = tokens[r, j, i]
+                p_tok[j, i], q_tok[j, i] = np.float64(p[r, j, i, x]), np.float64(q[r, j, i, x])
+                log_q[j, i + 1] = log_q[j, i] + np.log(q_tok[j, i])
+                t[j, i], z[j, i] = t0[r, j, i], z0[r, j, i]
+        length, best = 0, 0
+        for k in range(K):
+            if length == gamma:  # a full block was accepted: later drafts are not tested
+                break
+            for j in range(k, K):  # level k's joints, one-hot on A below |A|
+                joints[k, j, 0] = 0.0
+                for i in range(gamma):
+                    if i < length:
+                        prob = 1.0 if tokens[r, j, i] == accepted[i] else 0.0
+                    else:
+                        prob = max(p_tok[j, i] - t[j, i] * q_tok[j, i], 0.0) / z[j, i]
+                    joints[k, j, i + 1] = joints[k, j, i] + np.log(prob)
+            tau_k = _greedy_tau(
+                p, q, r, k, joints[k, k], log_q[k], t[k], z[k], length, u, bound_factor, t_max
+            )
+            if tau_k > length:
+                accepted[:] = tokens[r, k]
+                length, best = tau_k, k
+            for j in range(k + 1, K):  # P_{k+1} = ForcedPrefix(A_k) ∘ M_new(P_k)
+                for i in range(length, gamma):
+                    t[j, i], z[j, i] = _m_new(
+                        p[r, j, i], q[r, j, i], t[j, i], z[j, i], joints[k, j, i], log_q[j, i],
+                        t_max,
+                    )  # fmt: skip
+        # y ~ P_{K+1}(·|A): M_new of each level along A, from the carried row (see greedy.py)
+        at = min(length, gamma - 1)
+        p_row, q_row = p[r, best, length], q[r, best, at]
+        log_q_a = log_q[best, length]
+        modifiable = length < gamma  # the bonus row is never modified
+        tt, zz = (t0[r, best, at], z0[r, best, at]) if modifiable else (0.0, 1.0)
+        for k in range(K):
+            joint = joints[k, best, length] if k <= best else 0.0  # A is forced on later levels
+            level_t[k], level_z[k], level_joint[k] = tt, zz, joint
+            if modifiable:
+                tt, zz = _m_new(p_row, q_row, tt, zz, joint, log_q_a, t_max)
+        t32, z32 = _row_scalar(tt), _f32(zz)
+        for v in range(V):
+            weights[v] = max(_fma(-q_row[v], t32, p_row[v]), _f32(0)) / z32
+        yr = _draw(weights, u[r, K * gamma])
+        tau[r], path[r], y[r] = length, best, yr
+        # Record k: the joint of (A, y) under P_k and under the draft
+        yv = min(yr, V - 1)
+        p_y, q_y = np.float64(p_row[yv]), np.float64(q_row[yv])
+        for k in range(K):
+            prob = max(p_y - level_t[k] * q_y, 0.0) / level_z[k]
+            rec_p[r, k] = level_joint[k] + np.log(prob)
+        rec_q[r] = log_q_a + np.log(q_y)
+
+
+@_jit
+def _apply_records(p, q, tokens, log_p, log_q, rows_left, t_max, t, z, base_t, base_z, lo, hi):
+    """modification.apply_records for requests lo..hi: every record, oldest first, M_new of
+    the rows in its window only (the torch ops pass over the widest window of the batch and
+    mask). Writes the modified rows t, z [K, γ] and each record's base rows [R, K, γ]."""
+    _, K, gamma = tokens.shape
+    R = rows_left.shape[1]
+    joint_q = np.empty((K, gamma + 1))
+    for r in range(lo, hi):
+        t[r], z[r] = 0.0, 1.0
+        for j in range(K):
+            joint_q[j, 0] = 0.0
+            for i in range(gamma):
+                joint_q[j, i + 1] = joint_q[j, i] + np.log(np.float64(q[r, j, i, tokens[r, j, i]]))
+        for rec in range(R):
+            base_t[r, rec], base_z[r, rec] = t[r], z[r]
+            for j in range(K):
+                below = 0.0  # log P of the path's prefix under the rows before this record
+                for i in range(min(rows_left[r, rec], gamma)):
+                    x = tokens[r, j, i]
+                    p_x, q_x = np.float64(p[r, j, i, x]), np.float64(q[r, j, i, x])
+                    prob = max(p_x - t[r, j, i] * q_x, 0.0) / z[r, j, i]
+                    t[r, j, i], z[r, j, i] = _m_new(
+                        p[r, j, i], q[r, j, i], t[r, j, i], z[r, j, i], log_p[r, rec] + below,
+                        log_q[r, rec] + joint_q[j, i], t_max,
+                    )  # fmt: skip
+                    below += np.log(prob)

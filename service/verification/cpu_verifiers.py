@@ -1,9 +1,11 @@
 """Whole verifiers as numba loops a request, for float32 rows on CPU: traversal
-verification's walk and GBV's selection, levels and draw. This module drives the loops
+verification's walk, GBV's selection, levels and draw, greedy BV's and SpecTr-GBV*'s levels
+and draw, and the application of their carried records. This module drives the loops
 (cpu_kernels keeps every compiled function, so that numba's per-file cache stays sound).
 
-Batched torch ops dispatch ~80 ops a segment (traversal) or ~300 a call (GBV), and make
-several passes over every row they touch; at small batches that is most of a call. These loops
+Batched torch ops dispatch ~80 ops a segment (traversal), ~300 a call (GBV) or ~600
+(SpecTr-GBV* at K = 4), and make several passes over every row they touch; at small batches
+that is most of a call. These loops
 take the same steps in the same order, one request at a time (requests split over
 cpu_kernels' thread pool), and read each row they need once. They repeat the torch ops'
 float32 arithmetic; their sums (a node's mass, C at a drafted token, the sampler's running
@@ -19,9 +21,11 @@ import torch
 
 from .common import support_holding
 from .cpu_kernels import (
+    _apply_records,
     _gbv_draw,
     _gbv_level,
     _gbv_path,
+    _greedy_verify,
     _level_words,
     _traversal_walk,
     over_row_ranges,
@@ -103,3 +107,59 @@ def gbv_verify(
 
     over_row_ranges(draw, B)
     return torch.from_numpy(tau), torch.from_numpy(path), torch.from_numpy(y)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V] float32
+    target_probs: torch.Tensor,  # [B, K, γ+1, V] float32
+    uniforms: torch.Tensor,  # [B, Kγ + 1]
+    t: torch.Tensor,  # [B, K, γ] float64: the carried rows' offsets (ResidualRows)
+    z: torch.Tensor,  # [B, K, γ] float64: their normalisers
+    bound_factor: float,  # _greedy_tau's slack on Σm / (s Σq)
+    t_max: float,  # modification.T_MAX
+) -> tuple[torch.Tensor, ...]:
+    """greedy.sequential_greedy_verify as one loop a request: the K levels, each with its
+    joints, τ_k and M_new of the later paths' rows, then the draw and the records.
+    -> τ [B], path [B], y [B] int64, the records' log P [B, K] and log Q [B] float64."""
+    B, K = draft_tokens.shape[:2]
+    args = [
+        x.contiguous().numpy()
+        for x in (target_probs, draft_probs, draft_tokens, uniforms.double(), t, z)
+    ]
+    tau, path, y = (np.empty(B, np.int64) for _ in range(3))
+    rec_p, rec_q = np.empty((B, K)), np.empty(B)
+
+    def run(lo, hi):
+        _greedy_verify(*args, bound_factor, t_max, tau, path, y, rec_p, rec_q, lo, hi)
+
+    over_row_ranges(run, B)
+    return tuple(torch.from_numpy(a) for a in (tau, path, y, rec_p, rec_q))
+
+
+def apply_records(
+    tokens: torch.Tensor,  # [B, P, L] int64
+    draft_probs: torch.Tensor,  # [B, P, L, V] float32
+    target_probs: torch.Tensor,  # [B, P, L+1, V] float32
+    log_p: torch.Tensor,  # [B, R] float64: TargetModification's fields
+    log_q: torch.Tensor,  # [B, R] float64
+    rows_left: torch.Tensor,  # [B, R] int64
+    t_max: float,  # modification.T_MAX
+) -> tuple[torch.Tensor, ...]:
+    """modification.apply_records as one loop a request, each record passing over the rows in
+    its own window only. -> the modified rows' t, z [B, P, L] and each record's base rows'
+    t, z [B, R, P, L] (float64)."""
+    B, P, L = tokens.shape
+    R = rows_left.shape[1]
+    args = [
+        x.contiguous().numpy()
+        for x in (target_probs, draft_probs, tokens, log_p.double(), log_q.double(), rows_left)
+    ]
+    t, z = np.empty((B, P, L)), np.empty((B, P, L))
+    base_t, base_z = np.empty((B, R, P, L)), np.empty((B, R, P, L))
+
+    def run(lo, hi):
+        _apply_records(*args, t_max, t, z, base_t, base_z, lo, hi)
+
+    over_row_ranges(run, B)
+    return tuple(torch.from_numpy(a) for a in (t, z, base_t, base_z))

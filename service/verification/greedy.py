@@ -12,6 +12,11 @@ lost: sequential greedy BV over the K drafts with a carried law. With P_1 the ta
 Greedy BV is exactly the K = 1 case (spec §10 [CHK]), so both share this code. Each level's
 rows along a path only depend on the path's prefix, which keeps "identical prefixes have
 identical rows" true at every level.
+
+On CPU with float32 rows the whole call is one numba loop a request
+(cpu_verifiers.greedy_verify): the same levels, with M_new only on rows that are not forced
+onto A (a forced row's offsets are never read again) and τ_k tested only above |A| (a level at
+or below |A| cannot lengthen A). The torch ops below are the other dtypes' and devices' path.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from workers.sampling import sample_from_weights
 from workers.tree import rows_at
 
-from . import kernels
+from . import cpu_kernels, cpu_verifiers, kernels
 from .common import (
     ROW_SUM_TOL,
     emit,
@@ -29,6 +34,7 @@ from .common import (
     host_reads_are_free,
     last_passing_level,
     over_batch_chunks,
+    take_rows,
 )
 from .modification import (
     T_MAX,
@@ -86,6 +92,12 @@ def _mass_acceptance(premain: torch.Tensor, prej: torch.Tensor) -> torch.Tensor:
     return torch.where(prej > 0, (premain / prej.clamp_min(1e-300)).clamp_max(1), 1.0)
 
 
+def _bound_factor(dtype: torch.dtype) -> float:
+    """acc_i <= min(1, Σm / (s Σq)) = (z / s) · this, for rows of dtype: rows sum to 1 within
+    ROW_SUM_TOL, and the slack also covers the sums' rounding."""
+    return (1 + ROW_SUM_TOL) / (1 - ROW_SUM_TOL) + 8 * torch.finfo(dtype).eps
+
+
 def _greedy_tau(
     p: torch.Tensor,  # [B, γ+1, V]: base target rows of prefix lengths 0..γ along one path
     q: torch.Tensor,  # [B, γ, V]
@@ -129,9 +141,7 @@ def _greedy_tau(
         acc = _mass_acceptance(*over_batch_chunks(masses, p[:, 1:gamma], q[:, 1:], t, s))
         acc = torch.where(known.isnan(), acc, known)
         return last_passing_level(u, torch.cat([acc, last.unsqueeze(1)], dim=1))
-    # Rows sum to 1 within ROW_SUM_TOL; the slack also covers the sums' rounding.
-    tol, eps = ROW_SUM_TOL, torch.finfo(p.dtype).eps
-    bound = z / s * ((1 + tol) / (1 - tol) + 8 * eps)
+    bound = z / s * _bound_factor(p.dtype)
     passes = torch.cat([u[:, :-1] < known, (u[:, -1] < last).unsqueeze(1)], dim=1)  # [B, γ]
     unknown = known.isnan() & ~(u[:, :-1] >= bound)  # a NaN bound (0/0: no mass) decides nothing
     unknown = torch.cat([unknown, torch.zeros_like(unknown[:, :1])], dim=1)
@@ -158,6 +168,25 @@ def sequential_greedy_verify(
 ):
     """Returns (tokens, τ, path, new records (log_p [B, K], log_q [B, K], rows_left [B, K]))."""
     B, K, gamma = draft_tokens.shape
+    if host_reads_are_free(draft_probs) and cpu_kernels.applies(draft_probs, target_probs):
+        # float32 CPU rows: all of the below as one loop a request (cpu_verifiers.greedy_verify)
+        tau, path, y, rec_log_p, rec_log_q = cpu_verifiers.greedy_verify(
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            uniforms,
+            modified.t,
+            modified.z,
+            _bound_factor(target_probs.dtype),
+            T_MAX,
+        )
+        rows_left = (gamma - 1 - tau).clamp_min(0)
+        records = (
+            rec_log_p,
+            rec_log_q[:, None].expand(B, K),
+            rows_left[:, None].expand(B, K).clone(),
+        )
+        return emit(take_rows(draft_tokens, path), tau, y), tau, path, records
     dev = draft_tokens.device
     ar = torch.arange(B, device=dev)
     tok = draft_tokens.unsqueeze(-1)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
-from .common import exclusive_cumsum, over_batch_chunks
+from . import cpu_kernels, cpu_verifiers, kernels
+from .common import exclusive_cumsum, host_reads_are_free, over_batch_chunks
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,10 @@ def apply_records(
     [B, P, L]; the row of length L is never modified; each record's base rows [B, R, P, L]:
     the rows before record r was applied, under which the record's running joint P absorbs
     the tokens generated next, see :func:`advance_records`).
+
+    Float32 rows on CPU take one loop a request (cpu_verifiers.apply_records), each record
+    passing over its own window's rows only; the ops below pass over the batch's widest
+    window and mask.
     """
     B, P, L = tokens.shape
     R = mod.rows_left.shape[1]
@@ -176,6 +180,12 @@ def apply_records(
             f"carry modifies {most} upcoming rows but only {L} draft rows were given: "
             "keep γ constant for a request that carries a target modification"
         )
+    if host_reads_are_free(tokens) and cpu_kernels.applies(draft_probs, target_probs):
+        # float32 CPU rows: one loop a request, each record over its own window only
+        t, z, base_t, base_z = cpu_verifiers.apply_records(
+            tokens, draft_probs, target_probs, mod.log_p, mod.log_q, mod.rows_left, T_MAX
+        )
+        return ResidualRows(t, z), ResidualRows(base_t, base_z)
     tok = tokens.unsqueeze(-1)
     p_tok = target_probs[:, :, :L].gather(-1, tok).squeeze(-1).double()  # [B, P, L]
     q_tok = draft_probs.gather(-1, tok).squeeze(-1).double()
