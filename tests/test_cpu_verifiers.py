@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.verification import cpu_kernels, gbv, traversal, verify
+from service.verification import block, cpu_kernels, gbv, traversal, verify
 from service.verification.modification import apply_records
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
@@ -89,6 +89,24 @@ def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
     for u, out in zip(uniforms, got, strict=True):
         for a, b in zip(out, gbv.gbv_verify(tokens, q, p, u), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+def test_block_loop_gives_the_torch_ops_tokens(vocab, regime, monkeypatch):
+    """cpu_verifiers.block_verify (also GBV's and traversal's K = 1) against block_verify_rows'
+    torch ops, which sum every level's mass in one pass: the same τ and tokens for 4 × 32
+    chains, every τ from 0 to γ among them."""
+    tokens, q, p = drafted_tree(vocab, 32, 1, 5, regime, seed=vocab)
+    gen = torch.Generator().manual_seed(vocab)
+    uniforms = [torch.rand(32, 6, generator=gen, dtype=torch.float64) for _ in range(4)]
+    got = [block.block_verify(tokens, q, p, u) for u in uniforms]
+    seen = {int(t) for out in got for t in out[1]}
+    assert seen == {"realistic": set(range(6)), "agree": {5}, "disjoint": {0}}[regime]
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    for u, out in zip(uniforms, got, strict=True):
+        for a, b in zip(out, block.block_verify(tokens, q, p, u), strict=True):
             assert torch.equal(a, b)
 
 

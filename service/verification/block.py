@@ -8,11 +8,12 @@ import torch
 
 from workers.sampling import sample_from_weights
 
-from . import kernels
+from . import cpu_kernels, cpu_verifiers, kernels
 from .common import (
     ROW_SUM_TOL,
     clipped_products,
     emit,
+    host_reads_are_free,
     last_passing_level,
     over_batch_chunks,
     positive_part_or,
@@ -31,7 +32,17 @@ def block_verify_rows(
     uniforms: torch.Tensor,  # [B, γ+1]
     q_drafted: torch.Tensor | None = None,  # [B, γ]: q(x_i); gathered from q when None
 ):
-    """BV on one path per request; returns (τ [B], emitted y [B]). Shared with GBV (§8)."""
+    """BV on one path per request; returns (τ [B], emitted y [B]). Shared with GBV (§8).
+
+    Float32 rows on CPU: one loop a request (cpu_verifiers.block_verify), the masses summed
+    only where a uniform can reach, top-down (levels_top_down), the same τ and y."""
+    if (
+        q_drafted is None
+        and host_reads_are_free(q)
+        and cpu_kernels.applies(q, p)
+        and x.dtype == torch.int64
+    ):
+        return cpu_verifiers.block_verify(x, q, p, uniforms, reach_slack(p.dtype))
     gamma = x.shape[1]
     qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1) if q_drafted is None else q_drafted
     pi = running_products(p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1), qx, p.dtype)

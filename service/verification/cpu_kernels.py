@@ -411,6 +411,20 @@ def _traversal_walk(p, q, tokens, leaves, branch, log_ratio, u, tau, path_out, y
 
 
 @_jit
+def _running_products(p_x, q_x, pi):
+    """block.running_products in float32: p_i = min(1, p_{i-1} p(x_i)/q(x_i)) for the path's
+    p(x_i), q(x_i) [γ], as the clipped running sum of float32 log ratios (the sum float64, as
+    torch's CPU cumsum)."""
+    running, peak = 0.0, _f32(-np.inf)
+    for d in range(p_x.shape[0]):
+        running += np.float64(np.log(p_x[d]) - np.log(q_x[d]))
+        s = _f32(running)
+        if s >= peak or s != s:
+            peak = s
+        pi[d] = np.exp(s - (peak if (peak > 0 or peak != peak) else _f32(0)))
+
+
+@_jit
 def _gbv_select(p, q, tokens, r, keys, best):
     """gbv_verify's selection for request r: the path whose (key, id) tuple of its drafted
     tokens is lexicographically largest, the first such path of ties."""
@@ -446,6 +460,7 @@ def _gbv_path(p, q, tokens, k, eta, slack, path, lam, pi, tau, level, lo, hi):
     best = np.empty(K, np.bool_)
     q_x = np.empty(gamma, np.float32)
     p_x = np.empty(gamma, np.float32)
+    q_tilde = np.empty(gamma, np.float32)
     below = np.empty(gamma, np.float32)
     for r in range(lo, hi):
         j = _gbv_select(p, q, tokens, r, keys, best)
@@ -458,17 +473,10 @@ def _gbv_path(p, q, tokens, k, eta, slack, path, lam, pi, tau, level, lo, hi):
         lam[r, 0] = 0.0
         for d in range(1, gamma):
             lam[r, d] = (lam[r, d - 1] + np.float64(below[d - 1])) / np.float64(q_x[d - 1])
-        # p_i = min(1, p_{i-1} p(x_i)/q̃(x_i)): block.running_products in float32 (the running
-        # sum of logs in float64, as torch's CPU cumsum)
-        running, peak = 0.0, _f32(-np.inf)
         for d in range(gamma):
             inv, t, scale = _skew_factors(lam[r, d], k)
-            q_tilde = _skewed(q_x[d], below[d], inv, t, scale, k)
-            running += np.float64(np.log(p_x[d]) - np.log(q_tilde))
-            s = _f32(running)
-            if s >= peak or s != s:
-                peak = s
-            pi[r, d] = np.exp(s - (peak if (peak > 0 or peak != peak) else _f32(0)))
+            q_tilde[d] = _skewed(q_x[d], below[d], inv, t, scale, k)
+        _running_products(p_x, q_tilde, pi[r])
         tau[r] = gamma if eta[r, gamma - 1] < pi[r, gamma - 1] else -1
         level[r] = -1 if tau[r] == gamma else _next_level(eta, pi, slack, r, gamma)
 
@@ -518,14 +526,51 @@ def _gbv_draw(p, path, tau, pi, q_row, u, y, weights, lo, hi):
     """block.residual_token for requests lo..hi: y ~ (p_τ p - q̃)_+ at τ (p where that is
     all 0; at τ = γ q_row is 0: the bonus token), p_0 = 1."""
     for r in range(lo, hi):
-        pr = p[r, path[r], tau[r]]
         pi_tau = _f32(1) if tau[r] == 0 else pi[r, tau[r] - 1]
-        positive = False
-        for v in range(pr.shape[0]):
-            w = pi_tau * pr[v] - q_row[r, v]
-            weights[v] = max(w, _f32(0))
-            positive |= w > 0
-        y[r] = _draw(weights if positive else pr, u[r])
+        y[r] = _residual_draw(p[r, path[r], tau[r]], q_row[r], pi_tau, u[r], weights)
+
+
+@_jit
+def _residual_draw(p_row, q_row, pi_tau, u, weights):
+    """block.residual_token of one request: y ~ (p_τ p - q)_+ (p where that is all 0)."""
+    positive = False
+    for v in range(p_row.shape[0]):
+        w = pi_tau * p_row[v] - q_row[v]
+        weights[v] = max(w, _f32(0))
+        positive |= w > 0
+    return _draw(weights if positive else p_row, u)
+
+
+@_jit
+def _block_verify(p, q, tokens, eta, u, slack, pi, tau, y, lo, hi):
+    """block.block_verify_rows for requests lo..hi, one at a time: the running products, the
+    levels that can pass tried top-down (levels_top_down: a row's residual mass summed only
+    when its test is reached), then y from the row τ stopped at (q is 0 there at τ = γ)."""
+    gamma = tokens.shape[1]
+    V = p.shape[2]
+    p_x, q_x = np.empty(gamma, np.float32), np.empty(gamma, np.float32)
+    no_draft = np.zeros(V, np.float32)  # the draft row at τ = γ: the bonus token
+    weights = np.empty(V, np.float32)
+    for r in range(lo, hi):
+        for d in range(gamma):
+            x = tokens[r, d]
+            p_x[d], q_x[d] = p[r, d, x], q[r, d, x]
+        _running_products(p_x, q_x, pi[r])
+        level = (
+            gamma if eta[r, gamma - 1] < pi[r, gamma - 1] else _next_level(eta, pi, slack, r, gamma)
+        )
+        while level < gamma:
+            pi_lvl = _f32(1) if level == 0 else pi[r, level - 1]
+            m = _residual_mass(p[r, level], q[r, level], pi_lvl)
+            denom = m + _f32(1) - pi_lvl
+            h = m / denom if denom > 0 else _f32(1)
+            if level == 0 or eta[r, level - 1] < h:
+                break
+            level = _next_level(eta, pi, slack, r, level)
+        tau[r] = level
+        pi_tau = _f32(1) if level == 0 else pi[r, level - 1]
+        q_row = q[r, level] if level < gamma else no_draft
+        y[r] = _residual_draw(p[r, level], q_row, pi_tau, u[r], weights)
 
 
 @numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})

@@ -22,6 +22,7 @@ import torch
 from .common import support_holding
 from .cpu_kernels import (
     _apply_records,
+    _block_verify,
     _gbv_draw,
     _gbv_level,
     _gbv_path,
@@ -163,3 +164,26 @@ def apply_records(
 
     over_row_ranges(run, B)
     return tuple(torch.from_numpy(a) for a in (t, z, base_t, base_z))
+
+
+def block_verify(
+    x: torch.Tensor,  # [B, γ] int64: the path
+    q: torch.Tensor,  # [B, γ, V] float32
+    p: torch.Tensor,  # [B, γ+1, V] float32
+    uniforms: torch.Tensor,  # [B, γ+1]
+    slack: float,  # levels_top_down's bound on h_i / p_i
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block.block_verify_rows as one loop a request, the residual masses summed only at the
+    levels its uniforms reach, top-down. -> τ [B], y [B] int64."""
+    B, gamma = x.shape
+    tokens, q_np, p_np = x.contiguous().numpy(), q.contiguous().numpy(), p.contiguous().numpy()
+    eta = uniforms[:, :gamma].float().numpy()  # compared in the rows' dtype, as the torch ops
+    u = uniforms[:, gamma].double().numpy()
+    pi = np.empty((B, gamma), np.float32)
+    tau, y = np.empty(B, np.int64), np.empty(B, np.int64)
+
+    def run(lo, hi):
+        _block_verify(p_np, q_np, tokens, eta, u, slack, pi, tau, y, lo, hi)
+
+    over_row_ranges(run, B)
+    return torch.from_numpy(tau), torch.from_numpy(y)

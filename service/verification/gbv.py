@@ -254,6 +254,10 @@ def gbv_verify(
             draft_tokens, draft_probs, target_probs, uniforms, support, slack
         )
         return emit(take_rows(draft_tokens, path), tau, y), tau, path
+    if K == 1:  # a single path: q̃ = q exactly, GBV is block verification (spec §8)
+        x = draft_tokens[:, 0]
+        tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
+        return emit(x, tau, y), tau, torch.zeros_like(tau)
     # Selection: the lexicographically largest tuple of ranks. Paths still tied at depth d share
     # their prefix, so their tokens sit at the same node, where rank order is key order: compare
     # the drafted tokens' keys (ratio, then id) directly, no rank over V needed.
@@ -269,10 +273,6 @@ def gbv_verify(
         best = best & (r == top) & (t == t.amax(-1, keepdim=True))
     path = best.to(torch.int8).argmax(-1)
     x = take_rows(draft_tokens, path)  # [B, γ]
-    if K == 1:  # a single path: q̃ = q exactly, GBV is block verification (spec §8)
-        tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
-        return emit(x, tau, y), tau, path
-
     if on_cpu:
         tau, y = _verify_lazily(x, draft_probs, target_probs, path, K, uniforms)
         return emit(x, tau, y), tau, path
