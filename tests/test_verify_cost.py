@@ -218,9 +218,9 @@ def same_tokens(a, b) -> bool:
 
 def take_accelerator_paths(monkeypatch) -> None:
     """Run the verifiers' accelerator paths on CPU: no host reads to skip or compact work."""
-    from service.verification import common, gbv, greedy, top_down, traversal
+    from service.verification import block, common, gbv, greedy, modification, top_down, traversal
 
-    for module in (common, gbv, greedy, top_down, traversal):
+    for module in (block, common, gbv, greedy, modification, top_down, traversal):
         monkeypatch.setattr(module, "host_reads_are_free", lambda t: False)
 
 
