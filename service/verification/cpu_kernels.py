@@ -595,10 +595,13 @@ def _offset_masses(p, q, t, s):
     return _f32(above), _f32(below)
 
 
+_ROW_SCALAR_MAX = float(np.finfo(np.float32).max) / 4  # modification.as_row_scalars' clamp
+
+
 @_jit
 def _row_scalar(x):
-    """modification.as_row_scalars for float32 rows: clamped below float32's max / 4."""
-    return _f32(min(x, 8.507059e37))
+    """modification.as_row_scalars for float32 rows: float64 -> float32, clamped finite."""
+    return _f32(min(x, _ROW_SCALAR_MAX))
 
 
 @_jit

@@ -126,7 +126,14 @@ def greedy_verify(
     B, K = draft_tokens.shape[:2]
     args = [
         x.contiguous().numpy()
-        for x in (target_probs, draft_probs, draft_tokens, uniforms.double(), t, z)
+        for x in (
+            target_probs,
+            draft_probs,
+            draft_tokens,
+            uniforms.double(),
+            t.double(),
+            z.double(),
+        )
     ]
     tau, path, y = (np.empty(B, np.int64) for _ in range(3))
     rec_p, rec_q = np.empty((B, K)), np.empty(B)
