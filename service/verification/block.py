@@ -36,12 +36,7 @@ def block_verify_rows(
 
     Float32 rows on CPU: one loop a request (cpu_verifiers.block_verify), the masses summed
     only where a uniform can reach, top-down (levels_top_down), the same τ and y."""
-    if (
-        q_drafted is None
-        and host_reads_are_free(q)
-        and cpu_kernels.applies(q, p)
-        and x.dtype == torch.int64
-    ):
+    if q_drafted is None and host_reads_are_free(q) and cpu_kernels.applies(q, p):
         return cpu_verifiers.block_verify(x, q, p, uniforms, reach_slack(p.dtype))
     gamma = x.shape[1]
     qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1) if q_drafted is None else q_drafted

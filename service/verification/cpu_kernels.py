@@ -522,9 +522,10 @@ def _gbv_level(p, q, path, level, rows, ranked, lam, pi, k, eta, slack, tau, q_r
 
 
 @_jit
-def _gbv_draw(p, path, tau, pi, q_row, u, y, weights, lo, hi):
+def _gbv_draw(p, path, tau, pi, q_row, u, y, lo, hi):
     """block.residual_token for requests lo..hi: y ~ (p_τ p - q̃)_+ at τ (p where that is
     all 0; at τ = γ q_row is 0: the bonus token), p_0 = 1."""
+    weights = np.empty(p.shape[3], np.float32)
     for r in range(lo, hi):
         pi_tau = _f32(1) if tau[r] == 0 else pi[r, tau[r] - 1]
         y[r] = _residual_draw(p[r, path[r], tau[r]], q_row[r], pi_tau, u[r], weights)

@@ -34,6 +34,17 @@ from .cpu_kernels import (
 )
 
 
+def _arrays(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The loops' inputs as numpy arrays (contiguous; no copy where they already are)."""
+    return [t.contiguous().numpy() for t in tensors]
+
+
+def _over_requests(loop, n: int, *args) -> None:
+    """loop(*args, lo, hi) on consecutive ranges of n requests, split over the kernels' pool
+    (a loop allocates its own scratch: the ranges run at once)."""
+    over_row_ranges(lambda lo, hi: loop(*args, lo, hi), n)
+
+
 def traversal_walk(
     draft_tokens: torch.Tensor,  # [B, K, γ] int64
     draft_probs: torch.Tensor,  # [B, K, γ, V] float32
@@ -46,15 +57,8 @@ def traversal_walk(
     """traversal_verify's walk as one loop a request. -> τ [B], path [B], y [B] int64."""
     B = draft_probs.shape[0]
     tau, path, y = (np.empty(B, np.int64) for _ in range(3))
-    args = [
-        t.contiguous().numpy()
-        for t in (target_probs, draft_probs, draft_tokens, leaves, branch, log_ratio, uniforms)
-    ]
-
-    def walk(lo, hi):
-        _traversal_walk(*args, tau, path, y, lo, hi)
-
-    over_row_ranges(walk, B)
+    inputs = _arrays(target_probs, draft_probs, draft_tokens, leaves, branch, log_ratio, uniforms)
+    _over_requests(_traversal_walk, B, *inputs, tau, path, y)
     return torch.from_numpy(tau), torch.from_numpy(path), torch.from_numpy(y)
 
 
@@ -71,17 +75,12 @@ def gbv_verify(
     (numpy's sort of the sort words between two loops), then the residual draw.
     -> τ [B], path [B], y [B] int64."""
     B, K, gamma, V = draft_probs.shape
-    tokens = draft_tokens.contiguous().numpy()
-    p, q = target_probs.contiguous().numpy(), draft_probs.contiguous().numpy()
+    tokens, p, q = _arrays(draft_tokens, target_probs, draft_probs)
     eta = uniforms[:, :gamma].float().numpy()  # compared in the rows' dtype, as the torch ops
     u = uniforms[:, gamma].double().numpy()
     path, tau, level = (np.empty(B, np.int64) for _ in range(3))
     lam, pi = np.empty((B, gamma)), np.empty((B, gamma), np.float32)
-
-    def prepare(lo, hi):
-        _gbv_path(p, q, tokens, K, eta, slack, path, lam, pi, tau, level, lo, hi)
-
-    over_row_ranges(prepare, B)
+    _over_requests(_gbv_path, B, p, q, tokens, K, eta, slack, path, lam, pi, tau, level)
     support = support_holding(support, torch.from_numpy(tokens[np.arange(B), path]))
     ids = np.arange(V) if support is None else support.numpy()
     q_row = np.zeros((B, V), np.float32)  # q̃ at the level tried last; zeros where τ = γ
@@ -89,24 +88,13 @@ def gbv_verify(
     while rows.size:
         words = np.empty((rows.size, ids.size), np.int64)
         words_id, words_key = words.view(np.int32), words.view(np.float32)
-
-        def rank(lo, hi, rows=rows, words_id=words_id, words_key=words_key):
-            _level_words(p, q, path, level, rows, ids, words_id, words_key, lo, hi)
-
-        over_row_ranges(rank, rows.size)
+        _over_requests(_level_words, rows.size, p, q, path, level, rows, ids, words_id, words_key)
         sort_words(words)
-
-        def test(lo, hi, rows=rows, ranked=words_id):
-            _gbv_level(p, q, path, level, rows, ranked, lam, pi, K, eta, slack, tau, q_row, lo, hi)
-
-        over_row_ranges(test, rows.size)
+        state = (lam, pi, K, eta, slack, tau, q_row)
+        _over_requests(_gbv_level, rows.size, p, q, path, level, rows, words_id, *state)
         rows = rows[tau[rows] < 0]
     y = np.empty(B, np.int64)
-
-    def draw(lo, hi):
-        _gbv_draw(p, path, tau, pi, q_row, u, y, np.empty(V, np.float32), lo, hi)
-
-    over_row_ranges(draw, B)
+    _over_requests(_gbv_draw, B, p, path, tau, pi, q_row, u, y)
     return torch.from_numpy(tau), torch.from_numpy(path), torch.from_numpy(y)
 
 
@@ -124,24 +112,12 @@ def greedy_verify(
     joints, τ_k and M_new of the later paths' rows, then the draw and the records.
     -> τ [B], path [B], y [B] int64, the records' log P [B, K] and log Q [B] float64."""
     B, K = draft_tokens.shape[:2]
-    args = [
-        x.contiguous().numpy()
-        for x in (
-            target_probs,
-            draft_probs,
-            draft_tokens,
-            uniforms.double(),
-            t.double(),
-            z.double(),
-        )
-    ]
+    inputs = _arrays(
+        target_probs, draft_probs, draft_tokens, uniforms.double(), t.double(), z.double()
+    )
     tau, path, y = (np.empty(B, np.int64) for _ in range(3))
     rec_p, rec_q = np.empty((B, K)), np.empty(B)
-
-    def run(lo, hi):
-        _greedy_verify(*args, bound_factor, t_max, tau, path, y, rec_p, rec_q, lo, hi)
-
-    over_row_ranges(run, B)
+    _over_requests(_greedy_verify, B, *inputs, bound_factor, t_max, tau, path, y, rec_p, rec_q)
     return tuple(torch.from_numpy(a) for a in (tau, path, y, rec_p, rec_q))
 
 
@@ -159,17 +135,10 @@ def apply_records(
     t, z [B, R, P, L] (float64)."""
     B, P, L = tokens.shape
     R = rows_left.shape[1]
-    args = [
-        x.contiguous().numpy()
-        for x in (target_probs, draft_probs, tokens, log_p.double(), log_q.double(), rows_left)
-    ]
+    inputs = _arrays(target_probs, draft_probs, tokens, log_p.double(), log_q.double(), rows_left)
     t, z = np.empty((B, P, L)), np.empty((B, P, L))
     base_t, base_z = np.empty((B, R, P, L)), np.empty((B, R, P, L))
-
-    def run(lo, hi):
-        _apply_records(*args, t_max, t, z, base_t, base_z, lo, hi)
-
-    over_row_ranges(run, B)
+    _over_requests(_apply_records, B, *inputs, t_max, t, z, base_t, base_z)
     return tuple(torch.from_numpy(a) for a in (t, z, base_t, base_z))
 
 
@@ -183,14 +152,10 @@ def block_verify(
     """block.block_verify_rows as one loop a request, the residual masses summed only at the
     levels its uniforms reach, top-down. -> τ [B], y [B] int64."""
     B, gamma = x.shape
-    tokens, q_np, p_np = x.contiguous().numpy(), q.contiguous().numpy(), p.contiguous().numpy()
+    tokens, q_np, p_np = _arrays(x, q, p)
     eta = uniforms[:, :gamma].float().numpy()  # compared in the rows' dtype, as the torch ops
     u = uniforms[:, gamma].double().numpy()
     pi = np.empty((B, gamma), np.float32)
     tau, y = np.empty(B, np.int64), np.empty(B, np.int64)
-
-    def run(lo, hi):
-        _block_verify(p_np, q_np, tokens, eta, u, slack, pi, tau, y, lo, hi)
-
-    over_row_ranges(run, B)
+    _over_requests(_block_verify, B, p_np, q_np, tokens, eta, u, slack, pi, tau, y)
     return torch.from_numpy(tau), torch.from_numpy(y)
