@@ -55,6 +55,17 @@ def drafted_tree(vocab: int, b: int, k: int, gamma: int, regime: str, seed: int)
     return tokens, q, p
 
 
+def same_as_the_torch_ops(verifier, tokens, q, p, uniforms, monkeypatch) -> list[tuple]:
+    """verifier's outputs with each set of uniforms, through the CPU loops and then through
+    its torch ops (cpu_kernels.applies off): asserts they are equal, returns the loops'."""
+    got = [verifier(tokens, q, p, u) for u in uniforms]
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    for u, out in zip(uniforms, got, strict=True):
+        for a, b in zip(out, verifier(tokens, q, p, u), strict=True):
+            assert torch.equal(a, b)
+    return got
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
@@ -67,29 +78,21 @@ def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime, monkeypat
     tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
     gen = torch.Generator().manual_seed(k)
     uniforms = [torch.rand(32, k * 5 + 2, generator=gen, dtype=torch.float64) for _ in range(4)]
-    got = [traversal.traversal_verify(tokens, q, p, u) for u in uniforms]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    for u, out in zip(uniforms, got, strict=True):
-        for a, b in zip(out, traversal.traversal_verify(tokens, q, p, u), strict=True):
-            assert torch.equal(a, b)
+    same_as_the_torch_ops(traversal.traversal_verify, tokens, q, p, uniforms, monkeypatch)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
 def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
-    """cpu_kernels.gbv_verify against gbv_verify's torch ops (_verify_lazily): the same
+    """cpu_verifiers.gbv_verify against gbv_verify's torch ops (_verify_lazily): the same
     selected path, τ and tokens for 4 × 32 trees, from τ = γ to deep rounds of levels. Its sums
     are float64 in its own order and its exp/log libm's, so a uniform within a few float32
     ulps of its threshold could go the other way; none does here."""
     tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
     gen = torch.Generator().manual_seed(k)
     uniforms = [torch.rand(32, 6, generator=gen, dtype=torch.float64) for _ in range(4)]
-    got = [gbv.gbv_verify(tokens, q, p, u) for u in uniforms]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    for u, out in zip(uniforms, got, strict=True):
-        for a, b in zip(out, gbv.gbv_verify(tokens, q, p, u), strict=True):
-            assert torch.equal(a, b)
+    same_as_the_torch_ops(gbv.gbv_verify, tokens, q, p, uniforms, monkeypatch)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -101,13 +104,9 @@ def test_block_loop_gives_the_torch_ops_tokens(vocab, regime, monkeypatch):
     tokens, q, p = drafted_tree(vocab, 32, 1, 5, regime, seed=vocab)
     gen = torch.Generator().manual_seed(vocab)
     uniforms = [torch.rand(32, 6, generator=gen, dtype=torch.float64) for _ in range(4)]
-    got = [block.block_verify(tokens, q, p, u) for u in uniforms]
+    got = same_as_the_torch_ops(block.block_verify, tokens, q, p, uniforms, monkeypatch)
     seen = {int(t) for out in got for t in out[1]}
     assert seen == {"realistic": set(range(6)), "agree": {5}, "disjoint": {0}}[regime]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    for u, out in zip(uniforms, got, strict=True):
-        for a, b in zip(out, block.block_verify(tokens, q, p, u), strict=True):
-            assert torch.equal(a, b)
 
 
 def same_carried_joints(a: torch.Tensor, b: torch.Tensor) -> bool:
