@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.verification import cpu_kernels, gbv
+from service.verification import block, cpu_kernels, gbv
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -42,32 +42,49 @@ def rows(vocab: int, seed: int, ties: bool):
     return p.float(), q.float()
 
 
-def skewed(q: torch.Tensor, p: torch.Tensor, lam: torch.Tensor, k: int) -> torch.Tensor:
-    """q̃ of each row [n, V] by the kernels' steps, as GBV's loops take them: the sort words,
-    numpy's sort, then the skew walk up the order."""
-    ids, _ = cpu_kernels._ranked(p.numpy(), q.numpy())
-    out = np.empty(q.shape, np.float32)
+def ranked_rows(p, q, lam, k, pi) -> torch.Tensor:
+    """q̃ of each row [n, V] at a level of running product pi [n] and prefix λ [n], by GBV's
+    loop: the dead prefix, the live tokens' sort words sorted, the walk up them. +inf at the
+    dead tokens."""
+    ids = np.arange(q.shape[1])
+    out = np.zeros(q.shape, np.float32)
+    words = np.empty(q.shape[1], np.int64)
     for r in range(q.shape[0]):
-        cpu_kernels._skew_walk(q[r].numpy(), ids[r], float(lam[r]), k, out[r])
+        p_r, q_r, lam_r = p[r].numpy(), q[r].numpy(), float(lam[r])
+        kappa, dead, _ = cpu_kernels._dead_prefix(p_r, q_r, ids, lam_r, k, np.float32(pi[r]))
+        count = cpu_kernels._live_words(p_r, q_r, ids, kappa, words, out[r])
+        cpu_kernels._live_walk(q_r, np.sort(words[:count]), dead, lam_r, k, out[r])
     return torch.from_numpy(out)
+
+
+# λ from the root's 0 up, and the running product at the level from 1 down.
+LEVEL_LAMBDAS = [0, 0.5, 2, 10, 50, 1e3, 1e5, 1e7]
+LEVEL_PRODUCTS = [1, 0.9, 0.7, 0.5, 1, 0.3, 0.2, 0.05]
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_skewed_rows_equal_the_torch_ops(vocab, ties, k):
-    """q̃ of whole rows: sort words, sort and walk against gbv's ranking, running sum and
-    skew as torch ops; λ = 0 (the root) and λ up to 50."""
+def test_ranked_rows_give_the_torch_ops_residuals(vocab, ties, k):
+    """q̃ of rows at a level against gbv's ranking, running sum and skew as torch ops: equal at
+    every live token, and every dead one (+inf, never ranked) had a residual (p_i p - q̃)_+ of
+    0 there, so the residual rows are equal. Tokens are dead in most rows past λ = 2."""
     p, q = rows(vocab, seed=vocab + k, ties=ties)
-    lam = torch.linspace(0, 50, 8, dtype=torch.float64)
-    key = gbv.ranking_key(p, q)
-    want = gbv.skewed_probs(q, gbv.mass_ranked_below(key, q), lam, k)
-    got = skewed(q, p, lam, k)
-    assert got.dtype == torch.float32 and got.shape == q.shape
+    lam = torch.tensor(LEVEL_LAMBDAS, dtype=torch.float64)
+    pi = torch.tensor(LEVEL_PRODUCTS)
+    want = gbv.skewed_probs(q, gbv.mass_ranked_below(gbv.ranking_key(p, q), q), lam, k)
+    got = ranked_rows(p, q, lam, k, pi)
+
+    def residual(q_tilde):
+        return torch.addcmul(q_tilde, p, pi.unsqueeze(-1), value=-1).clamp_max(0)
+
+    dead = got.isinf()
+    assert torch.equal(residual(got), residual(want))
     if addcmul_is_fused():
-        assert torch.equal(got, want)
+        assert torch.equal(got[~dead], want[~dead])
     else:
-        torch.testing.assert_close(got, want, rtol=4 * k * 2**-24, atol=0)
+        torch.testing.assert_close(got[~dead], want[~dead], rtol=4 * k * 2**-24, atol=0)
+    assert dead[lam > 2].any(-1).float().mean() >= 0.75
 
 
 def mass_below(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -142,3 +159,101 @@ def test_draft_support_equals_the_torch_ops(monkeypatch):
     assert want[0] is not None and want[1] is None and want[2] is None
     for a, b in zip(got, want, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def drafted_paths(vocab: int, n: int, gamma: int, k: int, seed: int):
+    """n paths of γ rows, the draft near the target, the tokens drafted from it: C, q and p
+    at the tokens [n, γ] and the exact running products (gbv's torch ops)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, gamma, vocab, generator=gen) * 3
+    p = logits.softmax(-1)
+    q = (logits + torch.randn(n, gamma, vocab, generator=gen) * 0.7).softmax(-1)
+    x = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(n, gamma)
+    below_x, q_x, p_x = gbv._path_values(q, p, x)
+    _, q_tilde_x = gbv._skew_at_path(below_x, q_x, k)
+    return below_x, q_x, p_x, block.running_products(p_x, q_tilde_x, torch.float32)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_highest_reachable_level_is_never_below_the_exact_scans(k):
+    """_highest_reachable, from C at the path's first token alone, against levels_top_down's
+    first level from the exact running products (γ if η_γ < p_γ, else the highest i with
+    η_i < p_i·slack): never below it (the levels it rules out are ones the exact scan skips),
+    equal in most draws (~0.9), and below γ in about half (~0.6: C need not be summed above
+    it; these paths pass level γ in a third of the draws)."""
+    gamma = 6
+    below_x, q_x, p_x, pi = drafted_paths(300, 64, gamma, k, seed=k)
+    slack = block.reach_slack(torch.float32)
+    gen = torch.Generator().manual_seed(10 + k)
+    eta = torch.rand(20, 64, gamma, generator=gen)
+    reach = eta.double() < pi.double() * slack  # [draws, n, γ]: level i + 1 can pass
+    levels = torch.arange(1, gamma + 1)
+    exact = torch.where(reach[..., :-1], levels[:-1], 0).amax(-1)
+    exact = torch.where(eta[..., -1] < pi[..., -1], gamma, exact)
+    got = torch.tensor(
+        [
+            [
+                cpu_kernels._highest_reachable(
+                    p_x[r].numpy(),
+                    q_x[r].numpy(),
+                    np.float32(below_x[r, 0]),
+                    k,
+                    eta[d, r].numpy(),
+                    slack,
+                )
+                for r in range(64)
+            ]
+            for d in range(20)
+        ]
+    )
+    assert (got >= exact).all()
+    assert (got == exact).float().mean() >= 0.8
+    assert (got < gamma).float().mean() >= 0.4
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_levels_failed_unranked_fail_the_exact_test(vocab, k):
+    """_fails_unranked against the exact test η < h = R / (R + 1 - p_i) from q̃ as torch ops,
+    for rows at a level and η on a grid: a level it fails fails exactly, and past λ = 2 it
+    fails most of those that fail with h well below η."""
+    p, q = rows(vocab, seed=vocab + k, ties=False)
+    lam = torch.tensor(LEVEL_LAMBDAS, dtype=torch.float64)
+    pi = torch.tensor(LEVEL_PRODUCTS)
+    q_tilde = gbv.skewed_probs(q, gbv.mass_ranked_below(gbv.ranking_key(p, q), q), lam, k)
+    mass = block.residual_mass(p, q_tilde, pi)
+    h = mass / (mass + 1 - pi)  # [8] float32, as the loop's test
+    eta = torch.linspace(0, 1, 201)
+    ids = np.arange(vocab)
+    for r in range(8):
+        p_r, q_r, pi_r = p[r].numpy(), q[r].numpy(), np.float32(pi[r])
+        kappa, _, floor = cpu_kernels._dead_prefix(p_r, q_r, ids, float(lam[r]), k, pi_r)
+        fails = torch.tensor(
+            [cpu_kernels._fails_unranked(p_r, q_r, kappa, floor, pi_r, np.float32(e)) for e in eta]
+        )
+        assert not (fails & (eta < h[r])).any()
+        clearly = eta > h[r] * 1.05 + 1e-3
+        if lam[r] > 2 and pi[r] < 0.99 and clearly.any():
+            assert fails[clearly].float().mean() >= 0.9, (r, float(h[r]))
+
+
+def test_no_level_is_failed_unranked_where_its_test_cancels():
+    """Rows that sum to 1 - 3e-4 (within ROW_SUM_TOL) and whose residual is one token's (q ~ 0
+    there), at p_i a few ulps below 1: R ~ 1e-6 and the float32 test's m + 1 - p_i cancels,
+    so h is off by percents and _fails_unranked claims nothing (without that guard it failed
+    levels that pass on these rows)."""
+    gen = np.random.default_rng(0)
+    vocab, k, lam = 64, 2, 1e9
+    for _ in range(40):
+        q = gen.dirichlet(np.ones(vocab)).astype(np.float32)
+        p = q * np.float32(1 - 3e-4)
+        p[0], q[0] = 10 ** gen.uniform(-7, -5), 1e-12
+        pi = np.float32(1 - gen.integers(1, 40) * 2**-24)
+        pt, qt = torch.from_numpy(p)[None], torch.from_numpy(q)[None]
+        lam_t = torch.tensor([lam], dtype=torch.float64)
+        q_tilde = gbv.skewed_probs(qt, gbv.mass_ranked_below(gbv.ranking_key(pt, qt), qt), lam_t, k)
+        mass = block.residual_mass(pt, q_tilde, torch.tensor([pi]))
+        h = float(mass / (mass + 1 - torch.tensor(pi)))
+        kappa, _, floor = cpu_kernels._dead_prefix(p, q, np.arange(vocab), lam, k, pi)
+        for eta in np.linspace(0.8 * h, min(1.2 * h, 1), 200).astype(np.float32):
+            assert not (cpu_kernels._fails_unranked(p, q, kappa, floor, pi, eta) and eta < h)

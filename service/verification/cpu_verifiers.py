@@ -71,9 +71,9 @@ def gbv_verify(
     slack: float,  # levels_top_down's bound on h_i / p_i
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gbv.gbv_verify at K > 1 as numba loops a request: selection, the path's values and
-    λ, then rounds of levels tried top-down, each ranking one row per undecided request
-    (numpy's sort of the sort words between two loops), then the residual draw.
-    -> τ [B], path [B], y [B] int64."""
+    λ below the highest level it can reach, then rounds of levels tried top-down, each ranking
+    the live tokens of one row per undecided request (numpy's sort of their sort words
+    between two loops), then the residual draw. -> τ [B], path [B], y [B] int64."""
     B, K, gamma, V = draft_probs.shape
     tokens, p, q = _arrays(draft_tokens, target_probs, draft_probs)
     eta = uniforms[:, :gamma].float().numpy()  # compared in the rows' dtype, as the torch ops
@@ -83,15 +83,18 @@ def gbv_verify(
     _over_requests(_gbv_path, B, p, q, tokens, K, eta, slack, path, lam, pi, tau, level)
     support = support_holding(support, torch.from_numpy(tokens[np.arange(B), path]))
     ids = np.arange(V) if support is None else support.numpy()
-    q_row = np.zeros((B, V), np.float32)  # q̃ at the level tried last; zeros where τ = γ
+    # q̃ at the level tried last (+inf at its dead tokens); 0 where τ = γ: the bonus token
+    q_row = np.zeros((B, V), np.float32)
     rows = np.flatnonzero(tau < 0)
     while rows.size:
-        words = np.empty((rows.size, ids.size), np.int64)
-        words_id, words_key = words.view(np.int32), words.view(np.float32)
-        _over_requests(_level_words, rows.size, p, q, path, level, rows, ids, words_id, words_key)
-        sort_words(words)
+        n = rows.size
+        words, counts = np.empty((n, ids.size), np.int64), np.empty(n, np.int64)
+        ranking = (words, counts, np.empty(n))  # the live words, their count, the dead mass
+        args = (p, q, path, level, rows, ids, lam, pi, K, eta, slack, *ranking, q_row)
+        _over_requests(_level_words, n, *args)
+        sort_words(words, counts)
         state = (lam, pi, K, eta, slack, tau, q_row)
-        _over_requests(_gbv_level, rows.size, p, q, path, level, rows, words_id, *state)
+        _over_requests(_gbv_level, n, p, q, path, level, rows, *ranking, *state)
         rows = rows[tau[rows] < 0]
     y = np.empty(B, np.int64)
     _over_requests(_gbv_draw, B, p, path, tau, pi, q_row, u, y)

@@ -21,7 +21,10 @@ the residual draw) runs as numba loops a request, cpu_verifiers.gbv_verify: the 
 _verify_lazily in the same float32 arithmetic, where torch's ops cost ~300 dispatches a call
 and ~10 passes over each row they touch. It sums C, R and the sampler's totals in float64 in
 its own order and takes exp/log from libm: a test or a draw whose uniform lies within a few
-float32 ulps of its threshold could go the other way.
+float32 ulps of its threshold could go the other way. The loops also skip what bounds prove
+unread (cpu_kernels): C at the path above the highest level the running products' upper
+bounds can reach, the rank of the tokens whose residual (p_i p - q̃)_+ is 0 whatever their
+rank (q̃ ≥ F(C) q), and the ranking of a level whose test an upper bound of R fails.
 """
 
 from __future__ import annotations
