@@ -257,3 +257,27 @@ def test_no_level_is_failed_unranked_where_its_test_cancels():
         kappa, _, floor = cpu_kernels._dead_prefix(p, q, np.arange(vocab), lam, k, pi)
         for eta in np.linspace(0.8 * h, min(1.2 * h, 1), 200).astype(np.float32):
             assert not (cpu_kernels._fails_unranked(p, q, kappa, floor, pi, eta) and eta < h)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_kseq_residual_draws_equal_the_torch_ops(vocab):
+    """cpu_verifiers.kseq_residual_tokens against spectr_rule's residual as torch ops,
+    y ~ (p - min(q, p/ρ)·scale)_+, for ρ from 1 to 3 and 40 uniforms a row; row 0 has p = q at
+    ρ = scale = 1, nothing left: p is drawn instead."""
+    from service.verification import cpu_verifiers
+    from service.verification.common import positive_part_or
+    from workers.sampling import sample_from_weights
+
+    p, q = rows(vocab, seed=vocab + 11, ties=False)
+    p[0] = q[0]
+    rho = torch.tensor([1, 1.2, 1.5, 2, 2.5, 3, 1.1, 1.9])
+    scale = torch.tensor([1, 0.9, 0.8, 0.6, 0.5, 0.4, 0.95, 0.7])
+    every = torch.arange(8)
+    for u in torch.rand(40, 8, generator=torch.Generator().manual_seed(vocab), dtype=torch.float64):
+        got = cpu_verifiers.kseq_residual_tokens(p, q, every, rho, scale, u)
+        overlap = torch.minimum(q, p / rho[:, None])
+        want = sample_from_weights(positive_part_or(p - overlap * scale[:, None], p), u)
+        assert torch.equal(got, want)
+    odd = torch.tensor([1, 5, 7])
+    got = cpu_verifiers.kseq_residual_tokens(p, q, odd, rho, scale, u)
+    assert torch.equal(got, want[odd])

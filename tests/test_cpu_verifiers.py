@@ -109,6 +109,30 @@ def test_block_loop_gives_the_torch_ops_tokens(vocab, regime, monkeypatch):
     assert seen == {"realistic": set(range(6)), "agree": {5}, "disjoint": {0}}[regime]
 
 
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("method", ["spectr", "specinfer"])
+@pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
+def test_walk_draws_give_the_torch_ops_tokens(vocab, k, method, regime, monkeypatch):
+    """The walks' draws as loops a row (cpu_verifiers.recovered_tokens: token verification's
+    recovered or bonus token below a one-path node; kseq_residual_tokens: SpecTr's residual
+    at the undecided nodes) against their torch ops: the same tokens for 8 seeds of 32 trees
+    (agree: q = p, every residual empty, p drawn instead; disjoint: residuals at the root)."""
+    tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
+    runs = []
+    for loops in (True, False):
+        if not loops:
+            monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+        runs.append(
+            [
+                verify(method, tokens, q, p, torch.Generator().manual_seed(s), validate=False)
+                for s in range(8)
+            ]
+        )
+    for ours, theirs in zip(*runs, strict=True):
+        assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.path, theirs.path)
+
+
 def same_carried_joints(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Log-joints equal up to a float32 sum's rounding (the loops sum the masses z in float64
     in their own order, torch in float32 in its), infinities in the same places."""

@@ -721,6 +721,35 @@ def _residual_draw(p_row, q_row, pi_tau, u, weights):
 
 
 @_jit
+def _recovered_draws(p, q, b, k, tau, u, y, lo, hi):
+    """token.recovered_token at the rows p[b, k, τ], q[b, k, τ] (p [B, K, γ+1, V],
+    q [B, K, γ, V]; q is 0 at τ = γ: the bonus token) for i in lo..hi: y[i] ~ (p - q)_+ (p
+    where nothing is left), in its float32 steps."""
+    gamma = q.shape[2]
+    weights = np.empty(p.shape[3], np.float32)
+    no_draft = np.zeros(p.shape[3], np.float32)
+    for i in range(lo, hi):
+        q_row = q[b[i], k[i], tau[i]] if tau[i] < gamma else no_draft
+        y[i] = _residual_draw(p[b[i], k[i], tau[i]], q_row, _f32(1), u[i], weights)
+
+
+@_jit
+def _kseq_draws(p, q, rows, rho, scale, u, y, lo, hi):
+    """top_down.spectr_rule's residual draw at rows[i] of p, q [n, V] for i in lo..hi:
+    y[i] ~ (p - min(q, p/ρ)·scale)_+ (p where nothing is left), ρ and scale float32, in the
+    torch ops' float32 steps."""
+    weights = np.empty(p.shape[1], np.float32)
+    for i in range(lo, hi):
+        r = rows[i]
+        positive = False
+        for v in range(p.shape[1]):
+            w = p[r, v] - min(q[r, v], p[r, v] / rho[r]) * scale[r]
+            weights[v] = max(w, _f32(0))
+            positive |= w > 0
+        y[i] = _draw(weights if positive else p[r], u[r])
+
+
+@_jit
 def _block_verify(p, q, tokens, eta, u, slack, pi, tau, y, lo, hi):
     """block.block_verify_rows for requests lo..hi, one at a time: the running products, the
     levels that can pass tried top-down (levels_top_down: a row's residual mass summed only

@@ -27,7 +27,9 @@ from .cpu_kernels import (
     _gbv_level,
     _gbv_path,
     _greedy_verify,
+    _kseq_draws,
     _level_words,
+    _recovered_draws,
     _traversal_walk,
     over_row_ranges,
     sort_words,
@@ -162,3 +164,35 @@ def block_verify(
     tau, y = np.empty(B, np.int64), np.empty(B, np.int64)
     _over_requests(_block_verify, B, p_np, q_np, tokens, eta, u, slack, pi, tau, y)
     return torch.from_numpy(tau), torch.from_numpy(y)
+
+
+def recovered_tokens(
+    target_probs: torch.Tensor,  # [B, K, γ+1, V] float32
+    draft_probs: torch.Tensor,  # [B, K, γ, V] float32
+    b: torch.Tensor,  # [m] int64: requests
+    k: torch.Tensor,  # [m] int64: their paths
+    tau: torch.Tensor,  # [m] int64: the depths they stopped at (γ: the bonus token)
+    u: torch.Tensor,  # [m] float64
+) -> torch.Tensor:
+    """token.recovered_token at rows[b, k, τ] as one loop a row, read in place (no gathered
+    copies). -> y [m] int64."""
+    y = np.empty(b.shape[0], np.int64)
+    inputs = _arrays(target_probs, draft_probs, b, k, tau, u.double())
+    _over_requests(_recovered_draws, b.shape[0], *inputs, y)
+    return torch.from_numpy(y)
+
+
+def kseq_residual_tokens(
+    p_row: torch.Tensor,  # [n, V] float32
+    q_row: torch.Tensor,  # [n, V] float32
+    rows: torch.Tensor,  # [m] int64: the rows to draw for
+    rho: torch.Tensor,  # [n] float32
+    scale: torch.Tensor,  # [n] float32: (1 - (1 - β)^n) / β
+    u: torch.Tensor,  # [n] float64
+) -> torch.Tensor:
+    """top_down.spectr_rule's residual draw at the given rows only, one pass over each.
+    -> y [m] int64."""
+    y = np.empty(rows.shape[0], np.int64)
+    inputs = _arrays(p_row, q_row, rows, rho.float(), scale.float(), u.double())
+    _over_requests(_kseq_draws, rows.shape[0], *inputs, y)
+    return torch.from_numpy(y)

@@ -16,7 +16,7 @@ import torch
 from workers.sampling import cumsum64, sample_from_weights
 from workers.tree import rows_at
 
-from . import cpu_kernels, kernels
+from . import cpu_kernels, cpu_verifiers, kernels
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ratio_key, sort_ascending
@@ -133,6 +133,10 @@ def _token_from(
         target_probs[b, k, depth, x], draft_probs[b, k, depth, x], u[b, depth, k]
     )
     k = k.squeeze(-1)
+    if cpu_kernels.applies(target_probs, draft_probs):  # one pass over each row, in place
+        return tau, cpu_verifiers.recovered_tokens(
+            target_probs, draft_probs, done, k, tau, u[done, tau, K]
+        )
     p_row = rows_at(target_probs, done, k, tau)
     q_row = rows_at(draft_probs, done, k, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
     return tau, recovered_token(p_row, q_row, u[done, tau, K])
@@ -244,6 +248,11 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
     # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing.
     accept_mass = 1 - (1 - beta) ** n
     scale = torch.where(beta > 0, accept_mass / beta.clamp_min(1e-300), 0.0).to(p_row.dtype)
+    if host_reads_are_free(p_row) and cpu_kernels.applies(p_row, q_row):
+        rows = (~decided).nonzero().squeeze(-1)  # the undecided rows only, one pass over each
+        rho32 = rho.to(p_row.dtype)
+        recovered = cpu_verifiers.kseq_residual_tokens(p_row, q_row, rows, rho32, scale, u[:, -1])
+        return token.index_copy(0, rows, recovered)
     overlap = torch.minimum(q_row, p_row / rho[:, None].to(p_row.dtype))
     residual = positive_part_or(p_row - overlap * scale[:, None], p_row)
     recovered = sample_from_weights(residual, u[:, -1])
