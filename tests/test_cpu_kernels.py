@@ -142,6 +142,30 @@ def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
     assert (rho > 1).any() and (rho >= 1).all() and (rho <= nf).all()
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
+    """The kernel ranks only the ratios in [1, n) and sums the rest apart: rows whose ratios
+    are exactly 1 (a probe at ρ = 1 counts them above it), exactly n (above every probe) or
+    0, against the torch search over every token."""
+    from service.verification import top_down
+
+    vocab = 4096
+    q = torch.full((3, vocab), 1 / vocab)
+    p = torch.zeros(3, vocab)
+    p[0, : vocab // n] = n / vocab  # ratio n, or 0
+    p[1, : vocab // 2] = 1 / vocab  # ratio 1, n, or 0
+    p[1, vocab // 2 : vocab // 2 + vocab // (2 * n)] = n / vocab
+    p[2] = torch.linspace(0, 2 / vocab, vocab)  # every ratio in [0, 2], 1 among them
+    p = p / p.sum(-1, keepdim=True)
+    nf = torch.full((3,), float(n), dtype=torch.float64)
+    rho, beta = cpu_kernels.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf)
+    torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
+    torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
+    assert (rho > 1).all()
+
+
 def test_draft_support_equals_the_torch_ops(monkeypatch):
     """common.draft_support through the kernel against its torch ops: a sparse draft (the
     union of the rows' supports), a dense one, and one whose first row alone is sparse."""

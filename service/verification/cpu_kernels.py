@@ -102,21 +102,10 @@ def _ratio(p, q):
 
 
 @_jit
-def _row_words(p, q, ids, words_id, words_key):
-    """The sort words of sorting.ascending_order, (key bits << 32) | id, of the rows p, q [V]
-    over the given ids, written through two views of one int64 row: words_id[2j] = ids[j],
-    words_key[2j + 1] = its key."""
-    for j in range(ids.shape[0]):
-        v = ids[j]
-        words_id[2 * j] = v
-        words_key[2 * j + 1] = _ratio(p[v], q[v])
-
-
-@_jit
-def _ranking_words(p, q, ids, words_id, words_key, lo, hi):
-    """_row_words of rows lo..hi of p, q [n, V]."""
-    for r in range(lo, hi):
-        _row_words(p[r], q[r], ids, words_id[r], words_key[r])
+def _sort_word(key, v):
+    """The sort word of token v of key p/q (>= 0, float32) as sorting.ascending_order packs
+    it, (key bits << 32) | id: the words' integer order is the (key, id) order."""
+    return (np.int64(_f32(key).view(np.int32)) << 32) | v
 
 
 @_jit
@@ -243,20 +232,20 @@ def _fails_unranked(p, q, kappa, f, pi, eta):
 
 @_jit
 def _live_words(p, q, ids, kappa, words, out):
-    """The sort words ((key bits << 32) | id, as _row_words) of the tokens of the rows p, q [V]
+    """The sort words (_sort_word) of the tokens of the rows p, q [V]
     over ids whose key is not below κ, packed at the front of words [V'] (-> their count);
     out[v] = +inf for every v of ids (the dead tokens' residual is 0; _live_walk overwrites
     the live ones)."""
     if kappa == 0:  # every token is live: no packing
         for j in range(ids.shape[0]):
             v = ids[j]
-            words[j] = (np.int64(_f32(_ratio(p[v], q[v])).view(np.int32)) << 32) | v
+            words[j] = _sort_word(_ratio(p[v], q[v]), v)
         return ids.shape[0]
     n = 0
     for j in range(ids.shape[0]):  # branch-free: live and dead tokens interleave
         v = ids[j]
         key = _f32(_ratio(p[v], q[v]))
-        words[n] = (np.int64(key.view(np.int32)) << 32) | v
+        words[n] = _sort_word(key, v)
         n += not np.float64(key) < kappa
         out[v] = _INF
     return n
@@ -328,10 +317,10 @@ def _draw(w, u):
 
 
 @_jit
-def _kseq_f(rho, p_below, q_below, q_total, n, keys, r):
-    """top_down.kseq_rho_all's f_beta at one ρ: the sorted ratios below ρ by binary search
-    (torch.searchsorted's left side), then f(ρ) and β(ρ)."""
-    lo, hi = 0, p_below.shape[0] - 1  # the count of keys below ρ lies in [lo, hi]
+def _kseq_f(rho, p_below, q_below, q_total, n, keys, r, m):
+    """top_down.kseq_rho_all's f_beta at one ρ in [1, n]: the ranked ratios below ρ by binary
+    search among the m of row r (torch.searchsorted's left side), then f(ρ) and β(ρ)."""
+    lo, hi = 0, m  # the count of ranked keys below ρ lies in [lo, hi]
     while lo < hi:
         mid = (lo + hi) // 2
         if np.float64(keys[r, 2 * mid + 1]) < rho:
@@ -342,33 +331,64 @@ def _kseq_f(rho, p_below, q_below, q_total, n, keys, r):
     return rho * beta - 1 + max(1 - beta, 0.0) ** n, beta
 
 
+@numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
+def _kseq_outer_masses(p, q, n):
+    """The masses of the rows p, q [V] outside the ρ search's range [1, n] of ratios: P and Q
+    of the tokens whose p/q < 1 (below every probe), and Q of those at or above n, 0/0 and
+    p/0 included (above every probe: a ratio equal to ρ counts above it). float64,
+    reassociated."""
+    p_low, q_low, q_high = 0.0, 0.0, 0.0
+    for v in range(p.shape[0]):
+        key = np.float64(_f32(p[v] / q[v]))
+        low, high = key < 1.0, not key < n
+        p_low += np.float64(p[v]) if low else 0.0
+        q_low += np.float64(q[v]) if low else 0.0
+        q_high += np.float64(q[v]) if high else 0.0
+    return p_low, q_low, q_high
+
+
 @_jit
-def _kseq_search(p, q, ids, keys, nf, ways, rounds, rho_out, beta_out, lo, hi):
-    """top_down.kseq_rho_all after the sort, for rows r whose ids ascend by (p/q, id) in
-    ids[r, 0::2] (their keys in keys[r, 1::2]): the prefix masses of p and q in that order
-    (float64, sequential), then the same search, probe for probe."""
+def _kseq_words(p, q, nf, words, counts, outer, lo, hi):
+    """For rows r in lo..hi of p, q [n, V]: outer[r] = the masses outside [1, n)
+    (_kseq_outer_masses), and the sort words (_sort_word) of the tokens whose ratio
+    lies in [1, n), packed at the front of words[r] (counts[r] of them): only those can fall
+    on either side of a probe, so only those are ranked."""
+    for r in range(lo, hi):
+        n = nf[r]
+        outer[r, 0], outer[r, 1], outer[r, 2] = _kseq_outer_masses(p[r], q[r], n)
+        m = 0
+        for v in range(p.shape[1]):  # branch-free: the ranges interleave
+            key = _f32(_ratio(p[r, v], q[r, v]))
+            words[r, m] = _sort_word(key, v)
+            m += np.float64(key) >= 1.0 and np.float64(key) < n
+        counts[r] = m
+
+
+@_jit
+def _kseq_search(p, q, ids, keys, counts, outer, nf, ways, rounds, rho_out, beta_out, lo, hi):
+    """top_down.kseq_rho_all after the sort, for rows r whose ranked ids ascend by (p/q, id)
+    in ids[r, 0:2m:2] (their keys in keys[r, 1::2]): the prefix masses of p and q in that
+    order (float64, sequential) on top of the masses below 1, then the same search, probe for
+    probe."""
     V = p.shape[1]
     p_below = np.empty(V + 1)
     q_below = np.empty(V + 1)
     for r in range(lo, hi):
-        p_below[0] = q_below[0] = 0.0
-        for j in range(V):
+        m = counts[r]
+        p_below[0], q_below[0] = outer[r, 0], outer[r, 1]
+        for j in range(m):
             v = ids[r, 2 * j]
             p_below[j + 1] = p_below[j] + np.float64(p[r, v])
             q_below[j + 1] = q_below[j] + np.float64(q[r, v])
-        q_total = max(q_below[V], 1e-300)
+        q_total = max(q_below[m] + outer[r, 2], 1e-300)
         n = nf[r]
         low, high = 1.0, n
         for _ in range(rounds):
             # The first of lo, ways - 1 inner points and hi where f >= 0 (at hi it is).
             first = ways
             for i in range(ways):
-                if (
-                    _kseq_f(low + (high - low) * (i / ways), p_below, q_below, q_total, n, keys, r)[
-                        0
-                    ]
-                    >= 0
-                ):
+                probe = low + (high - low) * (i / ways)
+                if _kseq_f(probe, p_below, q_below, q_total, n, keys, r, m)[0] >= 0:
                     first = i
                     break
             before = max(first - 1, 0)
@@ -376,7 +396,7 @@ def _kseq_search(p, q, ids, keys, nf, ways, rounds, rho_out, beta_out, lo, hi):
             low = low + (high - low) * (before / ways)
             high = new_high
         rho_out[r] = high
-        beta_out[r] = _kseq_f(high, p_below, q_below, q_total, n, keys, r)[1]
+        beta_out[r] = _kseq_f(high, p_below, q_below, q_total, n, keys, r, m)[1]
 
 
 @_jit
@@ -409,17 +429,6 @@ def _rows2d(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1, t.shape[-1]).numpy()
 
 
-def _ranked(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows [n, V] sorted by (p/q, id), as int32 and float32 views of the sorted sort words:
-    ids[r, 0::2] are row r's ids in that order, keys[r, 1::2] their keys."""
-    words = np.empty(p.shape, dtype=np.int64)
-    ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
-    every = np.arange(p.shape[1])
-    over_row_ranges(lambda lo, hi: _ranking_words(p, q, every, ids, keys, lo, hi), p.shape[0])
-    sort_words(words)
-    return ids, keys
-
-
 def kseq_rho(
     p: torch.Tensor,  # [n, V] float32: target rows
     q: torch.Tensor,  # [n, V] float32: draft rows
@@ -427,16 +436,21 @@ def kseq_rho(
     ways: int,
     rounds: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_down.kseq_rho_all: the sort words in one pass, numpy's sort, then each row's prefix
-    masses and search in one loop. -> ρ* [n] float64, β(ρ*) [n] float64."""
+    """top_down.kseq_rho_all: the masses outside the search's range [1, n] and the sort words
+    of the tokens inside it in one pass, numpy's sort of those, then each row's prefix masses
+    and search in one loop. -> ρ* [n] float64, β(ρ*) [n] float64."""
     n = p.shape[0]
     p2, q2 = _rows2d(p), _rows2d(q)
-    ids, keys = _ranked(p2, q2)
-    rho, beta = np.empty(n), np.empty(n)
     nf64 = nf.double().contiguous().numpy()
+    words = np.empty(p2.shape, np.int64)
+    counts, outer = np.empty(n, np.int64), np.empty((n, 3))
+    over_row_ranges(lambda lo, hi: _kseq_words(p2, q2, nf64, words, counts, outer, lo, hi), n)
+    sort_words(words, counts)
+    ids, keys = words.view(np.int32), words.view(np.float32)  # little-endian: the id low
+    rho, beta = np.empty(n), np.empty(n)
 
     def search(lo, hi):
-        _kseq_search(p2, q2, ids, keys, nf64, ways, rounds, rho, beta, lo, hi)
+        _kseq_search(p2, q2, ids, keys, counts, outer, nf64, ways, rounds, rho, beta, lo, hi)
 
     over_row_ranges(search, n)
     return torch.from_numpy(rho), torch.from_numpy(beta)
