@@ -620,8 +620,12 @@ def _gbv_path(p, q, tokens, k, eta, slack, path, lam, pi, tau, level, lo, hi):
             inv, t, scale = _skew_factors(lam[r, d], k)
             q_tilde[d] = _skewed(q_x[d], below[d], inv, t, scale, k)
         _running_products(p_x[:top], q_tilde[:top], pi[r, :top])
-        tau[r] = gamma if top == gamma and eta[r, gamma - 1] < pi[r, gamma - 1] else -1
-        level[r] = -1 if tau[r] == gamma else _next_level(eta, pi, slack, r, min(top + 1, gamma))
+        if top == gamma:
+            first = _top_level(eta[r], pi[r], slack)
+        else:
+            first = _next_level(eta[r], pi[r], slack, top + 1)
+        tau[r] = gamma if first == gamma else -1
+        level[r] = -1 if first == gamma else first
 
 
 @_jit
@@ -651,21 +655,37 @@ def _highest_reachable(p_x, q_x, below_0, k, eta, slack):
         running += np.log(ratio)
         peak = max(peak, running)
         pi_up[d] = np.exp(running - peak) * _PI_SLACK
-    if eta[gamma - 1] < pi_up[gamma - 1]:
-        return gamma
-    i = gamma - 1
-    while i > 0 and not np.float64(eta[i - 1]) < pi_up[i - 1] * slack:
+    return _top_level(eta, pi_up, slack)
+
+
+@_jit
+def _next_level(eta, pi, slack, below):
+    """The highest level i < below that η [γ] can pass under the running products pi [γ]:
+    η_i < p_i·slack (level 0 always)."""
+    i = below - 1
+    while i > 0 and not np.float64(eta[i - 1]) < np.float64(pi[i - 1]) * slack:
         i -= 1
     return i
 
 
 @_jit
-def _next_level(eta, pi, slack, r, below):
-    """The highest level i < below that η can pass: η_i < p_i·slack (level 0 always)."""
-    i = below - 1
-    while i > 0 and not np.float64(eta[r, i - 1]) < np.float64(pi[r, i - 1]) * slack:
-        i -= 1
-    return i
+def _top_level(eta, pi, slack):
+    """levels_top_down's first level: γ where η_γ < p_γ, else _next_level below γ."""
+    gamma = eta.shape[0]
+    return gamma if eta[gamma - 1] < pi[gamma - 1] else _next_level(eta, pi, slack, gamma)
+
+
+@_jit
+def _product_before(pi, level):
+    """p_i of the level: the running product pi [γ] of the tokens below it (1 at level 0)."""
+    return _f32(1) if level == 0 else pi[level - 1]
+
+
+@_jit
+def _level_prob(mass, pi_level):
+    """Block verification's h_i = R_i / (R_i + 1 - p_i) in float32 steps (0/0 -> 1)."""
+    denom = mass + _f32(1) - pi_level
+    return mass / denom if denom > 0 else _f32(1)
 
 
 @_jit
@@ -681,11 +701,11 @@ def _level_words(
         while True:
             lvl = level[r]
             at = (r, path[r], lvl)
-            pi_lvl = _f32(1) if lvl == 0 else pi[r, lvl - 1]
+            pi_lvl = _product_before(pi[r], lvl)
             kappa, dead[i], f = _dead_prefix(p[at], q[at], ids, lam[r, lvl], k, pi_lvl)
             if lvl == 0 or not _fails_unranked(p[at], q[at], kappa, f, pi_lvl, eta[r, lvl - 1]):
                 break
-            level[r] = _next_level(eta, pi, slack, r, lvl)
+            level[r] = _next_level(eta[r], pi[r], slack, lvl)
         counts[i] = _live_words(p[at], q[at], ids, kappa, words[i], q_row[r])
 
 
@@ -703,14 +723,12 @@ def _gbv_level(
         pr, out = p[r, path[r], lvl], q_row[r]
         ranked = words[i, : counts[i]]
         _live_walk(q[r, path[r], lvl], ranked, dead[i], lam[r, lvl], k, out)
-        pi_lvl = _f32(1) if lvl == 0 else pi[r, lvl - 1]
-        m = _residual_mass(pr, out, pi_lvl)
-        denom = m + _f32(1) - pi_lvl
-        h = m / denom if denom > 0 else _f32(1)
+        pi_lvl = _product_before(pi[r], lvl)
+        h = _level_prob(_residual_mass(pr, out, pi_lvl), pi_lvl)
         if lvl == 0 or eta[r, lvl - 1] < h:
             tau[r] = lvl
         else:
-            level[r] = _next_level(eta, pi, slack, r, lvl)
+            level[r] = _next_level(eta[r], pi[r], slack, lvl)
 
 
 @_jit
@@ -719,7 +737,7 @@ def _gbv_draw(p, path, tau, pi, q_row, u, y, lo, hi):
     all 0; at τ = γ q_row is 0: the bonus token), p_0 = 1."""
     weights = np.empty(p.shape[3], np.float32)
     for r in range(lo, hi):
-        pi_tau = _f32(1) if tau[r] == 0 else pi[r, tau[r] - 1]
+        pi_tau = _product_before(pi[r], tau[r])
         y[r] = _residual_draw(p[r, path[r], tau[r]], q_row[r], pi_tau, u[r], weights)
 
 
@@ -778,21 +796,16 @@ def _block_verify(p, q, tokens, eta, u, slack, pi, tau, y, lo, hi):
             x = tokens[r, d]
             p_x[d], q_x[d] = p[r, d, x], q[r, d, x]
         _running_products(p_x, q_x, pi[r])
-        level = (
-            gamma if eta[r, gamma - 1] < pi[r, gamma - 1] else _next_level(eta, pi, slack, r, gamma)
-        )
+        level = _top_level(eta[r], pi[r], slack)
         while level < gamma:
-            pi_lvl = _f32(1) if level == 0 else pi[r, level - 1]
-            m = _residual_mass(p[r, level], q[r, level], pi_lvl)
-            denom = m + _f32(1) - pi_lvl
-            h = m / denom if denom > 0 else _f32(1)
+            pi_lvl = _product_before(pi[r], level)
+            h = _level_prob(_residual_mass(p[r, level], q[r, level], pi_lvl), pi_lvl)
             if level == 0 or eta[r, level - 1] < h:
                 break
-            level = _next_level(eta, pi, slack, r, level)
+            level = _next_level(eta[r], pi[r], slack, level)
         tau[r] = level
-        pi_tau = _f32(1) if level == 0 else pi[r, level - 1]
         q_row = q[r, level] if level < gamma else no_draft
-        y[r] = _residual_draw(p[r, level], q_row, pi_tau, u[r], weights)
+        y[r] = _residual_draw(p[r, level], q_row, _product_before(pi[r], level), u[r], weights)
 
 
 @numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
