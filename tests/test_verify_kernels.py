@@ -192,6 +192,29 @@ def test_kseq_token_is_spectrs_node_rule(dtype, block, programs, monkeypatch):
         assert (token == want).float().mean() > 0.9
 
 
+@pytest.mark.parametrize(
+    "dtype,block", [(torch.float32, 256), (torch.float64, 128), (torch.bfloat16, 2048)]
+)
+def test_rrs_token_is_specinfers_node_rule(dtype, block, monkeypatch):
+    """The token against specinfer_rule's torch ops (the levels' masses, the tests and, where
+    all are rejected, level n_v's residual drawn by inverse CDF) on the same uniforms: the
+    same sums up to their order, so the same tokens. Rows split into 4 and 8 chunks, or one."""
+    from service.verification import top_down
+
+    gen = torch.Generator().manual_seed(4)
+    p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=32)
+    monkeypatch.setattr(kernels, "BLOCK", block)
+    token = kernels.rrs_token(p, q, cand, is_cand, u)
+    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
+    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
+    want = top_down.specinfer_rule(p, q, cand, is_cand, u)
+    # a candidate's first test is TV's: where every one fails it, the draw is exercised
+    p_0, q_0 = (x.float().gather(-1, cand[:, :1]).squeeze(-1) for x in (p, q))
+    assert (u[:, 0] * q_0 >= p_0).sum() >= 10
+    assert (token != cand.gather(-1, is_cand.sum(-1, keepdim=True) - 1).squeeze(-1)).any()
+    assert torch.equal(token, want)
+
+
 # The kernels' pointer arguments that are not float64 (rows' pointers are set per case).
 POINTERS = {
     "order_ptr": "*i64",
@@ -209,6 +232,7 @@ def compile_for_sm90() -> None:
     from triton.compiler import ASTSource
 
     round_kernel, tests_kernel, draw_kernel = kernels._kseq_kernels()
+    level_kernel, rrs_tests_kernel, rrs_draw_kernel = kernels._rrs_kernels()
     for f64 in (False, True):
         rows = "*fp64" if f64 else "*fp32"
         kseq = {"K": 3, "KP": 4, "WAYS": 16, "SP": 8, "BLOCK": 128, "F64": f64}
@@ -234,6 +258,10 @@ def compile_for_sm90() -> None:
             (round_kernel, {"p_ptr": "*bf16", "q_ptr": "*bf16"}, {**kseq, "BF16": True}),
             (tests_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
             (draw_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
+            *[
+                (kernel, {"p_ptr": rows, "q_ptr": rows, "max_scalar": "fp32"}, kseq | {"LP": 4})
+                for kernel in (level_kernel, rrs_tests_kernel, rrs_draw_kernel)
+            ],
         ]
         for kernel, types, constants in cases:
             names = kernel.arg_names
@@ -282,7 +310,7 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
     these inputs, and the carried joints to ~1e-6."""
     take_accelerator_paths(monkeypatch)
     calls = []
-    for name in ("row_masses", "skewed_rows", "skewed_excess", "kseq_token"):
+    for name in ("row_masses", "skewed_rows", "skewed_excess", "kseq_token", "rrs_token"):
         real = getattr(kernels, name)
         monkeypatch.setattr(
             kernels,
@@ -300,9 +328,10 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
             out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
             carry = out.carry
             runs[fused].append(out)
-    # the fused run went through the kernels: GBV's skew and SpecTr's node at K > 1, the
-    # masses elsewhere
+    # the fused run went through the kernels: GBV's skew, SpecTr's and SpecInfer's node at
+    # K > 1, the masses elsewhere
     fused_by = {"gbv": {"skewed_excess", "skewed_rows"}, "spectr": {"kseq_token"}}
+    fused_by["specinfer"] = {"rrs_token"}
     assert set(calls) == (fused_by.get(method, {"row_masses"}) if k > 1 else {"row_masses"})
     for plain, fused in zip(runs[False], runs[True], strict=True):
         assert same_tokens(plain, fused)

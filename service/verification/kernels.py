@@ -13,7 +13,9 @@ GBV's skewed draft also walks rows in rank order, one program per row (:func:`sk
 :func:`skewed_excess`). SpecTr's node rule (:func:`kseq_token`, kernels in spectr_kernels.py)
 needs no order: each round of its ρ* search sums P below and Q above every probe over the row
 directly, in one kernel whose programs each take a chunk of a row ("GPU, fifth stop"; a sort
-and a walk of the sorted row, one program per row, took twice as long on an H100).
+and a walk of the sorted row, one program per row, took twice as long on an H100). SpecInfer's
+node (:func:`rrs_token`, rrs_kernels.py) is one such kernel per rejection level, then the tests
+and the residual's draw: K + 2 kernels where the torch ops launched ~60.
 
 The sums accumulate in float64 (the torch ops sum in the rows' dtype and then widen), and
 rows below float32 are computed in float32: the same masses up to rounding, never less
@@ -412,6 +414,65 @@ def kseq_token(
         u.stride(0), u.stride(1), splits, chunk, F64=f64, BLOCK=block, **shape, **warps,
     )  # fmt: skip
     return token, rho, beta
+
+
+@functools.cache
+def _rrs_kernels():
+    from . import rrs_kernels
+
+    return rrs_kernels.level_kernel, rrs_kernels.tests_kernel, rrs_kernels.draw_kernel
+
+
+def rrs_token(
+    p_row: torch.Tensor,  # [B, V]: target rows at the nodes (contiguous along V)
+    q_row: torch.Tensor,  # [B, V]: draft rows
+    cand: torch.Tensor,  # [B, K] int64: the node's candidates, in path order
+    is_cand: torch.Tensor,  # [B, K] bool: the ones that pass through it
+    u: torch.Tensor,  # [B, K+1]: the node's uniforms
+) -> torch.Tensor:
+    """SpecInfer's node rule (top_down.specinfer_rule): the K levels' masses
+    F(t_j) = Σ (p - t_j q)_+, each row split into chunks as :func:`row_masses` splits it (the
+    same sums); the tests; and where all are rejected level n_v's residual drawn by inverse
+    CDF. -> token [B] int64. K + 2 kernels, no host reads (rrs_kernels.py)."""
+    triton, _ = _triton()
+    B, V = p_row.shape
+    K = cand.shape[1]
+    tiles = triton.cdiv(V, BLOCK)
+    chunk = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
+    splits = triton.cdiv(V, chunk)
+    dev = p_row.device
+    levels = torch.empty(B, K + 1, splits, dtype=torch.float64, device=dev)
+    mass = torch.empty(B, splits, 2, dtype=torch.float64, device=dev)
+    token = torch.empty(B, dtype=torch.int64, device=dev)
+    t_draw = torch.empty(B, dtype=torch.float64, device=dev)
+    is_cand = is_cand.to(torch.int8)
+    level_kernel, tests_kernel, draw_kernel = _rrs_kernels()
+    grid = (B, splits)
+    common = dict(
+        SP=triton.next_power_of_2(splits),
+        F64=torch.float64 in (p_row.dtype, q_row.dtype),
+        BLOCK=BLOCK,
+        num_warps=8,
+    )
+    work = torch.float64 if common["F64"] else torch.float32  # specinfer_rule's dtype
+    max_scalar = torch.finfo(work).max / 4
+    for level in range(1, K + 1):
+        level_kernel[grid](
+            p_row, q_row, levels, level, V, p_row.stride(0), q_row.stride(0), splits, chunk,
+            max_scalar, K=K, **common,
+        )  # fmt: skip
+    tests_kernel[grid](
+        p_row, q_row, cand, is_cand, u, levels, mass, token, t_draw, V,
+        p_row.stride(0), q_row.stride(0), cand.stride(0), cand.stride(1),
+        is_cand.stride(0), is_cand.stride(1), u.stride(0), u.stride(1), splits, chunk,
+        max_scalar, K=K, KP=triton.next_power_of_2(K), LP=triton.next_power_of_2(K + 1),
+        **common,
+    )  # fmt: skip
+    draw_kernel[grid](
+        p_row, q_row, u, mass, token, t_draw, V, p_row.stride(0), q_row.stride(0),
+        u.stride(0), u.stride(1), splits, chunk, max_scalar, K=K, **common,
+    )  # fmt: skip
+    return token
 
 
 @functools.cache

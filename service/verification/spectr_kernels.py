@@ -260,50 +260,71 @@ def draw_kernel(
     F64: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The residual's draw by inverse CDF in id order: the chunk whose running mass first
-    passes u times the total, then the first token in it whose running mass does."""
+    """The residual's draw where every candidate was rejected (draw_residual)."""
     b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
     if tl.load(token_ptr + b) < 0:
-        chunks = tl.arange(0, SP)
-        residual_run = tl.cumsum(
-            tl.load(mass_ptr + (b * S + chunks) * 2, mask=chunks < S, other=0.0), 0
-        )
-        p_run = tl.cumsum(
-            tl.load(mass_ptr + (b * S + chunks) * 2 + 1, mask=chunks < S, other=0.0), 0
-        )
-        use_p = tl.max(residual_run, axis=0) <= 0  # nothing left: draw from p itself
-        run = tl.where(use_p, p_run, residual_run)  # [SP], nondecreasing
-        total = tl.max(run, axis=0)
+        n = node_count(is_cand_ptr, b, i_s0, i_s1, K, KP)
+        compute = tl.float64 if F64 else tl.float32
+        rho_c, scale = residual_scale(tl.load(rho_ptr + b), tl.load(beta_ptr + b), n, K, compute)
         u_draw = tl.load(u_ptr + b * u_s0 + K * u_s1).to(tl.float64)
-        target = tl.minimum(u_draw * total, total * (1 - 2.0**-53))  # < total
-        here = tl.minimum(tl.min(tl.where(run > target, chunks, SP), axis=0), S - 1)
-        if s == here:
-            carry = tl.sum(tl.where(chunks == s - 1, run, 0.0), axis=0)
-            n = node_count(is_cand_ptr, b, i_s0, i_s1, K, KP)
-            compute = tl.float64 if F64 else tl.float32
-            rho_c, scale = residual_scale(
-                tl.load(rho_ptr + b), tl.load(beta_ptr + b), n, K, compute
-            )
-            p_row = p_ptr + b * p_s0
-            q_row = q_ptr + b * q_s0
-            lanes = tl.arange(0, BLOCK)
-            found = tl.full([BLOCK], V, tl.int32)  # per lane: the first hit's id, V: none
-            last = tl.full([BLOCK], -1, tl.int32)  # per lane: the last positive weight's id
-            start = s * CHUNK
-            for off in range(0, CHUNK, BLOCK):
-                cols = start + off + lanes
-                inside = cols < V
-                p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
-                q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
-                w = residual_weight(p, q, rho_c, scale)
-                w = tl.where(use_p, p, w).to(tl.float64)
-                cdf = carry + tl.cumsum(w, 0)
-                carry = tl.max(tl.where(lanes == BLOCK - 1, cdf, -1.0), axis=0)
-                positive = inside & (w > 0)
-                found = tl.minimum(found, tl.where(positive & (cdf > target), cols, V))
-                last = tl.maximum(last, tl.where(positive, cols, -1))
-            # rounding could leave no running mass above the target: the chunk's last weight
-            found_id = tl.min(found, axis=0)
-            token = tl.where(found_id < V, found_id, tl.max(last, axis=0))
-            tl.store(token_ptr + b, token.to(tl.int64))
+        draw_residual(
+            p_ptr + b * p_s0, q_ptr + b * q_s0, mass_ptr + b * S * 2, token_ptr + b, u_draw,
+            rho_c, scale, V, S, CHUNK, True, SP, compute, BLOCK,
+        )  # fmt: skip
+
+
+@triton.jit
+def draw_residual(
+    p_row,
+    q_row,
+    mass_row,  # [S, 2] float64: per chunk, the residual's mass and p's
+    token_out,  # the row's token
+    u_draw,  # float64
+    x,  # SPECTR: ρ; else t (the residual (p - t q)_+)
+    y,  # SPECTR: the residual's scale (residual_weight); else unused
+    V,
+    S,
+    CHUNK,
+    SPECTR: tl.constexpr,
+    SP: tl.constexpr,
+    compute: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A residual's draw by inverse CDF in id order: the chunk whose running mass first
+    passes u times the total (p itself where nothing is left), then, in that chunk's program,
+    the first token in it whose running mass does. The weights are SpecTr's residual_weight
+    or SpecInfer's (p - t q)_+, computed as the chunk masses were."""
+    s = tl.program_id(1)
+    chunks = tl.arange(0, SP)
+    residual_run = tl.cumsum(tl.load(mass_row + chunks * 2, mask=chunks < S, other=0.0), 0)
+    p_run = tl.cumsum(tl.load(mass_row + chunks * 2 + 1, mask=chunks < S, other=0.0), 0)
+    use_p = tl.max(residual_run, axis=0) <= 0  # nothing left: draw from p itself
+    run = tl.where(use_p, p_run, residual_run)  # [SP], nondecreasing
+    total = tl.max(run, axis=0)
+    target = tl.minimum(u_draw * total, total * (1 - 2.0**-53))  # < total
+    here = tl.minimum(tl.min(tl.where(run > target, chunks, SP), axis=0), S - 1)
+    if s == here:
+        carry = tl.sum(tl.where(chunks == s - 1, run, 0.0), axis=0)
+        lanes = tl.arange(0, BLOCK)
+        found = tl.full([BLOCK], V, tl.int32)  # per lane: the first hit's id, V: none
+        last = tl.full([BLOCK], -1, tl.int32)  # per lane: the last positive weight's id
+        start = s * CHUNK
+        for off in range(0, CHUNK, BLOCK):
+            cols = start + off + lanes
+            inside = cols < V
+            p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
+            q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
+            if SPECTR:  # noqa: SIM108 (a constexpr branch: one body compiled)
+                w = residual_weight(p, q, x, y)
+            else:
+                w = tl.maximum(p - x * q, 0.0)
+            w = tl.where(use_p, p, w).to(tl.float64)
+            cdf = carry + tl.cumsum(w, 0)
+            carry = tl.max(tl.where(lanes == BLOCK - 1, cdf, -1.0), axis=0)
+            positive = inside & (w > 0)
+            found = tl.minimum(found, tl.where(positive & (cdf > target), cols, V))
+            last = tl.maximum(last, tl.where(positive, cols, -1))
+        # rounding could leave no running mass above the target: the chunk's last weight
+        found_id = tl.min(found, axis=0)
+        token = tl.where(found_id < V, found_id, tl.max(last, axis=0))
+        tl.store(token_out, token.to(tl.int64))

@@ -184,8 +184,11 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     when it is reached, and the recovered row only if some row rejected every candidate: the
     first candidate is usually accepted, and then no level's pass over the vocabulary is
     needed. Elsewhere every level is computed without waiting on the host; both give the
-    same tokens.
+    same tokens. On CUDA the levels, the tests and the draw are K + 2 kernels
+    (kernels.rrs_token), the same sums in the same chunks as the torch ops' row_masses.
     """
+    if kernels.applies(p_row, q_row):  # CUDA: the levels, tests and draw as K + 2 kernels
+        return kernels.rrs_token(p_row, q_row, cand, is_cand, u)
     n, K = cand.shape
     # At least float32 rows: t grows past 1, and in bfloat16 1 + z_1 rounds back to 1 once
     # z_1 < 2^-8 (level 2 would repeat level 1). No copy for float32 rows.
