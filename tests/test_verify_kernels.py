@@ -192,6 +192,28 @@ def test_kseq_token_is_spectrs_node_rule(dtype, block, programs, monkeypatch):
         assert (token == want).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_mass_ranked_below_token_is_gbvs_c_at_the_path(dtype, monkeypatch):
+    """C(x) by (key, id) against drafted_mass_below's torch ops, on keys with ties (a row
+    with p = q: every key 1, so only the ids order it) and +inf keys (q = 0), rows split
+    over 4 programs."""
+    from service.verification import gbv
+
+    gen = torch.Generator().manual_seed(5)
+    p, q, cand, _, _ = kseq_case(dtype, gen, rows=24)
+    q = q.view(4, 6, -1)
+    key = gbv.ranking_key(p.view(4, 6, -1), q)
+    x = cand[:, 0].view(4, 6)
+    monkeypatch.setattr(kernels, "BLOCK", 256)
+    got = kernels.mass_ranked_below_token(key, q, x)
+    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
+    want = gbv.drafted_mass_below(key, q, x).double()
+    assert got.shape == (4, 6) and got.dtype == torch.float64
+    tol = 1e-6 if dtype != torch.bfloat16 else 1e-2  # torch sums bfloat16 products in bf16
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * 1e-3)
+    assert got[0, 0] > 0  # the p = q row: the ids below x
+
+
 @pytest.mark.parametrize(
     "dtype,block", [(torch.float32, 256), (torch.float64, 128), (torch.bfloat16, 2048)]
 )
@@ -258,6 +280,11 @@ def compile_for_sm90() -> None:
             (round_kernel, {"p_ptr": "*bf16", "q_ptr": "*bf16"}, {**kseq, "BF16": True}),
             (tests_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
             (draw_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
+            (
+                kernels._below_kernel(),
+                {"key_ptr": "*fp32", "q_ptr": rows, "x_ptr": "*i64"},
+                {"BLOCK": 2048},
+            ),
             *[
                 (kernel, {"p_ptr": rows, "q_ptr": rows, "max_scalar": "fp32"}, kseq | {"LP": 4})
                 for kernel in (level_kernel, rrs_tests_kernel, rrs_draw_kernel)

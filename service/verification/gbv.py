@@ -105,7 +105,10 @@ def drafted_mass_below(
     """C(x_i) at each row: the q-mass ranked below the drafted token, [..., γ] in q's dtype.
 
     One masked float64 sum per row, no sort: λ and q̃(x_i) need C at the path only, and the
-    levels that no uniform can pass need no other value of their row (see _verify_lazily)."""
+    levels that no uniform can pass need no other value of their row (see _verify_lazily).
+    On CUDA one kernel (kernels.mass_ranked_below_token) where the torch ops make six passes."""
+    if kernels.applies(key, q):
+        return kernels.mass_ranked_below_token(key, q, x).to(q.dtype)
     x = x.unsqueeze(-1)
     key_x = key.gather(-1, x)
     ids = torch.arange(key.shape[-1], device=key.device)
@@ -163,10 +166,11 @@ def _path_values(
     q: torch.Tensor,  # [n, γ, V]: the path's draft rows
     p: torch.Tensor,  # [n, ≥γ, V]: its target rows
     x: torch.Tensor,  # [n, γ] int64: the path
+    key: torch.Tensor | None = None,  # [n, γ, V]: ranking_key of the rows, if computed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """C, q and p at the path's tokens, [n, γ] each (one masked sum per row, no sort)."""
     p = p[:, : x.shape[1]]
-    below_x = drafted_mass_below(ranking_key(p, q), q, x)
+    below_x = drafted_mass_below(ranking_key(p, q) if key is None else key, q, x)
     x = x.unsqueeze(-1)
     return below_x, q.gather(-1, x).squeeze(-1), p.gather(-1, x).squeeze(-1)
 
@@ -196,10 +200,11 @@ def _verify_in_rank_order(
     (p_i p - q̃)_+ while walking the row in rank order, where C(x) is a running sum
     (kernels.skewed_excess), and only the row at τ is skewed and written by id. -> τ, y."""
     n, gamma, V = q.shape
-    below_x, q_x, p_x = _path_values(q, p, x)
+    key = ranking_key(p[:, :gamma], q)  # [n, γ, V]: one key for C at the path and the sort
+    below_x, q_x, p_x = _path_values(q, p, x, key)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p.dtype)  # [n, γ]
-    order = ascending_order(ranking_key(p[:, :gamma], q).view(-1, V)).view(n, gamma, V)
+    order = ascending_order(key.view(-1, V)).view(n, gamma, V)
     mass = kernels.skewed_excess(q[:, 1:], p[:, 1:gamma], order[:, 1:], lam[:, 1:], pi[:, :-1], k)
     tau = block_tau(pi, mass.to(pi.dtype), u)
     at_tau = torch.arange(n, device=x.device) * gamma + tau.clamp_max(gamma - 1)  # [n]

@@ -208,6 +208,63 @@ def excess_mass(
 
 
 @functools.cache
+def _below_kernel():
+    triton, tl = _triton()
+
+    @triton.jit
+    def below_kernel(
+        key_ptr,  # [N, V] float32: ranking keys, contiguous
+        q_ptr,  # [N, V]: draft rows (row stride q_s0)
+        x_ptr,  # [N] int64: a token per row
+        out_ptr,  # [N, splits] float64
+        V,
+        span,  # columns per program, a multiple of BLOCK
+        q_s0,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        key_row = key_ptr + row * V
+        q_row = q_ptr + row * q_s0
+        x = tl.load(x_ptr + row)
+        key_x = tl.load(key_row + x)
+        mass = tl.zeros([BLOCK], dtype=tl.float64)
+        start = part * span
+        for off in range(0, span, BLOCK):
+            cols = start + off + tl.arange(0, BLOCK)
+            inside = cols < V
+            key = tl.load(key_row + cols, mask=inside, other=0.0)
+            q = tl.load(q_row + cols, mask=inside, other=0.0)
+            below = inside & ((key < key_x) | ((key == key_x) & (cols < x)))  # ties by id
+            mass += tl.where(below, q.to(tl.float64), 0.0)
+        tl.store(out_ptr + row * tl.num_programs(1) + part, tl.sum(mass, axis=0))
+
+    return below_kernel
+
+
+def mass_ranked_below_token(
+    key: torch.Tensor,  # [..., V] float32: each row's ranking key (gbv.ranking_key)
+    q: torch.Tensor,  # [..., V]: draft rows, same leading shape
+    x: torch.Tensor,  # [...] int64: a token per row
+) -> torch.Tensor:
+    """Σ q(x') over the tokens x' ranked below x in each row by (key, id): GBV's C at the
+    drafted token (gbv.drafted_mass_below), float64 [...]. One pass over key and q, the row
+    split over programs as in :func:`row_masses`."""
+    triton, _ = _triton()
+    V = q.shape[-1]
+    key2, q2 = key.reshape(-1, V).contiguous(), q.reshape(-1, V)
+    x = x.reshape(-1).contiguous()
+    tiles = triton.cdiv(V, BLOCK)
+    span = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
+    splits = triton.cdiv(V, span)
+    out = torch.empty(x.shape[0], splits, dtype=torch.float64, device=q.device)
+    _below_kernel()[(x.shape[0], splits)](
+        key2, q2, x, out, V, span, q2.stride(0), BLOCK=BLOCK, num_warps=8
+    )
+    return out.sum(1).view(key.shape[:-1])
+
+
+@functools.cache
 def _skew_kernel():
     triton, tl = _triton()
 
