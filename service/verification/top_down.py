@@ -64,6 +64,12 @@ def walk_tree(
     compact = host_reads_are_free(draft_tokens)
     live = torch.arange(B, device=dev)
     walking = torch.ones(B, dtype=torch.bool, device=dev)
+    # A node's rows are read by one index_select over the inputs' merged leading dims, from
+    # the flat (request, path) index of a path through it.
+    V = draft_probs.shape[-1]
+    flat_p = target_probs.contiguous().view(-1, V)  # [B·K·(γ+1), V]
+    flat_q = draft_probs.contiguous().view(-1, V)  # [B·K·γ, V]
+    first_path = live * K  # [B]: the flat index of each request's path 0
     for d in range(gamma + 1):
         if compact and single_is_token and d < gamma:
             # A node with one path through it stays so below it: the rest of that request's
@@ -80,8 +86,9 @@ def walk_tree(
                     break
         rows = live if compact else ALL  # every request: views, no gathers
         on_node = on_path[rows]  # [n, K]
-        node_path = on_node.to(torch.int8).argmax(-1)  # a path through v: v's rows
-        p_row = rows_at(target_probs, live, node_path, d)  # [n, V]
+        # a path through v, as a flat (request, path) index: v's rows
+        node = (first_path[live] if compact else first_path) + on_node.to(torch.int8).argmax(-1)
+        p_row = flat_p.index_select(0, torch.add(d, node, alpha=gamma + 1))  # [n, V]
         if d == gamma:
             bonus = sample_from_weights(p_row, u[rows, d, K])
             if compact:
@@ -89,7 +96,7 @@ def walk_tree(
             else:
                 last = torch.where(walking, bonus, last)
             break
-        q_row = rows_at(draft_probs, live, node_path, d)
+        q_row = flat_q.index_select(0, torch.add(d, node, alpha=gamma))
         cand = draft_tokens[rows, :, d]  # [n, K]
         token = rule(p_row, q_row, cand, on_node, u[rows, d])
         child = on_node & (cand == token[:, None])
@@ -98,7 +105,7 @@ def walk_tree(
             last = torch.where(walking, token, last)
             walking = walking & descends
             on_path = torch.where(walking[:, None], child, on_path)
-            tau += walking.long()
+            tau.add_(walking)
             continue
         last[live] = token
         on_path[live] = torch.where(descends[:, None], child, on_node)
