@@ -631,7 +631,7 @@ def _kseq_f(p, q, rho, n):
     return rho * beta - 1 + (1 - beta).clamp_min(0) ** n, beta
 
 
-@pytest.mark.parametrize("search", ["narrow", "wide"])
+@pytest.mark.parametrize("search", ["narrow", "wide", "cuda"])
 @pytest.mark.parametrize("reads_free", [True, False], ids=["cpu-path", "accelerator-path"])
 def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free, search):
     """SpecTr's ρ* (spec §7) is the smallest ρ in [1, n] with f(ρ) = ρ β(ρ) - 1 + (1 - β)^n >= 0,
@@ -639,14 +639,16 @@ def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free, search
     (acceptance). Checked against β summed directly, on dense rows, rows with tied ratios,
     p = q (ρ* = 1 exactly), and rows zero outside a small draft support, with nodes of one
     candidate (ρ* = 1) among them; both on CPU's path (those nodes picked out) and on the
-    accelerators' (every row solved at once), with the CPU's narrow search and the GPU's wide
-    one (taken here on CPU)."""
+    accelerators' (every row solved at once), with the CPU's narrow search, the GPU's wide
+    one and the CUDA kernels' grid (taken here on CPU; 2^28 parts: within 6e-8 of it)."""
     from service.verification import top_down
     from service.verification.top_down import kseq_rho
 
     monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: reads_free)
-    if search == "wide":
-        monkeypatch.setattr(top_down, "SEARCH_NARROW", top_down.SEARCH_WIDE)
+    if search != "narrow":
+        grid = top_down.SEARCH_WIDE if search == "wide" else top_down.SEARCH_CUDA
+        monkeypatch.setattr(top_down, "SEARCH_NARROW", grid)
+    tol = 6e-8 if search == "cuda" else 1e-8
 
     gen = torch.Generator().manual_seed(5)
     rows, vocab = 64, 3000
@@ -670,11 +672,11 @@ def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free, search
             f_rho, b_rho = _kseq_f(p, q, rho, count.double())
             assert (f_rho >= -1e-7).all(), (name, n, f_rho.min())
             assert torch.allclose(beta, b_rho, atol=1e-7), name
-            # Within 1e-8 of the root (the search's grid is 2^-32 of [1, n]), against f with q
+            # Within tol of the root (the search's grid is 2^-32 of [1, n]), against f with q
             # summed to exactly 1 as the solver sums it (float32 rows are off by ~1e-8).
             q_unit = q.double() / q.double().sum(-1, keepdim=True)
-            above_one = rho > 1 + 1e-8
-            f_below = _kseq_f(p, q_unit, rho * (1 - 1e-8), count.double())[0]
+            above_one = rho > 1 + tol
+            f_below = _kseq_f(p, q_unit, rho * (1 - tol), count.double())[0]
             assert (f_below[above_one] < 0).all(), (name, n)
     p = logits.softmax(-1)
     rho, beta = kseq_rho(p, p, torch.full((rows,), 3))

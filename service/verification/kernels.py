@@ -39,6 +39,7 @@ SKEW_BLOCK = 1024
 # each row split over programs: about KSEQ_PROGRAMS_PER_SM a multiprocessor in all. The best
 # of six settings on an H100 at B = 32, K = 4, V = 32000 (docs, "GPU, fifth stop").
 KSEQ_BLOCK = 128
+KSEQ_DRAW_BLOCK = 1024  # the residual's draw: a running sum, wide steps (draw_residual)
 KSEQ_WARPS = 4
 KSEQ_PROGRAMS_PER_SM = 2
 KSEQ_MAX_SPLITS = 64
@@ -468,7 +469,8 @@ def kseq_token(
     draw_kernel[grid](
         p_row, q_row, is_cand, u, mass, token, rho, beta, V,
         p_row.stride(0), q_row.stride(0), is_cand.stride(0), is_cand.stride(1),
-        u.stride(0), u.stride(1), splits, chunk, F64=f64, BLOCK=block, **shape, **warps,
+        u.stride(0), u.stride(1), splits, chunk, F64=f64, BLOCK=KSEQ_DRAW_BLOCK, **shape,
+        **warps,
     )  # fmt: skip
     return token, rho, beta
 

@@ -34,9 +34,13 @@ NodeRule = Callable[
 # root, beyond the ~3e-8 precision of float32 rows. The torch ops off the CPU evaluate a row's
 # 257 probes in the time of one, so they take few wide rounds (each round is ~25 kernels); on
 # CPU every probe costs (the law tests solve ~10^5 rows a call), and on CUDA the kernels sum
-# every probe over the row ([16, columns] a step), so these take narrow ones.
+# every probe over the row ([16, columns] a step), so these take narrow ones. The CUDA kernels
+# stop one round earlier: each round is a pass over the row (8 of them were 60% of a SpecTr
+# call on an H200), and 2^28 parts put ρ within (n - 1) 2^-28 <= 6e-8 of the root for n <= 17,
+# still inside float32's rounding of ρ >= 1. ρ is always a probe where f >= 0, so lossless.
 SEARCH_WIDE = (256, 4)  # (ways, rounds): the torch ops off the CPU
-SEARCH_NARROW = (16, 8)  # CPU, and the CUDA kernels
+SEARCH_NARROW = (16, 8)  # CPU
+SEARCH_CUDA = (16, 7)  # the CUDA kernels (kernels.kseq_token)
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -244,7 +248,7 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
 def spectr_rule(p_row, q_row, cand, is_cand, u):
     """K-SEQ with ρ* for k = n_v candidates (spec §7); first acceptance wins."""
     if kernels.applies(p_row, q_row):  # CUDA: the search, tests and draw as kernels, no sort
-        return kernels.kseq_token(p_row, q_row, cand, is_cand, u, SEARCH_NARROW)[0]
+        return kernels.kseq_token(p_row, q_row, cand, is_cand, u, SEARCH_CUDA)[0]
     n = is_cand.sum(-1)  # [B] multiplicity of the node
     rho, beta = kseq_rho(p_row, q_row, n)  # [B], [B]
     # Each candidate's test reads its own uniform, so all K are tested at once and the first
