@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spectr_kernels import draw_residual, node_count, pick
+from .spectr_kernels import draw_residual, node_count, pick, store_chunk_masses
 
 
 @triton.jit
@@ -135,18 +135,8 @@ def tests_kernel(
         # every candidate rejected: this chunk's mass of level n_v's (p - t q)_+, and of p
         # (drawn from where nothing is left)
         t_r = tl.minimum(t_draw, max_scalar).to(compute)
-        residual_sum = tl.zeros([BLOCK], tl.float64)
-        p_sum = tl.zeros([BLOCK], tl.float64)
-        start = s * CHUNK
-        for off in range(0, CHUNK, BLOCK):
-            cols = start + off + tl.arange(0, BLOCK)
-            inside = cols < V
-            p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
-            q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
-            p_sum += p.to(tl.float64)
-            residual_sum += tl.maximum(p - t_r * q, 0.0).to(tl.float64)
-        tl.store(mass_ptr + (b * S + s) * 2, tl.sum(residual_sum, axis=0))
-        tl.store(mass_ptr + (b * S + s) * 2 + 1, tl.sum(p_sum, axis=0))
+        mass_out = mass_ptr + (b * S + s) * 2
+        store_chunk_masses(p_row, q_row, mass_out, t_r, t_r, V, CHUNK, False, compute, BLOCK)
 
 
 @triton.jit

@@ -161,9 +161,36 @@ def residual_scale(rho, beta, n, K: tl.constexpr, compute: tl.constexpr):
 
 
 @triton.jit
-def residual_weight(p, q, rho_c, scale):
-    """The residual p - min(q, p/ρ) scale, clamped at 0, in the rows' compute dtype."""
-    return tl.maximum(p - tl.minimum(q, p / rho_c) * scale, 0.0)
+def residual_weight(p, q, x, y, SPECTR: tl.constexpr):
+    """A node's residual weight in the rows' compute dtype, clamped at 0: SpecTr's
+    p - min(q, p/ρ) scale (x = ρ, y = scale), or SpecInfer's p - t q (x = t). The chunk masses
+    and the draw both compute it here, so the draw walks the weights the masses summed."""
+    if SPECTR:  # noqa: SIM108 (a constexpr branch: one body compiled)
+        w = p - tl.minimum(q, p / x) * y
+    else:
+        w = p - x * q
+    return tl.maximum(w, 0.0)
+
+
+@triton.jit
+def store_chunk_masses(
+    p_row, q_row, mass_out, x, y, V, CHUNK, SPECTR: tl.constexpr, compute: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """This program's chunk masses of the residual (residual_weight) and of p (drawn from
+    where nothing is left): mass_out[0], mass_out[1], float64."""
+    residual_sum = tl.zeros([BLOCK], tl.float64)
+    p_sum = tl.zeros([BLOCK], tl.float64)
+    start = tl.program_id(1) * CHUNK
+    for off in range(0, CHUNK, BLOCK):
+        cols = start + off + tl.arange(0, BLOCK)
+        inside = cols < V
+        p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
+        q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
+        p_sum += p.to(tl.float64)
+        residual_sum += residual_weight(p, q, x, y, SPECTR).to(tl.float64)
+    tl.store(mass_out, tl.sum(residual_sum, axis=0))
+    tl.store(mass_out + 1, tl.sum(p_sum, axis=0))
 
 
 @triton.jit
@@ -221,18 +248,8 @@ def tests_kernel(
         # p - min(q, p/ρ) (1 - (1-β)^n) / β clamped at 0, and of p (where nothing is left)
         compute = tl.float64 if F64 else tl.float32
         rho_c, scale = residual_scale(rho, beta, n, K, compute)
-        residual_sum = tl.zeros([BLOCK], tl.float64)
-        p_sum = tl.zeros([BLOCK], tl.float64)
-        start = s * CHUNK
-        for off in range(0, CHUNK, BLOCK):
-            cols = start + off + tl.arange(0, BLOCK)
-            inside = cols < V
-            p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
-            q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
-            p_sum += p.to(tl.float64)
-            residual_sum += residual_weight(p, q, rho_c, scale).to(tl.float64)
-        tl.store(mass_ptr + (b * S + s) * 2, tl.sum(residual_sum, axis=0))
-        tl.store(mass_ptr + (b * S + s) * 2 + 1, tl.sum(p_sum, axis=0))
+        mass_out = mass_ptr + (b * S + s) * 2
+        store_chunk_masses(p_row, q_row, mass_out, rho_c, scale, V, CHUNK, True, compute, BLOCK)
 
 
 @triton.jit
@@ -292,8 +309,8 @@ def draw_residual(
 ):
     """A residual's draw by inverse CDF in id order: the chunk whose running mass first
     passes u times the total (p itself where nothing is left), then, in that chunk's program,
-    the first token in it whose running mass does. The weights are SpecTr's residual_weight
-    or SpecInfer's (p - t q)_+, computed as the chunk masses were. The running sum is a chain
+    the first token in it whose running mass does, its weights computed as the chunk masses'
+    (residual_weight). The running sum is a chain
     of BLOCK-column steps, so the launcher picks wide ones (SpecTr's 128-column chunks of the
     search took 28 steps: 17 µs a draw on an H200)."""
     s = tl.program_id(1)
@@ -316,11 +333,7 @@ def draw_residual(
             inside = (cols < V) & (off + lanes < CHUNK)
             p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
             q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
-            if SPECTR:  # noqa: SIM108 (a constexpr branch: one body compiled)
-                w = residual_weight(p, q, x, y)
-            else:
-                w = tl.maximum(p - x * q, 0.0)
-            w = tl.where(use_p, p, w).to(tl.float64)
+            w = tl.where(use_p, p, residual_weight(p, q, x, y, SPECTR)).to(tl.float64)
             cdf = carry + tl.cumsum(w, 0)
             carry = tl.max(tl.where(lanes == BLOCK - 1, cdf, -1.0), axis=0)
             positive = inside & (w > 0)
