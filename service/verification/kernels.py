@@ -140,6 +140,16 @@ def _kernel():
     return row_masses_kernel
 
 
+def row_chunks(V: int) -> tuple[int, int]:
+    """(columns per program, programs per row) of a row of V split for the one-pass kernels
+    (:func:`row_masses` and those that must sum the same chunks): whole BLOCKs, at most
+    MAX_SPLITS programs, none empty."""
+    triton, _ = _triton()
+    tiles = triton.cdiv(V, BLOCK)
+    span = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
+    return span, triton.cdiv(V, span)
+
+
 def row_masses(
     p: torch.Tensor,  # [..., V]: target rows (≤ 3 leading dims, contiguous along V)
     q: torch.Tensor,  # [..., V]: draft rows, same shape
@@ -151,7 +161,6 @@ def row_masses(
     """With m = (c p - t q)_+ and e = m - s q (e = m without s): (Σ e_+, Σ (-e)_+) over V,
     float64 [...] each ([n, ...] with ``rows``). Without s the first is F(t) = Σ (p - t q)_+
     and the second is 0. No host reads (capturable in a CUDA graph)."""
-    triton, _ = _triton()
     V = p.shape[-1]
     lead = p.shape[:-1] if rows is None else torch.Size([rows.shape[0], *p.shape[1:-1]])
     pad = 3 - len(lead)  # rows (i, j, l) of up to 3 leading dims; i is read through `rows`
@@ -159,9 +168,7 @@ def row_masses(
     p_strides = list(p.stride()[:-1]) + [0] * pad
     q_strides = list(q.stride()[:-1]) + [0] * pad
     n = d0 * d1 * d2
-    tiles = triton.cdiv(V, BLOCK)
-    span = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
-    splits = triton.cdiv(V, span)
+    span, splits = row_chunks(V)
 
     def per_row(x):  # [...] -> [n] float64
         return x.double().expand(lead).reshape(n).contiguous()
@@ -251,13 +258,10 @@ def mass_ranked_below_token(
     """Σ q(x') over the tokens x' ranked below x in each row by (key, id): GBV's C at the
     drafted token (gbv.drafted_mass_below), float64 [...]. One pass over key and q, the row
     split over programs as in :func:`row_masses`."""
-    triton, _ = _triton()
     V = q.shape[-1]
     key2, q2 = key.reshape(-1, V).contiguous(), q.reshape(-1, V)
     x = x.reshape(-1).contiguous()
-    tiles = triton.cdiv(V, BLOCK)
-    span = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
-    splits = triton.cdiv(V, span)
+    span, splits = row_chunks(V)
     out = torch.empty(x.shape[0], splits, dtype=torch.float64, device=q.device)
     _below_kernel()[(x.shape[0], splits)](
         key2, q2, x, out, V, span, q2.stride(0), BLOCK=BLOCK, num_warps=8
@@ -496,9 +500,7 @@ def rrs_token(
     triton, _ = _triton()
     B, V = p_row.shape
     K = cand.shape[1]
-    tiles = triton.cdiv(V, BLOCK)
-    chunk = triton.cdiv(tiles, min(MAX_SPLITS, tiles)) * BLOCK
-    splits = triton.cdiv(V, chunk)
+    chunk, splits = row_chunks(V)  # the chunks of row_masses: the same level sums
     dev = p_row.device
     levels = torch.empty(B, K + 1, splits, dtype=torch.float64, device=dev)
     mass = torch.empty(B, splits, 2, dtype=torch.float64, device=dev)

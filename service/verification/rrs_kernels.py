@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spectr_kernels import draw_residual, node_count, pick, store_chunk_masses
+from .spectr_kernels import chunk_masses, draw_residual, node_count, pick, store_chunk_masses
 
 
 @triton.jit
@@ -53,17 +53,11 @@ def level_kernel(
         t, z = settle(level_row, j, S, SP, t, z)
     compute = tl.float64 if F64 else tl.float32
     t_next = tl.minimum(t + z, max_scalar).to(compute)
-    p_row = p_ptr + b * p_s0
-    q_row = q_ptr + b * q_s0
-    mass = tl.zeros([BLOCK], tl.float64)
-    start = s * CHUNK
-    for off in range(0, CHUNK, BLOCK):
-        cols = start + off + tl.arange(0, BLOCK)
-        inside = cols < V
-        p = tl.load(p_row + cols, mask=inside, other=0.0).to(compute)
-        q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
-        mass += tl.maximum(p - t_next * q, 0.0).to(tl.float64)  # as kernels.row_masses
-    tl.store(level_row + level * S + s, tl.sum(mass, axis=0))
+    # Σ (p - t q)_+ over the chunk, the value kernels.row_masses sums (the same chunks)
+    mass, _ = chunk_masses(
+        p_ptr + b * p_s0, q_ptr + b * q_s0, t_next, t_next, V, CHUNK, False, compute, BLOCK
+    )
+    tl.store(level_row + level * S + s, mass)
 
 
 @triton.jit

@@ -173,12 +173,12 @@ def residual_weight(p, q, x, y, SPECTR: tl.constexpr):
 
 
 @triton.jit
-def store_chunk_masses(
-    p_row, q_row, mass_out, x, y, V, CHUNK, SPECTR: tl.constexpr, compute: tl.constexpr,
+def chunk_masses(
+    p_row, q_row, x, y, V, CHUNK, SPECTR: tl.constexpr, compute: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """This program's chunk masses of the residual (residual_weight) and of p (drawn from
-    where nothing is left): mass_out[0], mass_out[1], float64."""
+    """This program's chunk (program_id(1)) masses of the residual (residual_weight) and of
+    p, float64. A caller that needs only the first leaves the second to the compiler."""
     residual_sum = tl.zeros([BLOCK], tl.float64)
     p_sum = tl.zeros([BLOCK], tl.float64)
     start = tl.program_id(1) * CHUNK
@@ -189,8 +189,19 @@ def store_chunk_masses(
         q = tl.load(q_row + cols, mask=inside, other=0.0).to(compute)
         p_sum += p.to(tl.float64)
         residual_sum += residual_weight(p, q, x, y, SPECTR).to(tl.float64)
-    tl.store(mass_out, tl.sum(residual_sum, axis=0))
-    tl.store(mass_out + 1, tl.sum(p_sum, axis=0))
+    return tl.sum(residual_sum, axis=0), tl.sum(p_sum, axis=0)
+
+
+@triton.jit
+def store_chunk_masses(
+    p_row, q_row, mass_out, x, y, V, CHUNK, SPECTR: tl.constexpr, compute: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """chunk_masses into mass_out[0], mass_out[1]: the draw's chunk masses of the residual,
+    and of p (drawn from where nothing is left)."""
+    residual, p = chunk_masses(p_row, q_row, x, y, V, CHUNK, SPECTR, compute, BLOCK)
+    tl.store(mass_out, residual)
+    tl.store(mass_out + 1, p)
 
 
 @triton.jit
@@ -310,9 +321,9 @@ def draw_residual(
     """A residual's draw by inverse CDF in id order: the chunk whose running mass first
     passes u times the total (p itself where nothing is left), then, in that chunk's program,
     the first token in it whose running mass does, its weights computed as the chunk masses'
-    (residual_weight). The running sum is a chain
-    of BLOCK-column steps, so the launcher picks wide ones (SpecTr's 128-column chunks of the
-    search took 28 steps: 17 µs a draw on an H200)."""
+    (residual_weight). The running sum is a chain of BLOCK-column steps, so the launcher
+    picks wide ones (SpecTr's 128-column chunks of the search took 28 steps: 17 µs a draw on
+    an H200)."""
     s = tl.program_id(1)
     chunks = tl.arange(0, SP)
     residual_run = tl.cumsum(tl.load(mass_row + chunks * 2, mask=chunks < S, other=0.0), 0)

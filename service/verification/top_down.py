@@ -73,7 +73,7 @@ def walk_tree(
     V = draft_probs.shape[-1]
     flat_p = target_probs.contiguous().view(-1, V)  # [B·K·(γ+1), V]
     flat_q = draft_probs.contiguous().view(-1, V)  # [B·K·γ, V]
-    first_path = live * K  # [B]: the flat index of each request's path 0
+    first_path = live * K  # [B]: the flat index of each request's path 0 (masked walk)
     for d in range(gamma + 1):
         if compact and single_is_token and d < gamma:
             # A node with one path through it stays so below it: the rest of that request's
@@ -91,7 +91,7 @@ def walk_tree(
         rows = live if compact else ALL  # every request: views, no gathers
         on_node = on_path[rows]  # [n, K]
         # a path through v, as a flat (request, path) index: v's rows
-        node = (first_path[live] if compact else first_path) + on_node.to(torch.int8).argmax(-1)
+        node = (live * K if compact else first_path) + on_node.to(torch.int8).argmax(-1)
         p_row = flat_p.index_select(0, torch.add(d, node, alpha=gamma + 1))  # [n, V]
         if d == gamma:
             bonus = sample_from_weights(p_row, u[rows, d, K])
