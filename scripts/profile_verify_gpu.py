@@ -1,0 +1,108 @@
+"""One verify call per method on CUDA, replayed from its graph: median ms, GPU busy ms, and
+the kernels that took the GPU time, plus the seeded output (to compare two revisions).
+
+    PYTHONPATH=. python3 scripts/profile_verify_gpu.py [--methods naive specinfer ...]
+        [--batch 32] [--k 4] [--gamma 8] [--vocab 32000] [--top 12] [--json out.json]
+
+An A/B against another revision: `git worktree add /tmp/base REV`, then run this script once
+with PYTHONPATH=/tmp/base and once with PYTHONPATH=., alternating, and compare the JSONs'
+`tokens`, `num_tokens` and `path` (docs/verification_benchmark.md, "GPU, sixth stop", ran this
+script's code with its settings in environment variables instead of flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import torch
+from bench_verify import make_inputs, median_ms
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from service.verification import VerifyGraphs, verify
+
+
+def gpu_profile(fn, top: int) -> dict:
+    """One call of fn under torch.profiler (after a warm-up): GPU events, their summed time,
+    and the `top` kernels (and copies) by GPU time, as (name, calls, ms)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_name: dict[str, list] = {}
+    for e in gpu:
+        entry = by_name.setdefault(e.name.removeprefix("void ")[:110], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return dict(
+        n=len(gpu),
+        busy=sum(e.device_time for e in gpu) / 1e3,
+        top=[(name, calls, round(us / 1e3, 4)) for name, (calls, us) in ranked],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["naive", "specinfer", "spectr", "gbv", "traversal", "spectr_gbv"],
+    )
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--top", type=int, default=12, help="kernels printed per method")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("graph replays and GPU busy time are CUDA measurements: no CUDA device here")
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print("#", out["gpu"], out["torch"], flush=True)
+    x, q, p = make_inputs(args.batch, args.k, args.gamma, args.vocab, "cuda")
+    for method in args.methods:
+        graphs, gen = VerifyGraphs(), torch.Generator("cuda").manual_seed(1)
+        replay = functools.partial(verify, method, x, q, p, gen, validate=False, graphs=graphs)
+        start = time.perf_counter()
+        replay()  # the capture
+        capture_s = time.perf_counter() - start
+        ms = median_ms(replay, 31, "cuda")
+        replayed = gpu_profile(replay, args.top)
+        eager = gpu_profile(
+            functools.partial(verify, method, x, q, p, gen, validate=False), args.top
+        )
+        seeded = [
+            verify(method, x, q, p, torch.Generator("cuda").manual_seed(2), validate=False, **kw)
+            for kw in ({}, {"graphs": graphs})
+        ]
+        fields = ("tokens", "num_tokens", "path")
+        same = all(torch.equal(getattr(seeded[0], f), getattr(seeded[1], f)) for f in fields)
+        out[method] = dict(
+            replay_ms=ms,
+            capture_s=capture_s,
+            replay_prof=replayed,
+            eager_prof=eager,
+            graph_same=same,
+            **{f: getattr(seeded[0], f).tolist() for f in fields},
+        )
+        print(
+            f"\n## {method}: replay {ms:.3f} ms, replay busy {replayed['busy']:.3f} "
+            f"({replayed['n']} GPU events), graph same {same}; eager busy {eager['busy']:.3f} "
+            f"({eager['n']})",
+            flush=True,
+        )
+        for name, calls, kernel_ms in replayed["top"]:
+            print(f"  {kernel_ms:7.4f} ms {calls:4d}x  {name}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
