@@ -955,26 +955,33 @@ def _greedy_verify(
 def _apply_records(p, q, tokens, log_p, log_q, rows_left, t_max, t, z, base_t, base_z, lo, hi):
     """modification.apply_records for requests lo..hi: every record, oldest first, M_new of
     the rows in its window only (the torch ops pass over the widest window of the batch and
-    mask). Writes the modified rows t, z [K, γ] and each record's base rows [R, K, γ]."""
+    mask). Writes the modified rows t, z [K, γ] and each record's base rows [R, K, γ].
+
+    Row by row, every record in turn: a row's M_new under record r needs only that row's state
+    before r and the path's prefix joints under the same records (`below`, one per record), so
+    all of a row's passes over V run while the row is in cache. Record by record they streamed
+    every row of the request from memory once a record. The same operations on the same
+    values as record by record: the same bits."""
     _, K, gamma = tokens.shape
     R = rows_left.shape[1]
-    joint_q = np.empty((K, gamma + 1))
+    below = np.empty(R)  # log P of the path's prefix under the rows before each record
     for r in range(lo, hi):
-        t[r], z[r] = 0.0, 1.0
         for j in range(K):
-            joint_q[j, 0] = 0.0
+            below[:] = 0.0
+            joint_q = 0.0  # log Q of the path's prefix
             for i in range(gamma):
-                joint_q[j, i + 1] = joint_q[j, i] + np.log(np.float64(q[r, j, i, tokens[r, j, i]]))
-        for rec in range(R):
-            base_t[r, rec], base_z[r, rec] = t[r], z[r]
-            for j in range(K):
-                below = 0.0  # log P of the path's prefix under the rows before this record
-                for i in range(min(rows_left[r, rec], gamma)):
-                    x = tokens[r, j, i]
-                    p_x, q_x = np.float64(p[r, j, i, x]), np.float64(q[r, j, i, x])
-                    prob = max(p_x - t[r, j, i] * q_x, 0.0) / z[r, j, i]
-                    t[r, j, i], z[r, j, i] = _m_new(
-                        p[r, j, i], q[r, j, i], t[r, j, i], z[r, j, i], log_p[r, rec] + below,
-                        log_q[r, rec] + joint_q[j, i], t_max,
+                x = tokens[r, j, i]
+                p_x, q_x = np.float64(p[r, j, i, x]), np.float64(q[r, j, i, x])
+                row_t, row_z = 0.0, 1.0
+                for rec in range(R):
+                    base_t[r, rec, j, i], base_z[r, rec, j, i] = row_t, row_z
+                    if i >= rows_left[r, rec]:  # beyond the record's window
+                        continue
+                    prob = max(p_x - row_t * q_x, 0.0) / row_z
+                    row_t, row_z = _m_new(
+                        p[r, j, i], q[r, j, i], row_t, row_z, log_p[r, rec] + below[rec],
+                        log_q[r, rec] + joint_q, t_max,
                     )  # fmt: skip
-                    below += np.log(prob)
+                    below[rec] += np.log(prob)
+                t[r, j, i], z[r, j, i] = row_t, row_z
+                joint_q += np.log(q_x)
