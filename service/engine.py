@@ -247,7 +247,7 @@ def verify_step(
     path = torch.zeros(n, dtype=torch.int64)
     carries = list(plan.carries)
     for method, k, gamma, idx in plan.groups:
-        ix = torch.tensor(idx)
+        ix = group_rows(idx)
         gens = [generators[i] for i in idx]
         if method == PLAIN:
             tokens[ix, 0] = sample(p[ix, :1, 0], gens)[:, 0]
@@ -271,6 +271,16 @@ def verify_step(
             for j, i in enumerate(idx):
                 carries[i] = out.carry.select([j])
     return Verdict(tokens, tau, path, carries)
+
+
+def group_rows(idx: list[int]) -> slice | torch.Tensor:
+    """How verify_step takes a group's rows: consecutive rows as a slice, so that a batch of
+    one kind (the usual case) is verified in place. Indexing with a tensor copies the rows: at
+    batch 8, K = 4, γ = 8 and V = 49152 that was ~100 MB and 12 ms a step on a 2-core VM, as
+    long as the SpecTr-GBV* call itself (the verifiers never write to their inputs)."""
+    if idx == list(range(idx[0], idx[-1] + 1)):
+        return slice(idx[0], idx[-1] + 1)
+    return torch.tensor(idx)
 
 
 class _Laps:

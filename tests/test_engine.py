@@ -17,11 +17,12 @@ import torch
 from harness import ALPHA, chi_square
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service.engine import GenerationRequest, SpeculativeEngine
-from service.verification import METHODS, VERIFIERS
+from service.engine import GenerationRequest, SpeculativeEngine, VerifyPlan, verify_step
+from service.policy import PLAIN
+from service.verification import METHODS, VERIFIERS, verify
 from workers.draft import DraftWorker, padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
-from workers.sampling import SamplingParams
+from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree, gather_rows, rows_at
 
@@ -200,6 +201,48 @@ def test_kv_cache_equals_fresh_prefill_after_commits(pair):
             diff = (worker.cache.k[:, slot, :, :n] - fresh.k[:, 0, :, :n]).abs().max()
             assert diff < 1e-4, float(diff)
             assert (worker.cache.v[:, slot, :, :n] - fresh.v[:, 0, :, :n]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [["spectr_gbv"] * 4, ["spectr_gbv", "block", "spectr_gbv", PLAIN, "block"]],
+    ids=["one-kind", "interleaved"],
+)
+def test_verify_step_verifies_each_group_on_its_own_rows(kinds):
+    """verify_step takes consecutive rows as views (engine.group_rows) and gathers interleaved
+    ones: every request emits what a direct verify of its group's rows, with the same
+    per-request generators, emits (a plain request: the sampler's draw from its root row)."""
+    vocab, shape = 40, {"spectr_gbv": (3, 4), "block": (1, 2), PLAIN: (1, 1)}
+    n, k_max, g_max = len(kinds), 3, 4
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(n, k_max, g_max, vocab, generator=gen).softmax(-1)
+    p = torch.randn(n, k_max, g_max + 1, vocab, generator=gen).softmax(-1)
+    x = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(n, k_max, g_max)
+    groups = {}
+    for i, kind in enumerate(kinds):
+        groups.setdefault((kind, *shape[kind]), []).append(i)
+    plan = VerifyPlan([(*key, idx) for key, idx in groups.items()], [None] * n, g_max)
+
+    def gens():
+        return [torch.Generator().manual_seed(100 + i) for i in range(n)]
+
+    verdict = verify_step(plan, x, q, p, gens())
+    for (method, k, gamma), idx in groups.items():
+        g = gens()
+        if method == PLAIN:
+            for i in idx:
+                expected = sample(p[i : i + 1, :1, 0], [g[i]])[0, 0]
+                assert verdict.tokens[i, 0] == expected and verdict.num_accepted[i] == 0
+            continue
+        rows = torch.tensor(idx)
+        out = verify(
+            method, x[rows, :k, :gamma], q[rows, :k, :gamma], p[rows, :k, : gamma + 1],
+            [g[i] for i in idx],
+        )  # fmt: skip
+        assert torch.equal(verdict.tokens[rows, : gamma + 1], out.tokens)
+        assert torch.equal(verdict.num_accepted[rows], out.num_accepted)
+        assert torch.equal(verdict.path[rows], out.path)
+        assert all(verdict.carries[i] is not None for i in idx) == (method == "spectr_gbv")
 
 
 def test_padding_groups_bound_the_padding():

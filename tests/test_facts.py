@@ -198,6 +198,28 @@ def test_seeded_determinism(method, per_request):
     assert not outputs_equal(a1, c1), "a different seed gave identical outputs"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["cpu-loops", "torch-ops"])
+@pytest.mark.parametrize("method", METHODS)
+def test_verify_leaves_its_inputs_unchanged(method, dtype):
+    """The engine verifies a batch of one kind on views of its rows (engine.group_rows), so no
+    verifier may write to its tokens, rows or carry: 3 steps, the carry threaded, float32 rows
+    (the CPU loops) and float64 (the torch ops)."""
+    batch, k = 16, k_of(method)
+    seq, count = small_contexts(batch, 3, seed=5)
+    dgen = torch.Generator().manual_seed(6)
+    x, q, p = draft_block(SMALL_TARGET, SMALL_DRAFT, seq, count, k, SMALL_GAMMA, dgen)
+    inputs = (x, q.to(dtype), p.to(dtype))
+    before = [t.clone() for t in inputs]
+    carry = None
+    for step in range(3):
+        carried = None if carry is None else (carry.log_p, carry.log_q, carry.rows_left)
+        kept = None if carried is None else [t.clone() for t in carried]
+        carry = verify(method, *inputs, torch.Generator().manual_seed(step), carry=carry).carry
+        assert all(torch.equal(a, b) for a, b in zip(before, inputs, strict=True)), step
+        if kept is not None:
+            assert all(torch.equal(a, b) for a, b in zip(kept, carried, strict=True)), step
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch independence with per-request generators.
 # ---------------------------------------------------------------------------------------------
