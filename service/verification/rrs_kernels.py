@@ -14,7 +14,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spectr_kernels import chunk_masses, draw_residual, node_count, pick, store_chunk_masses
+from .spectr_kernels import (
+    candidates,
+    chunk_masses,
+    draw_residual,
+    first_passing,
+    node_count,
+    pick,
+    store_chunk_masses,
+)
 
 
 @triton.jit
@@ -103,31 +111,27 @@ def tests_kernel(
         t_at = tl.where(lanes == j, t, t_at)
         z_at = tl.where(lanes == j, z, z_at)
     # Candidate k is tested at the level of the candidates before it (its rejections so far)
-    # against r = (p - t q)_+ / z: u q < r(x), as specinfer_rule's tests().
-    ks = tl.arange(0, KP)
-    in_k = ks < K
-    cand = tl.load(cand_ptr + b * c_s0 + ks * c_s1, mask=in_k, other=0)
-    is_cand = tl.load(is_cand_ptr + b * i_s0 + ks * i_s1, mask=in_k, other=0) != 0
+    # against r = (p - t q)_+ / z: u q < r(x), as specinfer_rule's tests(). The rows' values
+    # are exact in float64 and in the compute dtype alike.
+    p_row = p_ptr + b * p_s0
+    q_row = q_ptr + b * q_s0
+    ks, cand, is_cand, p_c, q_c, u_c = candidates(
+        p_row, q_row, cand_ptr, is_cand_ptr, u_ptr, b, c_s0, c_s1, i_s0, i_s1, u_s0, u_s1, K, KP
+    )
     before = tl.cumsum(is_cand.to(tl.int32), 0) - is_cand.to(tl.int32)  # [KP]
     at_level = before[:, None] == lanes[None, :]  # [KP, LP]
     t_c = tl.sum(tl.where(at_level, t_at[None, :], 0.0), axis=1)
     z_c = tl.sum(tl.where(at_level, z_at[None, :], 0.0), axis=1)
-    compute = tl.float64 if F64 else tl.float32
-    p_row = p_ptr + b * p_s0
-    q_row = q_ptr + b * q_s0
-    p_c = tl.load(p_row + cand, mask=in_k, other=0.0).to(compute).to(tl.float64)
-    q_c = tl.load(q_row + cand, mask=in_k, other=0.0).to(compute).to(tl.float64)
-    u_c = tl.load(u_ptr + b * u_s0 + ks * u_s1, mask=in_k, other=1.0).to(tl.float64)
     residual = tl.maximum(p_c - t_c * q_c, 0.0) / z_c
-    first = tl.min(tl.where(is_cand & (u_c * q_c < residual), ks, KP), axis=0)
-    token = tl.sum(tl.where(ks == first, cand, 0), axis=0)
+    first, token = first_passing(is_cand & (u_c * q_c < residual), ks, cand, KP)
     t_draw = pick(t_at, lanes, node_count(is_cand_ptr, b, i_s0, i_s1, K, KP))
     if s == 0:
-        tl.store(token_ptr + b, tl.where(first < KP, token, -1))
+        tl.store(token_ptr + b, token)
         tl.store(t_ptr + b, t_draw)
     if first == KP:
         # every candidate rejected: this chunk's mass of level n_v's (p - t q)_+, and of p
         # (drawn from where nothing is left)
+        compute = tl.float64 if F64 else tl.float32
         t_r = tl.minimum(t_draw, max_scalar).to(compute)
         mass_out = mass_ptr + (b * S + s) * 2
         store_chunk_masses(p_row, q_row, mass_out, t_r, t_r, V, CHUNK, False, compute, BLOCK)

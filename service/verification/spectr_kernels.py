@@ -32,6 +32,32 @@ def pick(x, lanes, i):
 
 
 @triton.jit
+def candidates(
+    p_row, q_row, cand_ptr, is_cand_ptr, u_ptr, b, c_s0, c_s1, i_s0, i_s1, u_s0, u_s1,
+    K: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """The node's K candidates on KP lanes: (lanes, ids in path order, whether each passes
+    through the node, p and q at each in float64, each test's uniform)."""
+    ks = tl.arange(0, KP)
+    in_k = ks < K
+    cand = tl.load(cand_ptr + b * c_s0 + ks * c_s1, mask=in_k, other=0)
+    is_cand = tl.load(is_cand_ptr + b * i_s0 + ks * i_s1, mask=in_k, other=0) != 0
+    p_c = tl.load(p_row + cand, mask=in_k, other=0.0).to(tl.float64)
+    q_c = tl.load(q_row + cand, mask=in_k, other=0.0).to(tl.float64)
+    u_c = tl.load(u_ptr + b * u_s0 + ks * u_s1, mask=in_k, other=1.0).to(tl.float64)
+    return ks, cand, is_cand, p_c, q_c, u_c
+
+
+@triton.jit
+def first_passing(passes, ks, cand, KP: tl.constexpr):
+    """The first candidate whose test passes: (its lane, KP where none does; its id, -1
+    where none does)."""
+    first = tl.min(tl.where(passes, ks, KP), axis=0)
+    token = tl.sum(tl.where(ks == first, cand, 0), axis=0)
+    return first, tl.where(first < KP, token, -1)
+
+
+@triton.jit
 def choose(state_row, n, S, K: tl.constexpr, WAYS: tl.constexpr, SP: tl.constexpr):
     """One round's outcome from its chunks' sums: (lo, hi) of the next round and β(hi).
     Every program of a row sums the same chunks in the same order: the same bits."""
@@ -241,17 +267,12 @@ def tests_kernel(
     p_row = p_ptr + b * p_s0
     q_row = q_ptr + b * q_s0
     # the candidates' tests, each with its own uniform: the first that passes is taken
-    ks = tl.arange(0, KP)
-    in_k = ks < K
-    cand = tl.load(cand_ptr + b * c_s0 + ks * c_s1, mask=in_k, other=0)
-    is_cand = tl.load(is_cand_ptr + b * i_s0 + ks * i_s1, mask=in_k, other=0) != 0
-    p_c = tl.load(p_row + cand, mask=in_k, other=0.0).to(tl.float64)
-    q_c = tl.load(q_row + cand, mask=in_k, other=0.0).to(tl.float64)
-    u_c = tl.load(u_ptr + b * u_s0 + ks * u_s1, mask=in_k, other=1.0).to(tl.float64)
-    first = tl.min(tl.where(is_cand & (u_c * rho * q_c < p_c), ks, KP), axis=0)
-    token = tl.sum(tl.where(ks == first, cand, 0), axis=0)
+    ks, cand, is_cand, p_c, q_c, u_c = candidates(
+        p_row, q_row, cand_ptr, is_cand_ptr, u_ptr, b, c_s0, c_s1, i_s0, i_s1, u_s0, u_s1, K, KP
+    )
+    first, token = first_passing(is_cand & (u_c * rho * q_c < p_c), ks, cand, KP)
     if s == 0:
-        tl.store(token_ptr + b, tl.where(first < KP, token, -1))
+        tl.store(token_ptr + b, token)
         tl.store(rho_ptr + b, rho)
         tl.store(beta_ptr + b, beta)
     if first == KP:
