@@ -58,11 +58,11 @@ def median_ms(fn, repeats: int, device: str) -> float:
 TOP_KERNELS = 8
 
 
-def profile_call(fn) -> dict:
+def profile_call(fn, top: int = TOP_KERNELS) -> dict:
     """One call under torch.profiler: GPU kernels launched, their summed busy time, the host
-    waits on the GPU (cudaStreamSynchronize: .item(), nonzero, masked indexing), and the
-    kernels that took the most GPU time. Many kernels and waits with little busy time means
-    the call is bound by launches and syncs, not memory.
+    waits on the GPU (cudaStreamSynchronize: .item(), nonzero, masked indexing), and the `top`
+    kernels (and copies) that took the most GPU time. Many kernels and waits with little busy
+    time means the call is bound by launches and syncs, not memory.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -78,12 +78,12 @@ def profile_call(fn) -> dict:
         entry = by_name.setdefault(e.name.removeprefix("void ")[:100], [0, 0.0])
         entry[0] += 1
         entry[1] += e.device_time
-    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
     return dict(
         kernels=len(kernels),
         gpu_ms=sum(e.device_time for e in gpu) / 1e3,
         waits=len(waits),
-        top_kernels=[dict(name=n, calls=c, ms=round(us / 1e3, 4)) for n, (c, us) in top],
+        top_kernels=[dict(name=n, calls=c, ms=round(us / 1e3, 4)) for n, (c, us) in ranked],
     )
 
 

@@ -18,33 +18,16 @@ import json
 import time
 
 import torch
-from bench_verify import make_inputs, median_ms
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from bench_verify import make_inputs, median_ms, profile_call
 
 from service.verification import VerifyGraphs, verify
 
 
 def gpu_profile(fn, top: int) -> dict:
-    """One call of fn under torch.profiler (after a warm-up): GPU events, their summed time,
-    and the `top` kernels (and copies) by GPU time, as (name, calls, ms)."""
+    """bench_verify.profile_call of fn after a warm-up call."""
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    by_name: dict[str, list] = {}
-    for e in gpu:
-        entry = by_name.setdefault(e.name.removeprefix("void ")[:110], [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.device_time
-    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    return dict(
-        n=len(gpu),
-        busy=sum(e.device_time for e in gpu) / 1e3,
-        top=[(name, calls, round(us / 1e3, 4)) for name, (calls, us) in ranked],
-    )
+    return profile_call(fn, top)
 
 
 def main() -> None:
@@ -92,13 +75,13 @@ def main() -> None:
             **{f: getattr(seeded[0], f).tolist() for f in fields},
         )
         print(
-            f"\n## {method}: replay {ms:.3f} ms, replay busy {replayed['busy']:.3f} "
-            f"({replayed['n']} GPU events), graph same {same}; eager busy {eager['busy']:.3f} "
-            f"({eager['n']})",
+            f"\n## {method}: replay {ms:.3f} ms, replay busy {replayed['gpu_ms']:.3f} "
+            f"({replayed['kernels']} kernels), graph same {same}; eager busy "
+            f"{eager['gpu_ms']:.3f} ({eager['kernels']}, {eager['waits']} host waits)",
             flush=True,
         )
-        for name, calls, kernel_ms in replayed["top"]:
-            print(f"  {kernel_ms:7.4f} ms {calls:4d}x  {name}")
+        for kernel in replayed["top_kernels"]:
+            print(f"  {kernel['ms']:7.4f} ms {kernel['calls']:4d}x  {kernel['name']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
