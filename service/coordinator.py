@@ -44,6 +44,15 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED)."""
 
 
+class RequestLost(RuntimeError):
+    """A worker restart lost state that the request's output law depends on (a feature draft's
+    own features under a live greedy-block record): it ends with UNAVAILABLE, to be retried,
+    rather than continue from a rebuilt state under another law."""
+
+
+LOST_MESSAGE = "a worker restarted while the request's draft held state it cannot rebuild; retry"
+
+
 class ReplicaFailed(RuntimeError):
     """A step failed (worker actors that could not be brought back, say); this replica serves
     no more (UNAVAILABLE)."""
@@ -63,7 +72,7 @@ class Done:
 
 @dataclass
 class Failed:
-    error: BaseException  # DeadlineExceeded or ReplicaFailed
+    error: BaseException  # DeadlineExceeded, RequestLost or ReplicaFailed
 
 
 Event = Emitted | Done | Failed
@@ -224,7 +233,9 @@ class Coordinator:
             except WorkerLost as exc:
                 log.warning("worker lost (%s); restarting (attempt %d)", exc, attempt)
                 start = time.perf_counter()
-                self.engine.recover()
+                for request_id in self.engine.recover():
+                    self.stats.cancelled += 1
+                    self._finish(request_id, Failed(RequestLost(LOST_MESSAGE)))
                 self.stats.recoveries += 1
                 log.warning("workers back after %.1f s", time.perf_counter() - start)
         return self.engine.step()  # a failure now fails the replica

@@ -199,6 +199,7 @@ class StepPlan:
     pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
     pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
     pending_features: torch.Tensor | None  # [n, P, E]: feature draft, the target's one back
+    own_features: torch.Tensor | None  # [n] bool: feature draft, rows that read their own
     num_paths: list[int]  # [n]: each request's K (0: plain)
     depth: list[int]  # [n]: each request's γ (0: plain)
     roots: torch.Tensor  # [n] int64: each tree's root, the last emitted token
@@ -306,6 +307,9 @@ class _Active:
     auto: AutoState | None = None  # method auto: what the policy knows of this request
     # feature draft: [len(draft_pending), E], the target's feature before each pending token
     draft_features: torch.Tensor | None = None
+    # feature draft: the carry holds a live record, so the draft keeps the law it was written
+    # against (its own features past the record's root; workers/draft.py)
+    own_features: bool = False
     output: list[int] = field(default_factory=list)
     carry: TargetModification | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -502,8 +506,11 @@ class SpeculativeEngine:
             self.active[index] = self.active[last]
         self.active.pop()
 
-    def recover(self) -> None:
+    def recover(self) -> list[str]:
         """Restart the remote workers' dead actors and rebuild both caches (after `WorkerLost`).
+        Returns the ids of the requests it dropped (cancelled) instead: those whose feature
+        draft kept its own features for a live record, a law a rebuild from true features
+        would not reproduce (workers/draft.py).
 
         Both caches are rebuilt, a survivor's too: the failed step may have run on it (the
         draft appends its pending tokens when it proposes). Every active request is prefilled
@@ -518,10 +525,13 @@ class SpeculativeEngine:
             worker.wait_ready()
         self.free_slots += [parked.slot for parked in self.parked.values()]
         self.parked.clear()
-        if not self.active:
-            return
-        zeros = [0] * len(self.active)
-        self._prefill(0, self.active, zeros, zeros)
+        lost = [a.req.request_id for a in self.active if a.own_features]
+        for request_id in lost:
+            self.cancel(request_id)
+        if self.active:
+            zeros = [0] * len(self.active)
+            self._prefill(0, self.active, zeros, zeros)
+        return lost
 
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
@@ -541,8 +551,13 @@ class SpeculativeEngine:
         speculated = time.perf_counter()
         for a, carry in zip(batch, verdict.carries, strict=True):
             a.carry = carry
-        if plan.drafted and not self.feature_draft:  # the target committed its paths itself
-            self.draft.commit(verdict.path, verdict.num_accepted)
+            a.own_features = self.feature_draft and carry is not None and carry.live
+        if plan.drafted:  # the target committed its paths itself
+            keep = verdict.num_accepted
+            if self.feature_draft:  # only under a live record (see _Active.own_features)
+                own = torch.tensor([a.own_features for a in batch], device=keep.device)
+                keep = torch.where(own, keep, 0)
+            self.draft.commit(verdict.path, keep)
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
             arm, shape = auto
             accepted = verdict.num_accepted.tolist()
@@ -582,7 +597,7 @@ class SpeculativeEngine:
     def _plan(self, batch: list[_Active]) -> StepPlan:
         n = len(batch)
         plain = [a.arm.method == PLAIN for a in batch]
-        pending = features = None
+        pending = features = own = None
         counts = torch.tensor([len(a.draft_pending) for a in batch])
         if not all(plain):  # a batch of plain requests never touches the draft model
             pending = torch.zeros(n, int(counts.max()), dtype=torch.int64)
@@ -592,6 +607,8 @@ class SpeculativeEngine:
                 features = torch.nn.utils.rnn.pad_sequence(
                     [a.draft_features for a in batch], batch_first=True
                 )
+                if any(a.own_features for a in batch):
+                    own = torch.tensor([a.own_features for a in batch])
         groups = defaultdict(list)
         for i, a in enumerate(batch):
             groups[(a.arm.method, a.arm.k, a.arm.gamma)].append(i)
@@ -599,6 +616,7 @@ class SpeculativeEngine:
             pending=pending,
             pending_count=counts,
             pending_features=features,
+            own_features=own,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
             roots=torch.tensor([a.target_pending for a in batch]),
@@ -622,7 +640,7 @@ class SpeculativeEngine:
             if plan.drafted:
                 draft_args = (
                     plan.pending, plan.pending_count, plan.num_paths, plan.depth,
-                    plan.pending_features,
+                    plan.pending_features, plan.own_features,
                 )  # fmt: skip
             verify_here = functools.partial(verify_step, plan.verification)
             return remote(
@@ -635,7 +653,7 @@ class SpeculativeEngine:
         if plan.drafted:
             x, q = self.draft.propose(
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
-                generators, plan.pending_features,
+                generators, plan.pending_features, own=plan.own_features,
             )  # fmt: skip
         laps.lap("draft")
         tree = build_tree(plan.roots, x, torch.tensor(plan.num_paths), torch.tensor(plan.depth))
@@ -665,14 +683,19 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
-            # A feature draft keeps no draft-path entries: it reruns them with true features.
-            keeps_path = a.arm.method != PLAIN and not self.feature_draft
+            # A feature draft keeps no draft-path entries (it reruns them with true features)
+            # unless the request carries a live record (step: a.own_features).
+            keeps_path = a.arm.method != PLAIN and (not self.feature_draft or a.own_features)
             if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens
                 committed = min(t, run) if keeps_path else 0
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
                 a.draft_pending = a.draft_pending + emitted
-            if self.feature_draft:  # the target's features before the new pending tokens
+            if a.own_features:  # one pending token, whose feature the draft kept itself
+                if len(a.draft_pending) != 1:  # a live record ends inside the path's run part
+                    raise RuntimeError("a live record outlived its path's drafted tokens")
+                a.draft_features = verdict.features.new_zeros(1, verdict.features.shape[-1])
+            elif self.feature_draft:  # the target's features before the new pending tokens
                 new = verdict.features[i, : t + 1]
                 a.draft_features = new if plan.drafted else torch.cat([a.draft_features, new])
             reason = None

@@ -37,7 +37,7 @@ from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.auth import BearerAuth, server_credentials, warn_if_exposed
 from service.config import Settings
-from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
+from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
 from service.engine import InvalidArgument
 from service.requests import (
     FinishedEvent,
@@ -119,7 +119,7 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}"
     if isinstance(exc, DeadlineExceeded):
         return grpc.StatusCode.DEADLINE_EXCEEDED, text
-    if isinstance(exc, ReplicaFailed | StoreUnavailableError):
+    if isinstance(exc, ReplicaFailed | RequestLost | StoreUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, text
     return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
 

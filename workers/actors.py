@@ -125,13 +125,16 @@ class DraftActor:
         return self.worker.reads_features
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def propose(self, pending, pending_count, paths, depths, features, params, states) -> Drafted:
+    def propose(
+        self, pending, pending_count, paths, depths, features, own, params, states
+    ) -> Drafted:
         """DraftWorker.propose with generators rebuilt from, and returned as, their states."""
         start = time.perf_counter()
         generators = [torch.Generator().set_state(state) for state in states]
         x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
-            pending, pending_count, paths, depths, params, generators, features, whole_vocab=False
-        )
+            pending, pending_count, paths, depths, params, generators, features,
+            whole_vocab=False, own=own,
+        )  # fmt: skip
         rows = q.cpu().numpy()  # numpy: zero-copy through the object store, unlike torch
         rows = ray.put(rows) if rows.nbytes > STORE_BYTES else rows
         states = [g.get_state() for g in generators]
@@ -339,8 +342,8 @@ class RemoteDraft(_Remote):
     ) -> None:
         self._post("prefill", slot0, contexts, keep, features)
 
-    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        self._post("commit", path, num_accepted)
+    def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
+        self._post("commit", path, keep)
 
     def propose(self, *args, states: list[torch.Tensor]) -> ray.ObjectRef:
         """Start DraftActor.propose; the result (a `Drafted`) goes straight to the target."""
@@ -409,7 +412,7 @@ class RemoteTarget(_Remote):
         self,
         draft: RemoteDraft,
         draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths,
-        # pending_features [n, P, E] or None) or None: nothing drafted
+        # pending_features [n, P, E] or None, own_features [n] or None) or None: no drafting
         roots: torch.Tensor,  # [n] int64
         num_paths: list[int],
         depth: list[int],

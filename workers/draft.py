@@ -14,8 +14,16 @@ A *feature draft* (EAGLE; ``Llama.feature_fc``) reads at each position its token
 target's feature (final-norm hidden state) one position back. Its pending tokens are then all
 the tokens the target has run since the draft last ran (the step's emitted tokens), each with
 the target's feature before it; deeper draft tokens read the draft's own output in place of the
-target's feature, so their cache entries are provisional and `commit` keeps none of them (the
-accepted ones come back as pending tokens with the target's true features).
+target's feature, so their cache entries are provisional and `commit` usually keeps none of them
+(the accepted ones come back as pending tokens with the target's true features).
+
+A feature draft's law therefore depends on the step that drafts: the same prefix is scored with
+the draft's own features when it lies past the step's root, with the target's after a rerun.
+Greedy block verification and SpecTr-GBV* write records against the law of the step that
+drafted (docs/verification.md, "Carried records with a feature draft"), so while a request
+carries a live record its draft keeps that law: `commit` keeps the accepted path's entries
+(`keep`) and the draft's own feature at the path's end, and the next `propose` feeds that
+feature to the request's one pending token (`own`) instead of the target's.
 """
 
 from __future__ import annotations
@@ -35,6 +43,13 @@ class DraftWorker:
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
+        # Feature draft: [n, K, γ, E], the draft's own feature after each depth of the step's
+        # paths (depth 0: the root's), and per slot [slots, E] the one a kept path ended on.
+        self._own_paths: torch.Tensor | None = None
+        self.own_features = None
+        if self.reads_features:
+            width = model.spec.hidden_size
+            self.own_features = torch.zeros(max_batch, width, dtype=dtype, device=device)
 
     @property
     def reads_features(self) -> bool:
@@ -54,6 +69,8 @@ class DraftWorker:
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)
+        if self.own_features is not None:
+            self.own_features[dst] = self.own_features[src]
 
     @torch.inference_mode()
     def propose(
@@ -66,6 +83,8 @@ class DraftWorker:
         generators: list[torch.Generator],
         pending_features: torch.Tensor | None = None,  # [n, P, E]: feature draft, one back
         whole_vocab: bool = True,  # False: rows on the head's ids only, [n, K, γ, Vh]
+        own: torch.Tensor | None = None,  # [n] bool, feature draft: the row's single pending
+        # token reads the draft's own feature kept by `commit` (its pending_features unread)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [n, K, γ] and the processed rows they were sampled from [n, K, γ, V]
         (K, γ the batch's largest; entries past a request's own K or γ are never read).
@@ -91,6 +110,11 @@ class DraftWorker:
             | torch.eye(P, dtype=torch.bool, device=dev)
         )
         feats = None if pending_features is None else pending_features[:, None]
+        if own is not None and feats is not None:  # the own feature goes to the last pending
+            last = steps[None, :] == (pending_count - 1)[:, None]  # [n, P]
+            mine = (last & own[:, None])[:, None, :, None]  # [n, 1, P, 1]
+            kept = self.own_features[:n, None, None].to(feats.dtype)  # [n, 1, 1, E]
+            feats = torch.where(mine, kept, feats)
         _, new_k, new_v, hidden = self.model(
             pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
             features=feats, head=False,
@@ -106,6 +130,7 @@ class DraftWorker:
         tokens = [draw(rows[0], 0)]  # [n, K]
         base = self.cache.lengths[:n]
         ks, vs = [], []
+        own_paths = [feats] if self.reads_features else []  # [n, K, 1, E] a depth
         ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=dev)
         for i in range(1, gamma):
             suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
@@ -114,26 +139,34 @@ class DraftWorker:
                 tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats, head=False
             )
             feats = hidden  # the next depth's input (read by a feature draft only)
+            if self.reads_features:
+                own_paths.append(hidden)
             ks.append(nk)
             vs.append(nv)
             rows.append(process(self.model.head_logits(hidden[:, :, 0]), params))
             tokens.append(draw(rows[-1], i))
         self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
+        self._own_paths = torch.cat(own_paths, dim=2) if own_paths else None
         q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
         return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
 
-    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Append the accepted draft tokens that were run (at most γ - 1) of each request's path
-        (a feature draft keeps none: see the module's docstring)."""
-        if self._suffix is None or self.reads_features:
-            self._suffix = None
-            return
-        sk, sv = self._suffix
+    def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
+        """Append the first keep[i] draft tokens of each request's accepted path, of those that
+        were run (at most γ - 1): a token draft keeps its accepted ones (keep = τ). A feature
+        draft keeps a path only while the request carries a live record (keep = τ, else 0: see
+        the module's docstring), and then also the own feature at the path's depth keep[i]."""
         n = path.shape[0]
         rows = torch.arange(n, device=path.device)
+        if self._own_paths is not None:
+            depth = keep.clamp_max(self._own_paths.shape[2] - 1)
+            self.own_features[:n] = self._own_paths[rows, path, depth]
+            self._own_paths = None
+        if self._suffix is None:
+            return
+        sk, sv = self._suffix
         k_path, v_path = sk[:, rows, path], sv[:, rows, path]  # [L, n, H, γ-1, D]
         index = torch.arange(sk.shape[4], device=path.device).expand(n, -1)
-        self.cache.append(k_path, v_path, index, num_accepted.clamp_max(sk.shape[4]))
+        self.cache.append(k_path, v_path, index, keep.clamp_max(sk.shape[4]))
         self._suffix = None
 
 

@@ -43,6 +43,11 @@ class TargetModification:
         return self.rows_left.shape[0]
 
     @property
+    def live(self) -> bool:
+        """Some record still modifies upcoming rows (a pruned carry: no host read)."""
+        return self.rows_left.shape[1] > 0
+
+    @property
     def max_rows(self) -> int:
         """Largest number of upcoming rows any record still modifies (0 when none)."""
         return int(self.rows_left.max()) if self.rows_left.numel() else 0
