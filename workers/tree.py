@@ -12,7 +12,7 @@ tensor_parallel.py) consume them, so they live here, below both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,6 +25,12 @@ class DraftTree:
     node_of: torch.Tensor  # [n, K, γ+1] int64: node index of the prefix of length d of path k
     num_nodes: torch.Tensor  # [n] int64: real nodes (root included)
 
+    def to(self, device: torch.device) -> DraftTree:
+        """The tree on `device` (tensors already there are not copied)."""
+        return DraftTree(
+            *(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self))
+        )
+
 
 def build_tree(
     root: torch.Tensor, paths: torch.Tensor, num_paths: torch.Tensor, depth: torch.Tensor
@@ -32,6 +38,7 @@ def build_tree(
     """root [n] int64; paths [n, K, γ] int64; request b uses paths [0, num_paths[b]) to depth[b]."""
     n, K, gamma = paths.shape
     dev = paths.device
+    root, num_paths, depth = root.to(dev), num_paths.to(dev), depth.to(dev)  # from anywhere
     ks = torch.arange(K, device=dev)
     ds = torch.arange(1, gamma + 1, device=dev)
     valid = (ks[None, :, None] < num_paths[:, None, None]) & (
