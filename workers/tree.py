@@ -63,12 +63,15 @@ def build_tree(
     num_nodes = 1 + canonical.sum((1, 2))
     size = int(num_nodes.max())
 
+    # Scattered, never indexed by a boolean mask (on a GPU such an index reads the mask back):
+    # the entries that are not canonical land on the root's column, which is written last.
+    to = torch.where(canonical, slot_of, 0).reshape(n, K * gamma)
     tokens = torch.zeros(n, size, dtype=torch.int64, device=dev)
     node_depth = torch.zeros(n, size, dtype=torch.int64, device=dev)
-    rows = torch.arange(n, device=dev)[:, None, None].expand(n, K, gamma)
-    tokens[rows[canonical], slot_of[canonical]] = paths[canonical]
-    node_depth[rows[canonical], slot_of[canonical]] = ds.expand(n, K, gamma)[canonical]
+    tokens.scatter_(1, to, paths.reshape(n, K * gamma))
+    node_depth.scatter_(1, to, ds.expand(n, K, gamma).reshape(n, K * gamma))
     tokens[:, 0] = root
+    node_depth[:, 0] = 0
 
     # Ancestors of node (k, d) are (k, d') for d' <= d: scatter the pairs into the mask.
     mask = torch.eye(size, dtype=torch.bool, device=dev).repeat(n, 1, 1)
@@ -79,8 +82,8 @@ def build_tree(
     pair_ok = pair_ok & torch.ones(gamma + 1, gamma + 1, dtype=torch.bool, device=dev).tril()
     i = node_of[:, :, :, None].expand(n, K, gamma + 1, gamma + 1)
     j = node_of[:, :, None, :].expand(n, K, gamma + 1, gamma + 1)
-    b = torch.arange(n, device=dev)[:, None, None, None].expand_as(i)
-    mask[b[pair_ok], i[pair_ok], j[pair_ok]] = True
+    at = torch.where(pair_ok, i * size + j, 0).reshape(n, -1)  # others: (0, 0), True already
+    mask.view(n, size * size).scatter_(1, at, True)
     return DraftTree(tokens, node_depth, mask, node_of, num_nodes)
 
 
