@@ -47,6 +47,28 @@ class TargetModification:
         """Largest number of upcoming rows any record still modifies (0 when none)."""
         return int(self.rows_left.max()) if self.rows_left.numel() else 0
 
+    def to(self, device: torch.device | str) -> TargetModification:
+        """The records on `device` (themselves when they are there)."""
+        if self.rows_left.device == torch.device(device):
+            return self
+        return TargetModification(
+            self.log_p.to(device), self.log_q.to(device), self.rows_left.to(device)
+        )
+
+    def split(self) -> list[TargetModification]:
+        """Each request's records, a batch of one each. Where host reads are free, only the
+        columns live for that request (``select``); on an accelerator the rows of this batch's
+        columns, as views: pruning them would read the device once a request, and the batch's
+        columns are already pruned (``advance_records``); dead columns change no row."""
+        if host_reads_are_free(self.rows_left):
+            return [self.select([j]) for j in range(self.batch_size)]
+        return [
+            TargetModification(
+                self.log_p[j : j + 1], self.log_q[j : j + 1], self.rows_left[j : j + 1]
+            )
+            for j in range(self.batch_size)
+        ]
+
     def select(self, index: torch.Tensor | list[int]) -> TargetModification:
         """Records of a subset of requests (e.g. when requests leave a batch)."""
         idx = torch.as_tensor(index, device=self.rows_left.device)
