@@ -11,6 +11,8 @@ separately (`StepTimes`):
                         the accepted paths' KV entries
   commit:     the draft keeps its accepted tokens; append tokens, retire finished requests
 Over Ray the speculate part is one chained call, and verification runs on the target's rank 0.
+In process, the step's tensors are made on the workers' device and the host reads the verdict
+once a step (`verdict_on_host`); over Ray they travel through the host anyway.
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
 its own method, K, γ, sampling settings, seed (a private torch.Generator used for both drafting
@@ -39,7 +41,7 @@ import os
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -240,21 +242,24 @@ def verify_step(
 
     Pure, so it runs wherever p is: in the engine's process, or on the target's rank 0 actor
     (workers/actors.py), which then commits the accepted paths itself. Where p is on a GPU,
-    the verifiers that can replay from that process's CUDA graphs do."""
-    n = p.shape[0]
-    tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)
-    tau = torch.zeros(n, dtype=torch.int64)
-    path = torch.zeros(n, dtype=torch.int64)
-    carries = list(plan.carries)
+    the verifiers that can replay from that process's CUDA graphs do. The verdict and the
+    carries are on p's device."""
+    n, dev = p.shape[0], p.device  # the verdict and carries live where p is
+    x, q = x.to(dev), None if q is None else q.to(dev)  # (there already in process)
+    tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)
+    tau = torch.zeros(n, dtype=torch.int64, device=dev)
+    path = torch.zeros(n, dtype=torch.int64, device=dev)
+    carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
     for method, k, gamma, idx in plan.groups:
-        ix = group_rows(idx)
+        ix = group_rows(idx, dev)
         gens = [generators[i] for i in idx]
         if method == PLAIN:
             tokens[ix, 0] = sample(p[ix, :1, 0], gens)[:, 0]
             continue
         carry = None
         if VERIFIERS[method].modifies_target:
-            carry = TargetModification.cat([carries[i] or TargetModification.empty(1) for i in idx])
+            empty = TargetModification.empty(1, dev)
+            carry = TargetModification.cat([carries[i] or empty for i in idx])
         out = verify(
             method,
             x[ix, :k, :gamma],
@@ -268,19 +273,38 @@ def verify_step(
         tokens[ix, : gamma + 1] = out.tokens
         tau[ix], path[ix] = out.num_accepted, out.path
         if out.carry is not None:
-            for j, i in enumerate(idx):
-                carries[i] = out.carry.select([j])
+            for i, carry in zip(idx, out.carry.split(), strict=True):
+                carries[i] = carry
     return Verdict(tokens, tau, path, carries)
 
 
-def group_rows(idx: list[int]) -> slice | torch.Tensor:
+def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Verdict]:
+    """The draft tokens x and the verdict's tokens, τ and path on the host, by one copy (off the
+    CPU, the step's one wait for the device): what the commits and `_advance` read. Carries and
+    features stay on the device, where the next step reads them. On the CPU: as they are."""
+    if x.device.type == "cpu" and verdict.tokens.device.type == "cpu":
+        return x, verdict
+    width = verdict.tokens.shape[1]
+    columns = [verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None], x.flatten(1)]
+    packed = torch.cat([c.to(verdict.tokens.device) for c in columns], dim=1).cpu()
+    tokens, tau, path, drafted = packed.split([width, 1, 1, x[0].numel()], dim=1)
+    host = replace(verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0])
+    return drafted.view(x.shape), host
+
+
+def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
     """How verify_step takes a group's rows: consecutive rows as a slice, so that a batch of
     one kind (the usual case) is verified in place. Indexing with a tensor copies the rows: at
     batch 8, K = 4, γ = 8 and V = 49152 that was ~100 MB and 12 ms a step on a 2-core VM, as
     long as the SpecTr-GBV* call itself (the verifiers never write to their inputs)."""
     if idx == list(range(idx[0], idx[-1] + 1)):
         return slice(idx[0], idx[-1] + 1)
-    return torch.tensor(idx)
+    return torch.tensor(idx, device=device)
+
+
+def _device(worker) -> torch.device:
+    """Where a worker wants its inputs (remote workers: on the host, for the wire)."""
+    return getattr(worker, "device", torch.device("cpu"))
 
 
 class _Laps:
@@ -580,14 +604,14 @@ class SpeculativeEngine:
         return arm, shape
 
     def _plan(self, batch: list[_Active]) -> StepPlan:
-        n = len(batch)
         plain = [a.arm.method == PLAIN for a in batch]
         pending = features = None
+        # On the host: the draft reads the counts there (KVCache), and moves them itself.
         counts = torch.tensor([len(a.draft_pending) for a in batch])
         if not all(plain):  # a batch of plain requests never touches the draft model
-            pending = torch.zeros(n, int(counts.max()), dtype=torch.int64)
-            for i, a in enumerate(batch):
-                pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
+            width = max(len(a.draft_pending) for a in batch)
+            padded = [a.draft_pending + [0] * (width - len(a.draft_pending)) for a in batch]
+            pending = torch.tensor(padded, dtype=torch.int64, device=_device(self.draft))
             if self.feature_draft:
                 features = torch.nn.utils.rnn.pad_sequence(
                     [a.draft_features for a in batch], batch_first=True
@@ -601,7 +625,7 @@ class SpeculativeEngine:
             pending_features=features,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
-            roots=torch.tensor([a.target_pending for a in batch]),
+            roots=torch.tensor([a.target_pending for a in batch], device=_device(self.target)),
             params=[a.req.sampling for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
@@ -630,19 +654,21 @@ class SpeculativeEngine:
                 generators, verify_here,
             )  # fmt: skip
         laps = _Laps()
-        n, q = len(generators), None
-        x = torch.zeros(n, 1, 1, dtype=torch.int64)
+        n, q, dev = len(generators), None, _device(self.target)
+        x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
         if plan.drafted:
             x, q = self.draft.propose(
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
                 generators, plan.pending_features,
             )  # fmt: skip
         laps.lap("draft")
-        tree = build_tree(plan.roots, x, torch.tensor(plan.num_paths), torch.tensor(plan.depth))
+        paths, depths = (torch.tensor(v, device=dev) for v in (plan.num_paths, plan.depth))
+        tree = build_tree(plan.roots, x.to(dev), paths, depths)
         laps.lap("tree")
         p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
         laps.lap("target")
         verdict = verify_step(plan.verification, x, q, p, generators)
+        x, verdict = verdict_on_host(x, verdict)  # both commits and `_advance` read it there
         laps.lap("verify")
         verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
         laps.lap("target")  # the commit is the target's work too
