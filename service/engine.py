@@ -299,12 +299,18 @@ def group_rows(idx: list[int], device: torch.device | None = None) -> slice | to
     long as the SpecTr-GBV* call itself (the verifiers never write to their inputs)."""
     if idx == list(range(idx[0], idx[-1] + 1)):
         return slice(idx[0], idx[-1] + 1)
-    return torch.tensor(idx, device=device)
+    return torch.tensor(idx).to(device, non_blocking=True)
 
 
 def _device(worker) -> torch.device:
     """Where a worker wants its inputs (remote workers: on the host, for the wire)."""
     return getattr(worker, "device", torch.device("cpu"))
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """int64 values on `device`, by a copy that does not wait for it (torch.tensor(values,
+    device=...) copies blocking: the host would wait for all the device's queued work)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 class _Laps:
@@ -611,7 +617,7 @@ class SpeculativeEngine:
         if not all(plain):  # a batch of plain requests never touches the draft model
             width = max(len(a.draft_pending) for a in batch)
             padded = [a.draft_pending + [0] * (width - len(a.draft_pending)) for a in batch]
-            pending = torch.tensor(padded, dtype=torch.int64, device=_device(self.draft))
+            pending = _on(_device(self.draft), padded)
             if self.feature_draft:
                 features = torch.nn.utils.rnn.pad_sequence(
                     [a.draft_features for a in batch], batch_first=True
@@ -625,7 +631,7 @@ class SpeculativeEngine:
             pending_features=features,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
-            roots=torch.tensor([a.target_pending for a in batch], device=_device(self.target)),
+            roots=_on(_device(self.target), [a.target_pending for a in batch]),
             params=[a.req.sampling for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
@@ -662,7 +668,7 @@ class SpeculativeEngine:
                 generators, plan.pending_features,
             )  # fmt: skip
         laps.lap("draft")
-        paths, depths = (torch.tensor(v, device=dev) for v in (plan.num_paths, plan.depth))
+        paths, depths = _on(dev, plan.num_paths), _on(dev, plan.depth)
         tree = build_tree(plan.roots, x.to(dev), paths, depths)
         laps.lap("tree")
         p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]

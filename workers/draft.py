@@ -89,7 +89,8 @@ class DraftWorker:
 
         dev = self.device
         counted = pending_count  # where it arrived: on the host, the cache keeps its lengths there
-        pending, pending_count = pending.to(dev, non_blocking=True), pending_count.to(dev)
+        pending = pending.to(dev, non_blocking=True)
+        pending_count = pending_count.to(dev, non_blocking=True)
         if pending_features is not None:
             pending_features = pending_features.to(dev, non_blocking=True)
         lengths = self.cache.lengths[:n].clone()
@@ -232,7 +233,7 @@ def _prefill_batch(
         return [torch.zeros(0, model.spec.hidden_size, device=dev) for _ in contexts]
     kept = cache.lengths[slot0 : slot0 + n].clone()
     counted = torch.tensor([c.shape[0] for c in contexts])  # on the host: see KVCache
-    counts = counted.to(dev)
+    counts = counted.to(dev, non_blocking=True)
     # Padded where the contexts are (the engine's: on the host), then moved at once.
     tokens = torch.zeros(n, T, dtype=torch.int64, device=contexts[0].device)
     for i, c in enumerate(contexts):

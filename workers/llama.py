@@ -213,7 +213,7 @@ class KVCache:
     def truncate(self, slot0: int, keep: list[int]) -> None:
         """Slot slot0 + i keeps its first keep[i] committed entries (no more than it holds)."""
         n = len(keep)
-        kept = torch.tensor(keep, dtype=torch.int64, device=self.lengths.device)
+        kept = torch.tensor(keep, dtype=torch.int64).to(self.lengths.device, non_blocking=True)
         if self.on_cpu:
             over = bool((kept > self.lengths[slot0 : slot0 + n]).any())
         else:

@@ -38,7 +38,7 @@ def build_tree(
     """root [n] int64; paths [n, K, γ] int64; request b uses paths [0, num_paths[b]) to depth[b]."""
     n, K, gamma = paths.shape
     dev = paths.device
-    root, num_paths, depth = root.to(dev), num_paths.to(dev), depth.to(dev)  # from anywhere
+    root, num_paths, depth = (t.to(dev, non_blocking=True) for t in (root, num_paths, depth))
     ks = torch.arange(K, device=dev)
     ds = torch.arange(1, gamma + 1, device=dev)
     valid = (ks[None, :, None] < num_paths[:, None, None]) & (
