@@ -12,9 +12,12 @@ refused the same way:
 
 Every read of device data on the host is counted as a *host sync* (``FakeCuda.syncs``, and
 ``sites``: where in service/ and workers/ each came from): ``.item()``, ``int()``/``bool()``/
-``float()``, ``.tolist()``, ``.cpu()`` and other device-to-host copies, and the ops whose
-output size depends on device data (``nonzero``, ``masked_select``, indexing with a device
-boolean mask). Host-to-device copies are counted apart (``h2d``): no wait, only traffic.
+``float()``, ``.tolist()``, ``.cpu()`` and other device-to-host copies, the ops whose output
+size depends on device data (``nonzero``, ``masked_select``, indexing with a device boolean
+mask), and blocking host-to-device copies (``.to(device)`` without ``non_blocking=True``,
+``torch.tensor(data, device=...)``, a slice assigned from the host): CUDA synchronizes the
+stream before such a copy returns, so the host waits for all queued work as for a read. Every
+copy from the host is also counted in ``h2d``.
 
 How: ``FakeCudaTensor`` is a wrapper subclass (``_make_wrapper_subclass`` on the meta device
 with ``dispatch_device=True``: its device is answered by ``__torch_dispatch__``, as
@@ -72,6 +75,8 @@ _INDEXING = {
     aten.index_put.default,
     aten._index_put_impl_.default,
 }
+# Factories that copy host data to the device, blocking (torch.tensor(data, device=...)).
+_FROM_HOST_DATA = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
 _SIZE_FROM_DATA = {aten.nonzero.default, aten.masked_select.default}  # a host wait on a GPU
 _HOST_READS = (
     torch.Tensor.item,
@@ -113,9 +118,23 @@ def _count(kind: str) -> None:
     harness.sites[_site()] += 1
 
 
-def _count_h2d() -> None:
+def _count_h2d(blocking: bool) -> None:
+    """A copy from the host. A blocking one (PyTorch's default) synchronizes the stream before it
+    returns: the host waits for all queued device work, a host sync like a read."""
     if _ACTIVE:
         _ACTIVE[-1].h2d += 1
+        if blocking:
+            _count("h2d wait")
+
+
+def _argument(func, args, kwargs, name: str, default):
+    """An aten op's argument by name, given by keyword or by position."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == name and i < len(args):
+            return args[i]
+    return default
 
 
 def _site() -> str:
@@ -214,12 +233,12 @@ def _dispatch(func, args, kwargs):
         if is_fake(args[0]) and to_host:
             _count("to host")
         elif not is_fake(args[0]) and to_device:
-            _count_h2d()
+            _count_h2d(not _argument(func, args, kwargs, "non_blocking", False))
     elif func is aten.copy_.default and is_fake(args[0]) != is_fake(args[1]):
         if is_fake(args[1]):
             _count("to host")
         elif args[1].dim() > 0:
-            _count_h2d()
+            _count_h2d(not _argument(func, args, kwargs, "non_blocking", False))
 
     u_args, u_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
     if to_device:
@@ -284,8 +303,8 @@ class FakeCudaMode(TorchFunctionMode):
                     return FakeCudaTensor(t.clone())
                 return _wrap(t)
 
-            if host or func in (torch.tensor, torch.as_tensor):
-                _count_h2d()
+            if func in _FROM_HOST_DATA:  # their copy to the device blocks
+                _count_h2d(True)
             return tree_map(own, out)
         try:
             return func(*args, **kwargs)
@@ -299,8 +318,9 @@ class FakeCudaMode(TorchFunctionMode):
         self_ = args[0]
         if func is torch.Tensor.cuda:
             device, dtype, copied = FAKE_CUDA, None, False
+            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2])
         else:
-            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
             copied = kwargs.get("copy", False)
         if not _is_cuda(device):
             return func(*args, **kwargs)  # dispatch counts a copy to the host
@@ -310,7 +330,7 @@ class FakeCudaMode(TorchFunctionMode):
             if dtype == elem.dtype and not copied:
                 return self_
             return FakeCudaTensor(elem.to(dtype=dtype, copy=copied))
-        _count_h2d()
+        _count_h2d(not non_blocking)
         return FakeCudaTensor(elem.to(dtype=dtype, copy=True))
 
     @staticmethod
@@ -350,7 +370,7 @@ class FakeCudaMode(TorchFunctionMode):
         if isinstance(value, torch.Tensor) and not is_fake(value) and value.dim() > 0:
             if advanced:  # index_put_ takes its values on self's device only
                 raise RuntimeError(_SAME_DEVICE_ERROR.format(op="index_put_"))
-            _count_h2d()  # a slice's copy_ from the host: legal
+            _count_h2d(True)  # a slice's copy_ from the host: legal, and blocking
         return torch.Tensor.__setitem__(self_.elem, tree_map(_unwrap, index), _unwrap(value))
 
 

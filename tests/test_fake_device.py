@@ -44,11 +44,11 @@ from workers.target import TargetWorker
 
 MAX_BATCH, MAX_LEN = 4, 96
 
-# Host reads of device data per decode step, at most: the tree's size (build_tree), the step's
-# one copy of the verdict back to the host (verdict_on_host), and per verify call its
-# draft-token range check (verification.common.check_inputs). The methods that carry a target
-# modification also read how many rows their records still modify, and prune dead records
-# (service/verification/modification.py).
+# Host syncs per decode step (reads of device data, and blocking copies to it), at most: the
+# tree's size (build_tree), the step's one copy of the verdict back to the host
+# (verdict_on_host), and per verify call its draft-token range check
+# (verification.common.check_inputs). The methods that carry a target modification also read
+# how many rows their records still modify, and prune dead records (verification.modification).
 TREE_AND_VERDICT = 2
 PER_VERIFY_CALL = 1
 PER_CARRY_CALL = 2
@@ -141,18 +141,20 @@ def test_harness_refuses_what_cuda_refuses_and_counts_host_reads():
             torch.rand(2, generator=torch.Generator(), device="cuda")
         with pytest.raises(TypeError, match="numpy"):
             a.numpy()
-        # What CUDA takes: 0-dim host tensors, host index tensors, slice copies from the host.
+        # What CUDA takes: 0-dim host tensors, host index tensors, copies from the host.
         assert is_fake(a * torch.tensor(2.0)) and is_fake(a[torch.tensor([1])])
-        a[0] = torch.ones(3)
         view = a[1]
         view.add_(1)  # views alias their base
-        assert dev.total == 0 and dev.h2d >= 1
+        assert is_fake(torch.ones(3).to("cuda", non_blocking=True))
+        assert dev.total == 0 and dev.h2d == 1
+        a[0] = torch.ones(3)  # a blocking copy: the host waits for the queued work
+        assert dev.syncs == Counter({"h2d wait": 1})
         assert a.tolist() == [[1.0, 1.0, 1.0], [4.0, 5.0, 6.0]]
         assert int(a[1, 0]) == 4 and bool(a.any()) and a.sum().item() == 18.0
         assert not is_fake(a.cpu()) and is_fake(a[a > 4])
-        assert dev.syncs == Counter(
-            {"tolist": 1, "int": 1, "bool": 1, "item": 1, "to host": 1, "mask index": 1}
-        )
+        assert is_fake(torch.tensor([1, 2], device="cuda"))  # a blocking copy too
+        reads = {"tolist": 1, "int": 1, "bool": 1, "item": 1, "to host": 1, "mask index": 1}
+        assert dev.syncs == Counter({**reads, "h2d wait": 2})
     with FakeCuda(), torch.no_grad():  # outside inference mode too
         b = torch.zeros(2, 3, device="cuda")
         assert is_fake(torch.where(b > 0, b, 0.0)) and is_fake(b.new_zeros(2))
@@ -233,8 +235,8 @@ DROPPED_MOVES = {
     "sampling.sample": (
         workers.draft,
         "sample",
-        "u.to(probs.device)",
-        "u",
+        "u = u.to(probs.device, non_blocking=True)",
+        "pass",
         (service.engine,),
     ),
     # a cache's counts, arriving on the host
@@ -249,8 +251,8 @@ DROPPED_MOVES = {
     "DraftWorker.propose": (
         DraftWorker,
         "propose",
-        "pending, pending_count = pending.to(dev, non_blocking=True), pending_count.to(dev)",
-        "pending = pending.to(dev, non_blocking=True)",
+        "pending_count = pending_count.to(dev, non_blocking=True)",
+        "pass",
         (),
     ),
 }
