@@ -292,6 +292,18 @@ def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Ve
     return drafted.view(x.shape), host
 
 
+def verify_on_host(
+    plan: VerifyPlan,
+    x: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generators: list[torch.Generator],
+) -> Verdict:
+    """verify_step, with the verdict's tokens, τ and path then on the host (verdict_on_host):
+    what a remote target's rank 0 verifies with, commits from and sends back."""
+    return verdict_on_host(x, verify_step(plan, x, q, p, generators))[1]
+
+
 def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
     """How verify_step takes a group's rows: consecutive rows as a slice, so that a batch of
     one kind (the usual case) is verified in place. Indexing with a tensor copies the rows: at
@@ -654,7 +666,7 @@ class SpeculativeEngine:
                     plan.pending, plan.pending_count, plan.num_paths, plan.depth,
                     plan.pending_features,
                 )  # fmt: skip
-            verify_here = functools.partial(verify_step, plan.verification)
+            verify_here = functools.partial(verify_on_host, plan.verification)
             return remote(
                 self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
                 generators, verify_here,

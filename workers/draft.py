@@ -248,8 +248,8 @@ def _prefill_batch(
     feats = None
     if features is not None:
         feats = torch.zeros(n, 1, T, model.spec.hidden_size, device=dev)
-        for i, f in enumerate(features):
-            feats[i, 0, : f.shape[0]] = f
+        for i, f in enumerate(features):  # over Ray from the host: copied without waiting
+            feats[i, 0, : f.shape[0]] = f.to(dev, non_blocking=True)
     _, k, v, hidden = model(
         tokens[:, None], positions, cache, mask[:, None], slot0=slot0, features=feats, head=False
     )

@@ -192,8 +192,8 @@ def serve(shard: TargetShard, recv: Callable[[], Command]) -> None:
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     """Tensors inside (lists, tuples, dataclasses of) arguments, moved to `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+    if isinstance(obj, torch.Tensor):  # from the host without waiting; to it, waiting
+        return obj.to(device, non_blocking=obj.device.type == "cpu" and device.type != "cpu")
     if isinstance(obj, list | tuple):
         return type(obj)(_to_device(x, device) for x in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -52,9 +52,9 @@ class TargetModification:
         """The records on `device` (themselves when they are there)."""
         if self.rows_left.device == torch.device(device):
             return self
-        return TargetModification(
-            self.log_p.to(device), self.log_q.to(device), self.rows_left.to(device)
-        )
+        from_host = self.rows_left.device.type == "cpu"  # then the copies need not wait
+        tensors = (self.log_p, self.log_q, self.rows_left)
+        return TargetModification(*(t.to(device, non_blocking=from_host) for t in tensors))
 
     def split(self) -> list[TargetModification]:
         """Each request's records, a batch of one each. Where host reads are free, only the
