@@ -20,6 +20,7 @@ tests/test_verify_graphs.py cover the kernels and graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import textwrap
@@ -32,12 +33,13 @@ from test_engine import make_engine, tiny_pair
 from test_feature_draft import random_fc
 
 import service.engine
+import workers.actors as actors
 import workers.draft
 from service.engine import GenerationRequest, build_engine
 from service.policy import AUTO, PLAIN
 from service.verification import METHODS, VERIFIERS
 from workers.draft import DraftWorker
-from workers.llama import KVCache
+from workers.llama import KVCache, LlamaSpec
 from workers.models import TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
@@ -159,6 +161,28 @@ def test_harness_refuses_what_cuda_refuses_and_counts_host_reads():
         b = torch.zeros(2, 3, device="cuda")
         assert is_fake(torch.where(b > 0, b, 0.0)) and is_fake(b.new_zeros(2))
         assert is_fake(torch.nn.utils.rnn.pad_sequence([b, b[:1]], batch_first=True))
+
+
+def test_a_device_cache_keeps_its_lengths_on_the_host_and_still_refuses_overflow():
+    spec = LlamaSpec(64, 8, 16, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+                     rms_norm_eps=1e-6, rope_theta=1e4, max_positions=8)  # fmt: skip
+    new = torch.zeros(1, 2, 1, 4, 8)  # [L, n, H, T, D]
+    index = torch.arange(4).expand(2, 4)
+    with FakeCuda() as dev, torch.inference_mode():
+        cache = KVCache(spec, 1, 2, 6, torch.float32, "cuda")
+        new, index = new.cuda(), index.cuda()
+        cache.truncate(0, [0, 0])
+        dev.reset()
+        cache.append(new, new, index, torch.tensor([4, 2]))  # counts on the host: known there
+        assert cache.prefix_length(0, 2) == 4 and dev.total == 0
+        with pytest.raises(ValueError, match="KV cache full"):  # refused before writing
+            cache.append(new, new, index, torch.tensor([3, 0]))
+        # Counts on the device: the next read refreshes the host lengths, one wait.
+        cache.append(new, new, index, torch.tensor([0, 3]).to("cuda", non_blocking=True))
+        assert cache.prefix_length(0, 2) == 5 and dev.syncs == Counter({"tolist": 1})
+        cache.append(new, new, index, torch.tensor([3, 0]).cuda())  # 7 > 6: found when read
+        with pytest.raises(ValueError, match="KV cache full"):
+            cache.prefix_length(0, 2)
 
 
 # ------------------------------------------------------------------------------ token draft
@@ -284,3 +308,91 @@ def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
     _, per_step, sites = run_fake(fake, requests(["block"]))
     assert max(per_step) > host_sync_bound({"block"})
     assert any("verify_step" in site for site in sites)
+
+
+# ------------------------------------------------------------------------------ Ray actors
+def wire(obj):
+    """What Ray's numpy wire (workers.actors.use_numpy_wire) makes of obj on the other side:
+    the same, with every tensor on the host."""
+    if isinstance(obj, torch.Tensor):
+        return actors._tensor_from_wire(actors._tensor_to_wire(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
+    if isinstance(obj, list | tuple):
+        return type(obj)(wire(x) for x in obj)
+    return obj
+
+
+class WiredDraft:
+    """RemoteDraft in process: its DraftActor's calls, arguments through the wire."""
+
+    reads_features = False
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def prefill(self, *args) -> None:
+        self.actor.call("prefill", wire(args))
+
+    def move(self, src: int, dst: int) -> None:
+        self.actor.call("move", (src, dst))
+
+    def commit(self, *args) -> None:
+        self.actor.call("commit", wire(args))
+
+
+class WiredTarget(WiredDraft):
+    """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
+    chains the draft's and the target's calls, every tensor through the wire."""
+
+    def speculate(self, draft, draft_args, roots, num_paths, depth, params, generators, verify):
+        states = [g.get_state() for g in generators]
+        drafted = None
+        if draft_args is not None:
+            drafted = wire(draft.actor.propose(*wire(draft_args), params, states))
+        own = None if drafted else states
+        out = self.actor.speculate(*wire((roots, num_paths, depth, params)), drafted, own, verify)
+        x, verdict, states, seconds = wire(out)
+        for g, state in zip(generators, states, strict=True):
+            g.set_state(state)
+        return x, verdict, seconds
+
+
+@pytest.fixture(scope="module")
+def wired():
+    """The tiny pair as Ray's draft and target actors on the fake device, called in process
+    (their classes without Ray), every argument and result through the numpy wire."""
+    with pytest.MonkeyPatch.context() as patch, FakeCuda():
+        patch.setattr(actors, "use_numpy_wire", lambda: None)  # Ray's serializer: `wire` here
+        slots, dtype, threads = MAX_BATCH + 1, "float32", 1
+        draft = actors.DraftActor.__ray_metadata__.modified_class(
+            str(TINY_DRAFT), slots, MAX_LEN, dtype, "cuda", threads
+        )
+        target = actors.TargetShardActor.__ray_metadata__.modified_class(
+            str(TINY_TARGET), 0, 1, slots, MAX_LEN, dtype, "cuda", threads
+        )
+    assert is_fake(target.shard.worker.cache.k) and is_fake(draft.worker.cache.k)
+    vocab = target.shard.worker.model.spec.vocab_size
+    return service.engine.SpeculativeEngine(
+        WiredDraft(draft), WiredTarget(target), MAX_BATCH, MAX_LEN, vocab, max_sessions=1
+    )
+
+
+@pytest.mark.parametrize(
+    "methods", [["block"] * 3, ["spectr"] * 3, ["greedy_block"] * 3, ["block", PLAIN, "gbv"]]
+)
+def test_the_ray_actors_decode_on_the_device_as_the_cpu_engine(tiny, wired, monkeypatch, methods):
+    """Over Ray every tensor arrives on the host; the actors move what they get (the carried
+    records of greedy_block come back from the coordinator each step)."""
+    cpu, _ = tiny
+    monkeypatch.setattr(actors, "STORE_BYTES", 1 << 40)  # no object store without Ray
+    expected = run_cpu(cpu, requests(methods))
+    out, per_step, sites = run_fake(wired, requests(methods))
+    assert out == expected
+    # As in process (host_sync_bound: rank 0 verifies), and the draft actor sends x and q back
+    # (2); carried records travel to the coordinator as 3 tensors a request (and back, waiting
+    # for nothing).
+    carrying = [m for m in methods if m in VERIFIERS and VERIFIERS[m].modifies_target]
+    bound = 2 + host_sync_bound(set(methods)) + 3 * len(carrying)
+    assert max(per_step) <= bound, (per_step, sites)
