@@ -7,9 +7,10 @@ enforces CUDA's same-device rule), so:
 
 - every verifier, ``none``, ``auto``, a mixed batch and a session's follow-up decode on the
   fake device with a token draft (the tiny pair, loaded by ``build_engine(device="cuda")``)
-  and a feature draft, and give the CPU engine's seeded tokens;
-- the host's reads of device data (each one a wait for the GPU) are counted per decode step
-  and bounded per method (HOST_SYNCS);
+  and a feature draft, and through the Ray actors' classes (in process, every tensor through
+  the numpy wire), and give the CPU engine's seeded tokens;
+- the host's syncs (reads of device data, blocking copies to it: each one a wait for the GPU)
+  are counted per decode step and bounded per method (host_sync_bound);
 - mutants that drop one ``.to(device)`` fail with CUDA's error, and one that leaves a per-step
   buffer on the host fails the bound.
 
