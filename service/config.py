@@ -94,6 +94,19 @@ class ReplicaConfig(BaseModel):
             raise ValueError("auto_arms: at least one arm")
         return self
 
+    @model_validator(mode="after")
+    def _gpus_for_cuda(self) -> ReplicaConfig:
+        """The draft actor and each target shard load the models on `device`: on CUDA each
+        needs a GPU from Ray (without one, Ray hides every GPU from it and it fails to load)."""
+        if self.device.split(":")[0] == "cuda":
+            for name in ("draft", "target_shard"):
+                if getattr(self, name).num_gpus <= 0:
+                    raise ValueError(
+                        f"replica.{name}.num_gpus: device {self.device!r} needs a GPU per "
+                        f"{name} actor; set num_gpus > 0 (e.g. 1), or device: cpu"
+                    )
+        return self
+
 
 class Autoscaling(BaseModel):
     """Ray Serve ``autoscaling_config`` of the replica deployment (same field names)."""

@@ -11,6 +11,8 @@ separately (`StepTimes`):
                         the accepted paths' KV entries
   commit:     the draft keeps its accepted tokens; append tokens, retire finished requests
 Over Ray the speculate part is one chained call, and verification runs on the target's rank 0.
+In process, the step's tensors are made on the workers' device and the host reads the verdict
+once a step (`verdict_on_host`); over Ray they travel through the host anyway.
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
 its own method, K, γ, sampling settings, seed (a private torch.Generator used for both drafting
@@ -39,7 +41,7 @@ import os
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -241,21 +243,24 @@ def verify_step(
 
     Pure, so it runs wherever p is: in the engine's process, or on the target's rank 0 actor
     (workers/actors.py), which then commits the accepted paths itself. Where p is on a GPU,
-    the verifiers that can replay from that process's CUDA graphs do."""
-    n = p.shape[0]
-    tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)
-    tau = torch.zeros(n, dtype=torch.int64)
-    path = torch.zeros(n, dtype=torch.int64)
-    carries = list(plan.carries)
+    the verifiers that can replay from that process's CUDA graphs do. The verdict and the
+    carries are on p's device."""
+    n, dev = p.shape[0], p.device  # the verdict and carries live where p is
+    x, q = x.to(dev), None if q is None else q.to(dev)  # (there already in process)
+    tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)
+    tau = torch.zeros(n, dtype=torch.int64, device=dev)
+    path = torch.zeros(n, dtype=torch.int64, device=dev)
+    carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
     for method, k, gamma, idx in plan.groups:
-        ix = group_rows(idx)
+        ix = group_rows(idx, dev)
         gens = [generators[i] for i in idx]
         if method == PLAIN:
             tokens[ix, 0] = sample(p[ix, :1, 0], gens)[:, 0]
             continue
         carry = None
         if VERIFIERS[method].modifies_target:
-            carry = TargetModification.cat([carries[i] or TargetModification.empty(1) for i in idx])
+            empty = TargetModification.empty(1, dev)
+            carry = TargetModification.cat([carries[i] or empty for i in idx])
         out = verify(
             method,
             x[ix, :k, :gamma],
@@ -269,19 +274,56 @@ def verify_step(
         tokens[ix, : gamma + 1] = out.tokens
         tau[ix], path[ix] = out.num_accepted, out.path
         if out.carry is not None:
-            for j, i in enumerate(idx):
-                carries[i] = out.carry.select([j])
+            for i, carry in zip(idx, out.carry.split(), strict=True):
+                carries[i] = carry
     return Verdict(tokens, tau, path, carries)
 
 
-def group_rows(idx: list[int]) -> slice | torch.Tensor:
+def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Verdict]:
+    """The draft tokens x and the verdict's tokens, τ and path on the host, by one copy (off the
+    CPU, the step's one wait for the device): what the commits and `_advance` read. Carries and
+    features stay on the device, where the next step reads them. On the CPU: as they are."""
+    if x.device.type == "cpu" and verdict.tokens.device.type == "cpu":
+        return x, verdict
+    width = verdict.tokens.shape[1]
+    columns = [verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None], x.flatten(1)]
+    packed = torch.cat([c.to(verdict.tokens.device) for c in columns], dim=1).cpu()
+    tokens, tau, path, drafted = packed.split([width, 1, 1, x[0].numel()], dim=1)
+    host = replace(verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0])
+    return drafted.view(x.shape), host
+
+
+def verify_on_host(
+    plan: VerifyPlan,
+    x: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generators: list[torch.Generator],
+) -> Verdict:
+    """verify_step, with the verdict's tokens, τ and path then on the host (verdict_on_host):
+    what a remote target's rank 0 verifies with, commits from and sends back."""
+    return verdict_on_host(x, verify_step(plan, x, q, p, generators))[1]
+
+
+def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
     """How verify_step takes a group's rows: consecutive rows as a slice, so that a batch of
     one kind (the usual case) is verified in place. Indexing with a tensor copies the rows: at
     batch 8, K = 4, γ = 8 and V = 49152 that was ~100 MB and 12 ms a step on a 2-core VM, as
     long as the SpecTr-GBV* call itself (the verifiers never write to their inputs)."""
     if idx == list(range(idx[0], idx[-1] + 1)):
         return slice(idx[0], idx[-1] + 1)
-    return torch.tensor(idx)
+    return torch.tensor(idx).to(device, non_blocking=True)
+
+
+def _device(worker) -> torch.device:
+    """Where a worker wants its inputs (remote workers: on the host, for the wire)."""
+    return getattr(worker, "device", torch.device("cpu"))
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """int64 values on `device`, by a copy that does not wait for it (torch.tensor(values,
+    device=...) copies blocking: the host would wait for all the device's queued work)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 class _Laps:
@@ -595,14 +637,14 @@ class SpeculativeEngine:
         return arm, shape
 
     def _plan(self, batch: list[_Active]) -> StepPlan:
-        n = len(batch)
         plain = [a.arm.method == PLAIN for a in batch]
         pending = features = own = None
+        # On the host: the draft reads the counts there (KVCache), and moves them itself.
         counts = torch.tensor([len(a.draft_pending) for a in batch])
         if not all(plain):  # a batch of plain requests never touches the draft model
-            pending = torch.zeros(n, int(counts.max()), dtype=torch.int64)
-            for i, a in enumerate(batch):
-                pending[i, : len(a.draft_pending)] = torch.tensor(a.draft_pending)
+            width = max(len(a.draft_pending) for a in batch)
+            padded = [a.draft_pending + [0] * (width - len(a.draft_pending)) for a in batch]
+            pending = _on(_device(self.draft), padded)
             if self.feature_draft:
                 features = torch.nn.utils.rnn.pad_sequence(
                     [a.draft_features for a in batch], batch_first=True
@@ -619,7 +661,7 @@ class SpeculativeEngine:
             own_features=own,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
-            roots=torch.tensor([a.target_pending for a in batch]),
+            roots=_on(_device(self.target), [a.target_pending for a in batch]),
             params=[a.req.sampling for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
@@ -642,25 +684,27 @@ class SpeculativeEngine:
                     plan.pending, plan.pending_count, plan.num_paths, plan.depth,
                     plan.pending_features, plan.own_features,
                 )  # fmt: skip
-            verify_here = functools.partial(verify_step, plan.verification)
+            verify_here = functools.partial(verify_on_host, plan.verification)
             return remote(
                 self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
                 generators, verify_here,
             )  # fmt: skip
         laps = _Laps()
-        n, q = len(generators), None
-        x = torch.zeros(n, 1, 1, dtype=torch.int64)
+        n, q, dev = len(generators), None, _device(self.target)
+        x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
         if plan.drafted:
             x, q = self.draft.propose(
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
                 generators, plan.pending_features, own=plan.own_features,
             )  # fmt: skip
         laps.lap("draft")
-        tree = build_tree(plan.roots, x, torch.tensor(plan.num_paths), torch.tensor(plan.depth))
+        paths, depths = _on(dev, plan.num_paths), _on(dev, plan.depth)
+        tree = build_tree(plan.roots, x.to(dev), paths, depths)
         laps.lap("tree")
         p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
         laps.lap("target")
         verdict = verify_step(plan.verification, x, q, p, generators)
+        x, verdict = verdict_on_host(x, verdict)  # both commits and `_advance` read it there
         laps.lap("verify")
         verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
         laps.lap("target")  # the commit is the target's work too

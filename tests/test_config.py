@@ -62,6 +62,17 @@ def test_typos_and_bad_values_are_refused(tmp_path, monkeypatch):
         Settings()
 
 
+def test_cuda_without_gpus_is_refused_naming_the_field():
+    with pytest.raises(pydantic.ValidationError, match=r"replica\.draft\.num_gpus: device 'cuda'"):
+        Settings(replica={"device": "cuda"})
+    with pytest.raises(pydantic.ValidationError, match=r"replica\.target_shard\.num_gpus"):
+        Settings(replica={"device": "cuda:0", "draft": {"num_gpus": 1}})
+    gpus = {"num_gpus": 0.5}
+    s = Settings(replica={"device": "cuda", "draft": gpus, "target_shard": gpus})
+    assert s.replica.coordinator.num_gpus == 0  # the coordinator runs no model
+    assert Settings(replica={"device": "cpu"}).replica.draft.num_gpus == 0
+
+
 def test_serve_flags_override_env_and_are_validated(monkeypatch):
     from service.cli import main, serve_settings
 

@@ -236,9 +236,11 @@ class TargetShardActor:
         laps = {"draft": drafted.seconds if drafted else 0.0}
         dev, n = self.device, roots.shape[0]
         start = time.perf_counter()
-        x = (drafted.tokens if drafted else torch.zeros(n, 1, 1, dtype=torch.int64)).to(dev)
-        paths, depths = torch.tensor(num_paths, device=dev), torch.tensor(depth, device=dev)
-        tree = build_tree(roots.to(dev), x, paths, depths)
+        # Arrived on the host (the wire): copied to the device without waiting for it.
+        x_host = drafted.tokens if drafted else torch.zeros(n, 1, 1, dtype=torch.int64)
+        x = x_host.to(dev, non_blocking=True)
+        paths, depths = (torch.tensor(v).to(dev, non_blocking=True) for v in (num_paths, depth))
+        tree = build_tree(roots.to(dev, non_blocking=True), x, paths, depths)
         laps["tree"] = time.perf_counter() - start
         start = time.perf_counter()
         logits = self.shard.execute("score_logits", (tree,))  # [n, N, V], full on every rank
@@ -251,19 +253,21 @@ class TargetShardActor:
             start = time.perf_counter()
             states = drafted.states if drafted else states  # drafting advanced them
             generators = [torch.Generator().set_state(s) for s in states]
-            verdict = verify(x, q, p, generators)
-            accepted = torch.stack([verdict.path, verdict.num_accepted]).to(dev)
+            verdict = verify(x, q, p, generators)  # path and τ on the host (verify_on_host)
+            kept = torch.stack([verdict.path, verdict.num_accepted])
+            accepted = kept.to(dev, non_blocking=True)
             laps["verify"] = time.perf_counter() - start
         if self.shard.world > 1:  # the other ranks learn what to keep from rank 0
             dist.broadcast(accepted, src=0)
         start = time.perf_counter()
-        features = self.shard.execute("commit", (accepted[0], accepted[1]))
+        # Rank 0 commits its host copy (its cache then keeps its lengths on the host).
+        features = self.shard.execute("commit", tuple(kept if rank0 else accepted))
         if not rank0:
             return None
         if self._send_features:
             verdict.features = features.cpu()
         laps["target"] += time.perf_counter() - start
-        return x.cpu(), verdict, [g.get_state() for g in generators], laps
+        return x_host, verdict, [g.get_state() for g in generators], laps
 
     def _draft_rows(self, drafted: Drafted | None, p: torch.Tensor) -> torch.Tensor | None:
         """The draft's rows q on the whole vocabulary [n, K, γ, V], on p's device."""
@@ -274,7 +278,7 @@ class TargetShardActor:
             rows = ray.get(rows)
         with warnings.catch_warnings():  # a store object is read-only; q is only read
             warnings.simplefilter("ignore", UserWarning)
-            q = torch.from_numpy(rows).to(p.device)
+            q = torch.from_numpy(rows).to(p.device, non_blocking=True)
         if self._draft_vocab is None:
             return q
         full = q.new_zeros(*q.shape[:-1], p.shape[-1])

@@ -52,6 +52,11 @@ class DraftWorker:
             self.own_features = torch.zeros(max_batch, width, dtype=dtype, device=device)
 
     @property
+    def device(self) -> torch.device:
+        """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
+        return self.cache.lengths.device
+
+    @property
     def reads_features(self) -> bool:
         """A feature draft: prefill and propose need the target's features."""
         return self.model.feature_fc is not None
@@ -101,7 +106,12 @@ class DraftWorker:
             picked = sample(rows, generators, drawn)
             return picked if head_vocab is None else head_vocab[picked]
 
-        dev = pending.device
+        dev = self.device
+        counted = pending_count  # where it arrived: on the host, the cache keeps its lengths there
+        pending = pending.to(dev, non_blocking=True)
+        pending_count = pending_count.to(dev, non_blocking=True)
+        if pending_features is not None:
+            pending_features = pending_features.to(dev, non_blocking=True)
         lengths = self.cache.lengths[:n].clone()
         steps = torch.arange(P, device=dev)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
@@ -112,6 +122,7 @@ class DraftWorker:
         feats = None if pending_features is None else pending_features[:, None]
         if own is not None and feats is not None:  # the own feature goes to the last pending
             last = steps[None, :] == (pending_count - 1)[:, None]  # [n, P]
+            own = own.to(dev, non_blocking=True)
             mine = (last & own[:, None])[:, None, :, None]  # [n, 1, P, 1]
             kept = self.own_features[:n, None, None].to(feats.dtype)  # [n, 1, 1, E]
             feats = torch.where(mine, kept, feats)
@@ -119,7 +130,7 @@ class DraftWorker:
             pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
             features=feats, head=False,
         )  # fmt: skip
-        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), pending_count)
+        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), counted)
         rows_n = torch.arange(n, device=dev)
         root = hidden[rows_n, 0, pending_count - 1]  # [n, E]: the last pending token's
         feats = None  # a feature draft's output at the root stands in for the target's there
@@ -155,17 +166,19 @@ class DraftWorker:
         were run (at most γ - 1): a token draft keeps its accepted ones (keep = τ). A feature
         draft keeps a path only while the request carries a live record (keep = τ, else 0: see
         the module's docstring), and then also the own feature at the path's depth keep[i]."""
-        n = path.shape[0]
-        rows = torch.arange(n, device=path.device)
+        n, dev = path.shape[0], self.device
+        path = path.to(dev, non_blocking=True)
+        rows = torch.arange(n, device=dev)
         if self._own_paths is not None:
-            depth = keep.clamp_max(self._own_paths.shape[2] - 1)
+            depth = keep.clamp_max(self._own_paths.shape[2] - 1).to(dev, non_blocking=True)
             self.own_features[:n] = self._own_paths[rows, path, depth]
             self._own_paths = None
         if self._suffix is None:
             return
         sk, sv = self._suffix
         k_path, v_path = sk[:, rows, path], sv[:, rows, path]  # [L, n, H, γ-1, D]
-        index = torch.arange(sk.shape[4], device=path.device).expand(n, -1)
+        index = torch.arange(sk.shape[4], device=dev).expand(n, -1)
+        # keep stays where it arrived: the cache reads the counts on the host
         self.cache.append(k_path, v_path, index, keep.clamp_max(sk.shape[4]))
         self._suffix = None
 
@@ -234,11 +247,7 @@ def prefill_groups(
     """:func:`prefill`, one padding group at a time: yields the features [T_i, E] of the
     contexts of each group of ``padding_groups`` (in order) once that group is in the cache."""
     n = len(contexts)
-    dev = cache.lengths.device
-    kept = torch.tensor(keep if keep is not None else [0] * n, dtype=torch.int64, device=dev)
-    if bool((kept > cache.lengths[slot0 : slot0 + n]).any()):
-        raise ValueError("prefill: cannot keep more tokens than a slot holds")
-    cache.lengths[slot0 : slot0 + n] = kept
+    cache.truncate(slot0, keep if keep is not None else [0] * n)
     for lo, hi in padding_groups([c.shape[0] for c in contexts]):
         group_features = None if features is None else features[lo:hi]
         yield _prefill_batch(model, cache, slot0 + lo, contexts[lo:hi], group_features)
@@ -258,10 +267,13 @@ def _prefill_batch(
     if T == 0:
         return [torch.zeros(0, model.spec.hidden_size, device=dev) for _ in contexts]
     kept = cache.lengths[slot0 : slot0 + n].clone()
-    counts = torch.tensor([c.shape[0] for c in contexts], device=dev)
-    tokens = torch.zeros(n, T, dtype=torch.int64, device=dev)
+    counted = torch.tensor([c.shape[0] for c in contexts])  # on the host: see KVCache
+    counts = counted.to(dev, non_blocking=True)
+    # Padded where the contexts are (the engine's: on the host), then moved at once.
+    tokens = torch.zeros(n, T, dtype=torch.int64, device=contexts[0].device)
     for i, c in enumerate(contexts):
         tokens[i, : c.shape[0]] = c
+    tokens = tokens.to(dev, non_blocking=True)
     steps = torch.arange(T, device=dev)
     # Causal; padded positions see themselves only (keeps their softmax finite, never read).
     mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril() & (
@@ -271,10 +283,10 @@ def _prefill_batch(
     feats = None
     if features is not None:
         feats = torch.zeros(n, 1, T, model.spec.hidden_size, device=dev)
-        for i, f in enumerate(features):
-            feats[i, 0, : f.shape[0]] = f
+        for i, f in enumerate(features):  # over Ray from the host: copied without waiting
+            feats[i, 0, : f.shape[0]] = f.to(dev, non_blocking=True)
     _, k, v, hidden = model(
         tokens[:, None], positions, cache, mask[:, None], slot0=slot0, features=feats, head=False
     )
-    cache.append(k[:, :, 0], v[:, :, 0], steps.expand(n, T), counts, slot0=slot0)
+    cache.append(k[:, :, 0], v[:, :, 0], steps.expand(n, T), counted, slot0=slot0)
     return [hidden[i, 0, : c.shape[0]] for i, c in enumerate(contexts)]

@@ -168,6 +168,12 @@ class KVCache:
 
     k, v: [L, max_batch, H_kv, max_len, D]; lengths: [max_batch] int64 (committed positions).
     A forward works on a contiguous slot range: active requests stay compacted in [0, n).
+
+    Off the CPU the cache also keeps the lengths on the host while it knows them there: a
+    forward's prefix length and the overflow check then read no device memory (each read is a
+    wait for the device). Appends whose counts arrive on the host keep them known; counts that
+    arrive on the device make the next read refresh them, one wait. Off the CPU, change the
+    lengths through these methods only (`append`, `move`, `truncate`).
     """
 
     def __init__(self, spec: LlamaSpec, kv_heads: int, max_batch: int, max_len: int, dtype, device):
@@ -175,10 +181,48 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._host_lengths: list[int] | None = [0] * max_batch  # None: refresh from lengths
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    @property
+    def on_cpu(self) -> bool:
+        """Reading the lengths is free (the host mirror is not used)."""
+        return self.lengths.device.type == "cpu"
+
+    def host_lengths(self) -> list[int]:
+        """The committed lengths on the host (off the CPU: one wait when they are stale)."""
+        if self.on_cpu:
+            return self.lengths.tolist()
+        if self._host_lengths is None:
+            self._host_lengths = self.lengths.tolist()
+            if max(self._host_lengths, default=0) > self.max_len:  # an append counted there
+                raise ValueError(f"KV cache full: a request exceeds max_len={self.max_len}")
+        return self._host_lengths
+
+    def prefix_length(self, slot0: int, n: int) -> int:
+        """The longest committed length of slots [slot0, slot0 + n) (0 when n = 0)."""
+        if not n:
+            return 0
+        if self.on_cpu:
+            return int(self.lengths[slot0 : slot0 + n].max())
+        return max(self.host_lengths()[slot0 : slot0 + n])
+
+    def truncate(self, slot0: int, keep: list[int]) -> None:
+        """Slot slot0 + i keeps its first keep[i] committed entries (no more than it holds)."""
+        n = len(keep)
+        kept = torch.tensor(keep, dtype=torch.int64).to(self.lengths.device, non_blocking=True)
+        if self.on_cpu:
+            over = bool((kept > self.lengths[slot0 : slot0 + n]).any())
+        else:
+            over = any(k > held for k, held in zip(keep, self.host_lengths()[slot0:], strict=False))
+        if over:
+            raise ValueError("prefill: cannot keep more tokens than a slot holds")
+        self.lengths[slot0 : slot0 + n] = kept
+        if self._host_lengths is not None:
+            self._host_lengths[slot0 : slot0 + n] = keep
 
     def append(
         self,
@@ -188,14 +232,24 @@ class KVCache:
         count: torch.Tensor,  # [n] int64 <= C
         slot0: int = 0,
     ) -> None:
-        """Slot slot0 + b appends new entries index[b, :count[b]] after its committed ones."""
+        """Slot slot0 + b appends new entries index[b, :count[b]] after its committed ones.
+        `count` may arrive on the host (off the CPU, the host lengths then stay known)."""
         n, c = index.shape
         if c == 0:
             return
         lengths = self.lengths[slot0 : slot0 + n]
+        host = None if self.on_cpu or count.device.type != "cpu" else count.tolist()
+        count = count.to(lengths.device, non_blocking=True)
         valid = torch.arange(c, device=index.device)[None, :] < count[:, None]  # [n, C]
         pos = lengths[:, None] + torch.arange(c, device=index.device)  # [n, C]
-        if bool((valid & (pos >= self.max_len)).any()):
+        if self.on_cpu:
+            full = bool((valid & (pos >= self.max_len)).any())
+        elif host is not None:  # no wait: the lengths before, and the counts, are on the host
+            held = self.host_lengths()[slot0 : slot0 + n]
+            full = any(m > 0 and held[b] + min(m, c) > self.max_len for b, m in enumerate(host))
+        else:  # counted on the device: checked when the lengths are next read (host_lengths)
+            full = False
+        if full:
             raise ValueError(f"KV cache full: a request exceeds max_len={self.max_len}")
         # Entries past count land beyond the new length (clamped into range): never read.
         pos = pos.clamp_max(self.max_len - 1)
@@ -205,12 +259,19 @@ class KVCache:
         for cache, new in ((self.k, new_k), (self.v, new_v)):
             cache[:, slots, :, pos, :] = new.gather(3, take).permute(1, 3, 0, 2, 4)  # [n,C,L,H,D]
         lengths += count
+        if host is None:
+            self._host_lengths = None
+        elif self._host_lengths is not None:
+            for b, m in enumerate(host):
+                self._host_lengths[slot0 + b] += m
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot src into slot dst (compaction when a request leaves)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
         self.lengths[dst] = self.lengths[src]
+        if self._host_lengths is not None:
+            self._host_lengths[dst] = self._host_lengths[src]
 
 
 def _rope_tables(
@@ -404,7 +465,7 @@ class Llama:
         cos, sin = _rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
         cos, sin = cos[:, :, None], sin[:, :, None]
         lengths = cache.lengths[slot0 : slot0 + n]
-        plen = int(lengths.max()) if n else 0
+        plen = cache.prefix_length(slot0, n)  # off the CPU: from the host, where known
         prefix_valid = (
             torch.arange(plen, device=tokens.device)[None, :] < lengths[:, None]
         )  # [n, P]

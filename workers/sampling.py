@@ -47,19 +47,23 @@ def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     are identities (x / 1.0 == x), so the rows are the same bits either way."""
     n, vocab = logits.shape[0], logits.shape[-1]
     dev = logits.device
+
+    def on_dev(values: list, dtype=None) -> torch.Tensor:  # a copy that does not wait for dev
+        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
     scaled = logits.float().reshape(n, -1, vocab)
     temps = [p.temperature for p in params]
     if any(t not in (0.0, 1.0) for t in temps):  # greedy rows keep their logits: argmax only
-        divisor = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)
+        divisor = on_dev([t if t > 0 else 1.0 for t in temps])
         scaled = scaled / divisor[:, None, None]
     ks = [min(p.top_k or vocab, vocab) for p in params]
     if min(ks) < vocab:
-        top_k = torch.tensor(ks, device=dev)[:, None, None]
+        top_k = on_dev(ks)[:, None, None]
         largest = scaled.topk(max(ks), dim=-1).values  # [n, R, max k]
         kth = largest.gather(-1, (top_k - 1).expand(*largest.shape[:2], 1))  # [n, R, 1]
         scaled = scaled.masked_fill(scaled < kth, -torch.inf)
     if min(p.top_p for p in params) < 1:
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
+        top_p = on_dev([p.top_p for p in params], torch.float64)
         # HF's computation exactly (the same sort call, the same cumulative sum): a kept set can
         # flip on the last float bit, or on the order the sort gives tied logits.
         ascending, order = scaled.sort(dim=-1)
@@ -70,7 +74,7 @@ def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     probs = scaled.softmax(-1)
     greedy = [i for i, t in enumerate(temps) if t == 0]
     if greedy:  # one-hot on the argmax, ties to the lowest id
-        rows = torch.tensor(greedy, device=dev)
+        rows = on_dev(greedy)
         top = scaled.index_select(0, rows).argmax(-1, keepdim=True)  # [g, R, 1]
         one_hot = torch.zeros(len(greedy), *probs.shape[1:], device=dev).scatter_(-1, top, 1.0)
         probs = probs.index_copy(0, rows, one_hot)
@@ -91,9 +95,8 @@ def sample(
         used = r if rows is None else rows[i]
         if used:
             u[i, :used] = torch.rand(used, generator=g, dtype=torch.float64)
-    return sample_from_weights(probs.reshape(n * r, vocab), u.to(probs.device).reshape(-1)).view(
-        n, r
-    )
+    u = u.to(probs.device, non_blocking=True)  # drawn on the host: no wait for the device
+    return sample_from_weights(probs.reshape(n * r, vocab), u.reshape(-1)).view(n, r)
 
 
 # Off the CPU, rows longer than this are summed up in chunks of it (cumsum64).

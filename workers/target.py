@@ -28,6 +28,11 @@ class TargetWorker:
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._new: tuple[torch.Tensor, ...] | None = None  # k, v, node_of, features
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
+        return self.cache.lengths.device
+
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
     ) -> list[torch.Tensor]:
@@ -46,11 +51,13 @@ class TargetWorker:
     @torch.inference_mode()
     def score(self, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
         """Returns processed target rows [n, K, γ+1, V] along every path (root row at d = 0)."""
+        tree = tree.to(self.device)
         return path_rows(self.score_logits(tree), tree, params)
 
     @torch.inference_mode()
     def score_logits(self, tree: DraftTree) -> torch.Tensor:
         """Raw logits of every tree node [n, N, V]; keeps the nodes' keys/values for commit."""
+        tree = tree.to(self.device)
         n = tree.tokens.shape[0]
         positions = self.cache.lengths[:n, None] + tree.depth
         logits, k, v, hidden = self.model(
@@ -63,9 +70,10 @@ class TargetWorker:
         """Keep the root and the first num_accepted nodes of each request's accepted path.
         Returns their features [n, γ+1, E] (the first num_accepted + 1 of each row are real)."""
         k, v, node_of, hidden = self._new
+        path = path.to(node_of.device, non_blocking=True)
         rows = torch.arange(path.shape[0], device=path.device)
         nodes = node_of[rows, path]  # [n, γ+1]
-        self.cache.append(k, v, nodes, num_accepted + 1)
+        self.cache.append(k, v, nodes, num_accepted + 1)  # counts where they arrived: KVCache
         self._new = None
         return hidden[rows[:, None], nodes]
 

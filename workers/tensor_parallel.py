@@ -192,8 +192,8 @@ def serve(shard: TargetShard, recv: Callable[[], Command]) -> None:
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     """Tensors inside (lists, tuples, dataclasses of) arguments, moved to `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+    if isinstance(obj, torch.Tensor):  # from the host without waiting; to it, waiting
+        return obj.to(device, non_blocking=obj.device.type == "cpu" and device.type != "cpu")
     if isinstance(obj, list | tuple):
         return type(obj)(_to_device(x, device) for x in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -435,6 +435,7 @@ class TensorParallelTarget:
     @torch.inference_mode()
     def score(self, tree: DraftTree, params: list[SamplingParams]) -> torch.Tensor:
         """Processed target rows [n, K, γ+1, V] along every path (as TargetWorker.score)."""
+        tree = tree.to(self.device)
         return path_rows(self.score_logits(tree), tree, params)
 
     def score_logits(self, tree: DraftTree) -> torch.Tensor:
@@ -452,6 +453,11 @@ class TensorParallelTarget:
         return self._call("commit", path, num_accepted, collective=False)
 
     # ---------------------------------------------------------------------------- lifetime
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device: where its results are (each rank moves its arguments itself)."""
+        return self._shard.device
+
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..world-1."""

@@ -12,7 +12,7 @@ tensor_parallel.py) consume them, so they live here, below both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,6 +25,12 @@ class DraftTree:
     node_of: torch.Tensor  # [n, K, γ+1] int64: node index of the prefix of length d of path k
     num_nodes: torch.Tensor  # [n] int64: real nodes (root included)
 
+    def to(self, device: torch.device) -> DraftTree:
+        """The tree on `device` (tensors already there are not copied)."""
+        return DraftTree(
+            *(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self))
+        )
+
 
 def build_tree(
     root: torch.Tensor, paths: torch.Tensor, num_paths: torch.Tensor, depth: torch.Tensor
@@ -32,6 +38,7 @@ def build_tree(
     """root [n] int64; paths [n, K, γ] int64; request b uses paths [0, num_paths[b]) to depth[b]."""
     n, K, gamma = paths.shape
     dev = paths.device
+    root, num_paths, depth = (t.to(dev, non_blocking=True) for t in (root, num_paths, depth))
     ks = torch.arange(K, device=dev)
     ds = torch.arange(1, gamma + 1, device=dev)
     valid = (ks[None, :, None] < num_paths[:, None, None]) & (
@@ -56,12 +63,15 @@ def build_tree(
     num_nodes = 1 + canonical.sum((1, 2))
     size = int(num_nodes.max())
 
+    # Scattered, never indexed by a boolean mask (on a GPU such an index reads the mask back):
+    # the entries that are not canonical land on the root's column, which is written last.
+    to = torch.where(canonical, slot_of, 0).reshape(n, K * gamma)
     tokens = torch.zeros(n, size, dtype=torch.int64, device=dev)
     node_depth = torch.zeros(n, size, dtype=torch.int64, device=dev)
-    rows = torch.arange(n, device=dev)[:, None, None].expand(n, K, gamma)
-    tokens[rows[canonical], slot_of[canonical]] = paths[canonical]
-    node_depth[rows[canonical], slot_of[canonical]] = ds.expand(n, K, gamma)[canonical]
+    tokens.scatter_(1, to, paths.reshape(n, K * gamma))
+    node_depth.scatter_(1, to, ds.expand(n, K, gamma).reshape(n, K * gamma))
     tokens[:, 0] = root
+    node_depth[:, 0] = 0
 
     # Ancestors of node (k, d) are (k, d') for d' <= d: scatter the pairs into the mask.
     mask = torch.eye(size, dtype=torch.bool, device=dev).repeat(n, 1, 1)
@@ -72,8 +82,8 @@ def build_tree(
     pair_ok = pair_ok & torch.ones(gamma + 1, gamma + 1, dtype=torch.bool, device=dev).tril()
     i = node_of[:, :, :, None].expand(n, K, gamma + 1, gamma + 1)
     j = node_of[:, :, None, :].expand(n, K, gamma + 1, gamma + 1)
-    b = torch.arange(n, device=dev)[:, None, None, None].expand_as(i)
-    mask[b[pair_ok], i[pair_ok], j[pair_ok]] = True
+    at = torch.where(pair_ok, i * size + j, 0).reshape(n, -1)  # others: (0, 0), True already
+    mask.view(n, size * size).scatter_(1, at, True)
     return DraftTree(tokens, node_depth, mask, node_of, num_nodes)
 
 

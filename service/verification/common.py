@@ -146,12 +146,14 @@ def draw_uniforms(generator: Generators, batch: int, n: int, device: torch.devic
     if generator is None or isinstance(generator, torch.Generator):
         gen_device = generator.device if generator is not None else torch.device("cpu")
         u = torch.rand(batch, n, generator=generator, dtype=torch.float64, device=gen_device)
-        return u.to(device)
+        return u.to(device, non_blocking=True)
     if len(generator) != batch:
         raise ValueError(
             f"generator: expected {batch} per-request generators, got {len(generator)}"
         )
     rows = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generator]
+    if all(r.device.type == "cpu" for r in rows):  # one copy that waits for nothing
+        return torch.stack(rows).to(device, non_blocking=True)
     return torch.stack([r.to(device) for r in rows])
 
 

@@ -15,6 +15,7 @@ running joints absorb the emitted tokens. The draft is never modified.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,32 @@ class TargetModification:
         """Some record still modifies upcoming rows (a pruned carry: no host read)."""
         return self.rows_left.shape[1] > 0
 
-    @property
+    @functools.cached_property  # one host read per carry: apply_records and advance_records
     def max_rows(self) -> int:
         """Largest number of upcoming rows any record still modifies (0 when none)."""
         return int(self.rows_left.max()) if self.rows_left.numel() else 0
+
+    def to(self, device: torch.device | str) -> TargetModification:
+        """The records on `device` (themselves when they are there)."""
+        if self.rows_left.device == torch.device(device):
+            return self
+        from_host = self.rows_left.device.type == "cpu"  # then the copies need not wait
+        tensors = (self.log_p, self.log_q, self.rows_left)
+        return TargetModification(*(t.to(device, non_blocking=from_host) for t in tensors))
+
+    def split(self) -> list[TargetModification]:
+        """Each request's records, a batch of one each. Where host reads are free, only the
+        columns live for that request (``select``); on an accelerator the rows of this batch's
+        columns, as views: pruning them would read the device once a request, and the batch's
+        columns are already pruned (``advance_records``); dead columns change no row."""
+        if host_reads_are_free(self.rows_left):
+            return [self.select([j]) for j in range(self.batch_size)]
+        return [
+            TargetModification(
+                self.log_p[j : j + 1], self.log_q[j : j + 1], self.rows_left[j : j + 1]
+            )
+            for j in range(self.batch_size)
+        ]
 
     def select(self, index: torch.Tensor | list[int]) -> TargetModification:
         """Records of a subset of requests (e.g. when requests leave a batch)."""
@@ -74,9 +97,14 @@ class TargetModification:
     def _pruned(self) -> TargetModification:
         """Drop columns that are dead for every request (keeps application cost bounded)."""
         live = (self.rows_left > 0).any(0)
-        if bool(live.all()):
+        cols = live.nonzero().squeeze(1)  # one host read (a test, then three mask indexes, took 4)
+        if cols.numel() == live.numel():
             return self
-        return TargetModification(self.log_p[:, live], self.log_q[:, live], self.rows_left[:, live])
+        return TargetModification(
+            self.log_p.index_select(1, cols),
+            self.log_q.index_select(1, cols),
+            self.rows_left.index_select(1, cols),
+        )
 
 
 # Offsets beyond this are clamped: (p - t q)_+ then differs from the exact row only on tokens with

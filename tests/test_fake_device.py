@@ -1,0 +1,399 @@
+"""The engine on a fake CUDA device (tests/fake_device.py): device bugs and host waits, on CPU.
+
+CI has no GPU, and blockspec first met one long after its CPU tests passed: its first step
+mixed cuda:0 and CPU tensors. Here the in-process engine runs with its models, caches and every
+tensor placed on ``cuda`` made a ``FakeCudaTensor`` (a CPU tensor that reports cuda:0 and
+enforces CUDA's same-device rule), so:
+
+- every verifier, ``none``, ``auto``, a mixed batch and a session's follow-up decode on the
+  fake device with a token draft (the tiny pair, loaded by ``build_engine(device="cuda")``)
+  and a feature draft, and through the Ray actors' classes (in process, every tensor through
+  the numpy wire), and give the CPU engine's seeded tokens;
+- the host's syncs (reads of device data, blocking copies to it: each one a wait for the GPU)
+  are counted per decode step and bounded per method (host_sync_bound);
+- mutants that drop one ``.to(device)`` fail with CUDA's error, and one that leaves a per-step
+  buffer on the host fails the bound.
+
+The verifiers' Triton kernels and CUDA graphs are off under the harness (they need a GPU), so
+the verifiers take their torch-ops accelerator paths; tests/test_verify_kernels.py and
+tests/test_verify_graphs.py cover the kernels and graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+import torch
+from fake_device import FakeCuda, is_fake, to_fake_model
+from test_engine import make_engine, tiny_pair
+from test_feature_draft import random_fc
+
+import service.engine
+import workers.actors as actors
+import workers.draft
+from service.engine import GenerationRequest, build_engine
+from service.policy import AUTO, PLAIN
+from service.verification import METHODS, VERIFIERS
+from workers.draft import DraftWorker
+from workers.llama import KVCache, LlamaSpec
+from workers.models import TINY_DRAFT, TINY_TARGET
+from workers.sampling import SamplingParams
+from workers.target import TargetWorker
+
+MAX_BATCH, MAX_LEN = 4, 96
+
+# Host syncs per decode step (reads of device data, and blocking copies to it), at most: the
+# tree's size (build_tree), the step's one copy of the verdict back to the host
+# (verdict_on_host), and per verify call its draft-token range check
+# (verification.common.check_inputs). The methods that carry a target modification also read
+# how many rows their records still modify, and prune dead records (verification.modification).
+TREE_AND_VERDICT = 2
+PER_VERIFY_CALL = 1
+PER_CARRY_CALL = 2
+
+
+def host_sync_bound(methods: set[str]) -> int:
+    """Bound for a step whose batch verifies with `methods` (one group each)."""
+    drafted = methods - {PLAIN}
+    carrying = {m for m in drafted if m in VERIFIERS and VERIFIERS[m].modifies_target}
+    return TREE_AND_VERDICT + PER_VERIFY_CALL * len(drafted) + PER_CARRY_CALL * len(carrying)
+
+
+def paths_for(method: str) -> int:
+    return 1 if method in (PLAIN, AUTO) or VERIFIERS[method].single_path else 3
+
+
+def requests(methods: list[str], gamma: int = 3, new: int = 10) -> list[GenerationRequest]:
+    """Seeded requests of varied prompts and sampling settings, one per method given."""
+    settings = [SamplingParams(), SamplingParams(0.8, top_k=40), SamplingParams(0.0)]
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [42], [7, 7, 7, 7]]
+    return [
+        GenerationRequest(
+            prompts[i % len(prompts)], new, m, paths_for(m), gamma, settings[i % 3], seed=10 + i
+        )
+        for i, m in enumerate(methods)
+    ]
+
+
+def run_cpu(engine, reqs: list[GenerationRequest]) -> list[tuple[list[int], int]]:
+    """Each request's tokens and prompt tokens cached from its session."""
+    return [(r.token_ids, r.cached_tokens) for r in engine.generate(reqs)]
+
+
+def run_fake(engine, reqs: list[GenerationRequest]) -> tuple[list[tuple], list[int], Counter]:
+    """run_cpu's outputs, host syncs of each step, and where they came from (all steps)."""
+    results, per_step, sites = {}, [], Counter()
+    with FakeCuda() as dev:
+        ids = [engine.add(r) for r in reqs]
+        while engine.active or engine.waiting:
+            dev.reset()
+            for res in engine.step().finished:
+                results[res.request_id] = (res.token_ids, res.cached_tokens)
+            per_step.append(dev.total)
+            sites.update(dev.sites)
+    return [results[i] for i in ids], per_step, sites
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny pair (a token draft) on the CPU and on the fake device; weights unpacked on
+    both (the fake device never packs: a GPU has cuBLAS), so their products are the same."""
+    common = dict(max_batch=MAX_BATCH, max_len=MAX_LEN, max_sessions=1, packed=False)
+    cpu, _ = build_engine(str(TINY_DRAFT), str(TINY_TARGET), **common)
+    with FakeCuda():
+        fake, _ = build_engine(str(TINY_DRAFT), str(TINY_TARGET), device="cuda", **common)
+    assert is_fake(fake.target.cache.k) and fake.draft.cache.k.device == torch.device("cuda", 0)
+    return cpu, fake
+
+
+@pytest.fixture(scope="module")
+def featured():
+    """A feature draft (reads the target's features) on tiny random models, CPU and fake."""
+    _, target, draft = tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
+    cpu = make_engine(target, draft, MAX_BATCH, MAX_LEN)
+    with FakeCuda():
+        slots = MAX_BATCH
+        fake = service.engine.SpeculativeEngine(
+            DraftWorker(to_fake_model(draft), slots, MAX_LEN, device="cuda"),
+            TargetWorker(to_fake_model(target), slots, MAX_LEN, device="cuda"),
+            MAX_BATCH,
+            MAX_LEN,
+            target.spec.vocab_size,
+        )
+    assert fake.feature_draft
+    return cpu, fake
+
+
+# ------------------------------------------------------------------------------ the harness
+def test_harness_refuses_what_cuda_refuses_and_counts_host_reads():
+    with FakeCuda() as dev, torch.inference_mode():
+        a = torch.arange(6.0, device="cuda").view(2, 3)
+        assert is_fake(a) and a.is_cuda and a.device == torch.device("cuda", 0)
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            a + torch.ones(3)
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.cat([a[0], torch.ones(3)])
+        with pytest.raises(RuntimeError, match="same device"):
+            a[torch.tensor([0])] = torch.ones(1, 3)  # index_put_ takes values on a's device
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.rand(2, generator=torch.Generator(), device="cuda")
+        with pytest.raises(TypeError, match="numpy"):
+            a.numpy()
+        # What CUDA takes: 0-dim host tensors, host index tensors, copies from the host.
+        assert is_fake(a * torch.tensor(2.0)) and is_fake(a[torch.tensor([1])])
+        view = a[1]
+        view.add_(1)  # views alias their base
+        assert is_fake(torch.ones(3).to("cuda", non_blocking=True))
+        assert dev.total == 0 and dev.h2d == 1
+        a[0] = torch.ones(3)  # a blocking copy: the host waits for the queued work
+        assert dev.syncs == Counter({"h2d wait": 1})
+        assert a.tolist() == [[1.0, 1.0, 1.0], [4.0, 5.0, 6.0]]
+        assert int(a[1, 0]) == 4 and bool(a.any()) and a.sum().item() == 18.0
+        assert not is_fake(a.cpu()) and is_fake(a[a > 4])
+        assert is_fake(torch.tensor([1, 2], device="cuda"))  # a blocking copy too
+        reads = {"tolist": 1, "int": 1, "bool": 1, "item": 1, "to host": 1, "mask index": 1}
+        assert dev.syncs == Counter({**reads, "h2d wait": 2})
+    with FakeCuda(), torch.no_grad():  # outside inference mode too
+        b = torch.zeros(2, 3, device="cuda")
+        assert is_fake(torch.where(b > 0, b, 0.0)) and is_fake(b.new_zeros(2))
+        assert is_fake(torch.nn.utils.rnn.pad_sequence([b, b[:1]], batch_first=True))
+
+
+def test_a_device_cache_keeps_its_lengths_on_the_host_and_still_refuses_overflow():
+    spec = LlamaSpec(64, 8, 16, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+                     rms_norm_eps=1e-6, rope_theta=1e4, max_positions=8)  # fmt: skip
+    new = torch.zeros(1, 2, 1, 4, 8)  # [L, n, H, T, D]
+    index = torch.arange(4).expand(2, 4)
+    with FakeCuda() as dev, torch.inference_mode():
+        cache = KVCache(spec, 1, 2, 6, torch.float32, "cuda")
+        new, index = new.cuda(), index.cuda()
+        cache.truncate(0, [0, 0])
+        dev.reset()
+        cache.append(new, new, index, torch.tensor([4, 2]))  # counts on the host: known there
+        assert cache.prefix_length(0, 2) == 4 and dev.total == 0
+        with pytest.raises(ValueError, match="KV cache full"):  # refused before writing
+            cache.append(new, new, index, torch.tensor([3, 0]))
+        # Counts on the device: the next read refreshes the host lengths, one wait.
+        cache.append(new, new, index, torch.tensor([0, 3]).to("cuda", non_blocking=True))
+        assert cache.prefix_length(0, 2) == 5 and dev.syncs == Counter({"tolist": 1})
+        cache.append(new, new, index, torch.tensor([3, 0]).cuda())  # 7 > 6: found when read
+        with pytest.raises(ValueError, match="KV cache full"):
+            cache.prefix_length(0, 2)
+
+
+# ------------------------------------------------------------------------------ token draft
+@pytest.mark.parametrize("method", [*METHODS, PLAIN, AUTO])
+def test_every_method_decodes_on_the_device_as_on_the_cpu(tiny, method):
+    cpu, fake = tiny
+    expected = run_cpu(cpu, requests([method] * 3))
+    out, per_step, sites = run_fake(fake, requests([method] * 3))
+    assert out == expected
+    bound = host_sync_bound({method} if method != AUTO else {"block"})
+    assert max(per_step) <= bound, (per_step, sites)
+
+
+def test_a_mixed_batch_decodes_on_the_device_as_on_the_cpu(tiny):
+    cpu, fake = tiny
+    methods = ["block", "spectr_gbv", PLAIN, "traversal"]
+    expected = run_cpu(cpu, requests(methods))
+    out, per_step, sites = run_fake(fake, requests(methods))
+    assert out == expected
+    assert max(per_step) <= host_sync_bound(set(methods)), (per_step, sites)
+
+
+def test_a_session_follow_up_decodes_on_the_device_as_on_the_cpu(tiny):
+    cpu, fake = tiny
+
+    def on_fake(engine, reqs):
+        out, per_step, sites = run_fake(engine, reqs)
+        assert max(per_step) <= host_sync_bound({reqs[0].method}), (per_step, sites)
+        return out
+
+    def session(engine, run) -> tuple:
+        first = GenerationRequest([3, 1, 4, 1, 5], 8, "block", 1, 3, seed=1, session_id="s")
+        ((out, _),) = run(engine, [first])
+        history = first.prompt_ids + out  # the follow-up reuses the parked KV of this
+        follow = GenerationRequest([*history, 9, 2], 8, "specinfer", 3, 3, seed=2, session_id="s")
+        ((again, cached),) = run(engine, [follow])
+        assert cached > len(first.prompt_ids)
+        return out, again, cached, engine.parked["s"].tokens
+
+    assert session(fake, on_fake) == session(cpu, run_cpu)
+
+
+# ------------------------------------------------------------------------------ feature draft
+@pytest.mark.parametrize(
+    "methods",
+    [["block"] * 2, ["spectr", "spectr"], ["greedy_block", "token", PLAIN], [AUTO, "traversal"]],
+)
+def test_a_feature_draft_decodes_on_the_device_as_on_the_cpu(featured, methods):
+    cpu, fake = featured
+    expected = run_cpu(cpu, requests(methods, new=12))
+    out, per_step, sites = run_fake(fake, requests(methods, new=12))
+    assert out == expected
+    grouped = {m if m != AUTO else "block" for m in methods}
+    assert max(per_step) <= host_sync_bound(grouped), (per_step, sites)
+
+
+# ------------------------------------------------------------------------------ mutants
+def mutate(monkeypatch, owner, name: str, old: str, new: str, *also) -> None:
+    """Install owner.name with `old` replaced by `new` in its source (in owner and in `also`,
+    modules that imported it by name)."""
+    fn = getattr(owner, name)
+    module = sys.modules[fn.__module__]
+    source = textwrap.dedent(inspect.getsource(fn))
+    assert source.count(old) == 1, f"{name}: the mutated line moved; update this test"
+    namespace = dict(vars(module))
+    source = "from __future__ import annotations\n" + source.replace(old, new)  # as the module
+    exec(compile(source, module.__file__, "exec"), namespace)
+    for target in (owner, *also):
+        monkeypatch.setattr(target, name, namespace[name])
+
+
+DROPPED_MOVES = {
+    # the draft's uniforms, drawn on the host from each request's generator
+    "sampling.sample": (
+        workers.draft,
+        "sample",
+        "u = u.to(probs.device, non_blocking=True)",
+        "pass",
+        (service.engine,),
+    ),
+    # a cache's counts, arriving on the host
+    "KVCache.append": (
+        KVCache,
+        "append",
+        "count = count.to(lengths.device, non_blocking=True)",
+        "pass",
+        (),
+    ),
+    # the draft's pending counts, kept on the host by the engine
+    "DraftWorker.propose": (
+        DraftWorker,
+        "propose",
+        "pending_count = pending_count.to(dev, non_blocking=True)",
+        "pass",
+        (),
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", DROPPED_MOVES)
+def test_a_dropped_move_fails_as_on_a_gpu(tiny, monkeypatch, mutant):
+    _, fake = tiny
+    owner, name, old, new, also = DROPPED_MOVES[mutant]
+    mutate(monkeypatch, owner, name, old, new, *also)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        run_fake(fake, requests(["block"]))
+    with FakeCuda():  # leave the shared engine empty
+        while fake.active:
+            fake.cancel(fake.active[-1].req.request_id)
+
+
+def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
+    """verify_step's emitted-token buffer on the host: CUDA copies each group's tokens back
+    (legal, so no error), one wait more a group; the bound sees it."""
+    _, fake = tiny
+    mutate(
+        monkeypatch,
+        service.engine,
+        "verify_step",
+        "tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)",
+        "tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)",
+    )
+    _, per_step, sites = run_fake(fake, requests(["block"]))
+    assert max(per_step) > host_sync_bound({"block"})
+    assert any("verify_step" in site for site in sites)
+
+
+# ------------------------------------------------------------------------------ Ray actors
+def wire(obj):
+    """What Ray's numpy wire (workers.actors.use_numpy_wire) makes of obj on the other side:
+    the same, with every tensor on the host."""
+    if isinstance(obj, torch.Tensor):
+        return actors._tensor_from_wire(actors._tensor_to_wire(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
+    if isinstance(obj, list | tuple):
+        return type(obj)(wire(x) for x in obj)
+    return obj
+
+
+class WiredDraft:
+    """RemoteDraft in process: its DraftActor's calls, arguments through the wire."""
+
+    reads_features = False
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def prefill(self, *args) -> None:
+        self.actor.call("prefill", wire(args))
+
+    def move(self, src: int, dst: int) -> None:
+        self.actor.call("move", (src, dst))
+
+    def commit(self, *args) -> None:
+        self.actor.call("commit", wire(args))
+
+
+class WiredTarget(WiredDraft):
+    """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
+    chains the draft's and the target's calls, every tensor through the wire."""
+
+    def speculate(self, draft, draft_args, roots, num_paths, depth, params, generators, verify):
+        states = [g.get_state() for g in generators]
+        drafted = None
+        if draft_args is not None:
+            drafted = wire(draft.actor.propose(*wire(draft_args), params, states))
+        own = None if drafted else states
+        out = self.actor.speculate(*wire((roots, num_paths, depth, params)), drafted, own, verify)
+        x, verdict, states, seconds = wire(out)
+        for g, state in zip(generators, states, strict=True):
+            g.set_state(state)
+        return x, verdict, seconds
+
+
+@pytest.fixture(scope="module")
+def wired():
+    """The tiny pair as Ray's draft and target actors on the fake device, called in process
+    (their classes without Ray), every argument and result through the numpy wire."""
+    with pytest.MonkeyPatch.context() as patch, FakeCuda():
+        patch.setattr(actors, "use_numpy_wire", lambda: None)  # Ray's serializer: `wire` here
+        slots, dtype, threads = MAX_BATCH + 1, "float32", 1
+        draft = actors.DraftActor.__ray_metadata__.modified_class(
+            str(TINY_DRAFT), slots, MAX_LEN, dtype, "cuda", threads
+        )
+        target = actors.TargetShardActor.__ray_metadata__.modified_class(
+            str(TINY_TARGET), 0, 1, slots, MAX_LEN, dtype, "cuda", threads
+        )
+    assert is_fake(target.shard.worker.cache.k) and is_fake(draft.worker.cache.k)
+    vocab = target.shard.worker.model.spec.vocab_size
+    return service.engine.SpeculativeEngine(
+        WiredDraft(draft), WiredTarget(target), MAX_BATCH, MAX_LEN, vocab, max_sessions=1
+    )
+
+
+@pytest.mark.parametrize(
+    "methods", [["block"] * 3, ["spectr"] * 3, ["greedy_block"] * 3, ["block", PLAIN, "gbv"]]
+)
+def test_the_ray_actors_decode_on_the_device_as_the_cpu_engine(tiny, wired, monkeypatch, methods):
+    """Over Ray every tensor arrives on the host; the actors move what they get (the carried
+    records of greedy_block come back from the coordinator each step)."""
+    cpu, _ = tiny
+    monkeypatch.setattr(actors, "STORE_BYTES", 1 << 40)  # no object store without Ray
+    expected = run_cpu(cpu, requests(methods))
+    out, per_step, sites = run_fake(wired, requests(methods))
+    assert out == expected
+    # As in process (host_sync_bound: rank 0 verifies), and the draft actor sends x and q back
+    # (2); carried records travel to the coordinator as 3 tensors a request (and back, waiting
+    # for nothing).
+    carrying = [m for m in methods if m in VERIFIERS and VERIFIERS[m].modifies_target]
+    bound = 2 + host_sync_bound(set(methods)) + 3 * len(carrying)
+    assert max(per_step) <= bound, (per_step, sites)
