@@ -222,6 +222,10 @@ class Verdict:
     num_accepted: torch.Tensor  # [n] int64: τ, accepted draft tokens
     path: torch.Tensor  # [n] int64: the draft path whose prefix was accepted
     carries: list[TargetModification | None]  # [n]: records for the request's next step
+    # [n] bool: the request's carry holds a record that modifies upcoming rows (a feature
+    # draft then keeps its own features: _Active.own_features). On an accelerator a request's
+    # carry may keep columns dead for it, so this is read from the values, not the shapes.
+    live: torch.Tensor
     # [n, γ+1, E]: the target's features at the root and the accepted tokens (the first τ + 1
     # of each row), set once the target has committed; what a feature draft reads next
     features: torch.Tensor | None = None
@@ -250,6 +254,7 @@ def verify_step(
     tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)
     tau = torch.zeros(n, dtype=torch.int64, device=dev)
     path = torch.zeros(n, dtype=torch.int64, device=dev)
+    live = torch.zeros(n, dtype=torch.int64, device=dev)  # int: packed with the above
     carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
     for method, k, gamma, idx in plan.groups:
         ix = group_rows(idx, dev)
@@ -274,9 +279,10 @@ def verify_step(
         tokens[ix, : gamma + 1] = out.tokens
         tau[ix], path[ix] = out.num_accepted, out.path
         if out.carry is not None:
+            live[ix] = (out.carry.rows_left > 0).any(1).long()
             for i, carry in zip(idx, out.carry.split(), strict=True):
                 carries[i] = carry
-    return Verdict(tokens, tau, path, carries)
+    return Verdict(tokens, tau, path, carries, live.bool())
 
 
 def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Verdict]:
@@ -286,10 +292,15 @@ def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Ve
     if x.device.type == "cpu" and verdict.tokens.device.type == "cpu":
         return x, verdict
     width = verdict.tokens.shape[1]
-    columns = [verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None], x.flatten(1)]
+    columns = [
+        verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None],
+        verdict.live[:, None].long(), x.flatten(1),
+    ]  # fmt: skip
     packed = torch.cat([c.to(verdict.tokens.device) for c in columns], dim=1).cpu()
-    tokens, tau, path, drafted = packed.split([width, 1, 1, x[0].numel()], dim=1)
-    host = replace(verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0])
+    tokens, tau, path, live, drafted = packed.split([width, 1, 1, 1, x[0].numel()], dim=1)
+    host = replace(
+        verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0], live=live[:, 0].bool()
+    )
     return drafted.view(x.shape), host
 
 
@@ -591,14 +602,14 @@ class SpeculativeEngine:
         planned = time.perf_counter()
         x, verdict, seconds = self._speculate(plan, [a.generator for a in batch])
         speculated = time.perf_counter()
-        for a, carry in zip(batch, verdict.carries, strict=True):
+        live = verdict.live.tolist()  # on the host (verdict_on_host)
+        for a, carry, alive in zip(batch, verdict.carries, live, strict=True):
             a.carry = carry
-            a.own_features = self.feature_draft and carry is not None and carry.live
+            a.own_features = self.feature_draft and alive
         if plan.drafted:  # the target committed its paths itself
             keep = verdict.num_accepted
             if self.feature_draft:  # only under a live record (see _Active.own_features)
-                own = torch.tensor([a.own_features for a in batch], device=keep.device)
-                keep = torch.where(own, keep, 0)
+                keep = torch.where(verdict.live, keep, 0)
             self.draft.commit(verdict.path, keep)
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
             arm, shape = auto

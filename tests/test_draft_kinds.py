@@ -132,9 +132,17 @@ def test_output_law_equals_the_targets_for_every_method_and_draft_kind(pairs, me
 def test_the_carried_records_mutant_is_lossy_with_a_feature_draft(pairs, monkeypatch, method, kind):
     """Evidence of power: with the engine's old behaviour (the next step drafts with the
     target's true features while a record is live) the same test fails."""
-    from service.verification.modification import TargetModification
+    from dataclasses import replace
 
-    monkeypatch.setattr(TargetModification, "live", property(lambda self: False))
+    from service import engine as engine_module
+
+    verify_step = engine_module.verify_step
+
+    def never_live(*args):
+        verdict = verify_step(*args)
+        return replace(verdict, live=torch.zeros_like(verdict.live))
+
+    monkeypatch.setattr(engine_module, "verify_step", never_live)
     draft, target, law = pairs[kind]
     engine = make_engine(target, draft, max_batch=256, max_len=32)
     pvalue, _ = engine_law_pvalue(engine, law, method, paths(method))

@@ -43,11 +43,6 @@ class TargetModification:
     def batch_size(self) -> int:
         return self.rows_left.shape[0]
 
-    @property
-    def live(self) -> bool:
-        """Some record still modifies upcoming rows (a pruned carry: no host read)."""
-        return self.rows_left.shape[1] > 0
-
     @functools.cached_property  # one host read per carry: apply_records and advance_records
     def max_rows(self) -> int:
         """Largest number of upcoming rows any record still modifies (0 when none)."""
