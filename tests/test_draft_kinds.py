@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import ALPHA, chi_square
-from test_engine import exact_target_law, make_engine, save_tiny
+from test_engine import exact_target_law, make_engine, save_tiny, tiny_config
 
 from service.engine import GenerationRequest
 from service.verification import METHODS, VERIFIERS
@@ -59,27 +59,16 @@ def save_pair(
     """A random 2-layer Llama target (vocab 6) and a draft of `kind` (module docstring), as
     checkpoint directories with a word-level tokenizer; returns (draft_dir, target_dir)."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        initializer_range=0.5,  # peaked, varied conditionals
-        eos_token_id=None,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_config(VOCAB, tie_word_embeddings=True)
     target_dir, draft_dir = root / "target", root / "draft"
     save_tiny(target_dir, VOCAB)  # the tokenizer (its tiny model is overwritten below)
     save_tiny(draft_dir, VOCAB)
     torch.manual_seed(seed)
     target = LlamaForCausalLM(cfg).eval()
     target.save_pretrained(target_dir)
-    draft = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": False}))
+    draft = LlamaForCausalLM(tiny_config(VOCAB, tie_word_embeddings=False))
     state = {k: v + noise * torch.randn_like(v) for k, v in target.state_dict().items()}
     state["lm_head.weight"] = 1.7 * state["model.embed_tokens.weight"]
     draft.load_state_dict(state, strict=False)

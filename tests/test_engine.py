@@ -27,6 +27,22 @@ from workers.target import TargetWorker
 from workers.tree import build_tree, gather_rows, rows_at
 
 
+def tiny_config(vocab: int, **overrides) -> LlamaConfig:
+    """The tiny random pairs' 2-layer Llama shape (hidden 64)."""
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        initializer_range=0.5,  # peaked, varied conditionals (0.02 gives near-uniform rows)
+        eos_token_id=None,
+        **overrides,
+    )
+
+
 def tiny_pair(
     vocab: int,
     seed: int = 0,
@@ -38,17 +54,7 @@ def tiny_pair(
     with `draft_fc` [64, 128], a feature draft reading the target's features through it; with
     `draft_head` (sorted ids), a draft whose output head keeps only those ids."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=256,
-        initializer_range=0.5,  # peaked, varied conditionals (0.02 gives near-uniform rows)
-        eos_token_id=None,
-    )
+    cfg = tiny_config(vocab)
     hf = LlamaForCausalLM(cfg).eval()
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     draft_state = {k: v + noise * torch.randn_like(v) for k, v in state.items()}
