@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from scipy import stats
 
-SPEC_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "spec" / "reference"
+# The reference instances and their exact laws (docs/verification.md §12); they are recomputed
+# by scripts/reference_laws.py (tests/test_reference_numbers.py runs its check).
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 # Spec names -> registry names.
 SPEC_NAMES = {
@@ -53,8 +55,8 @@ ALPHA = 1e-4
 
 @cache
 def load_reference():
-    instances = json.loads((SPEC_DIR / "reference_instances.json").read_text())
-    numbers = json.loads((SPEC_DIR / "reference_numbers.json").read_text())
+    instances = json.loads((REFERENCE_DIR / "reference_instances.json").read_text())
+    numbers = json.loads((REFERENCE_DIR / "reference_numbers.json").read_text())
     return instances, numbers
 
 
