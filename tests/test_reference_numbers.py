@@ -1,0 +1,46 @@
+"""The committed reference numbers are the exact laws of their instances (docs/verification.md §12).
+
+tests/reference/reference_numbers.json holds the exact one-iteration laws that the law tests
+(test_reference_laws.py, test_facts.py) test the verifiers' samples against. Here
+``scripts/reference_laws.py --check`` recomputes all of them from
+tests/reference/reference_instances.json by enumeration (no sampling; a few seconds), and the
+toy instance's E[τ] in rational arithmetic against the fractions ``blockspec demo`` prints.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from harness import REFERENCE_DIR
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reference_laws.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("reference_laws", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reference_laws = _script()
+
+
+def test_committed_numbers_are_recomputed_by_enumeration(capsys):
+    code = reference_laws.main(["--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "all match" in out
+
+
+def test_check_fails_on_a_changed_number(tmp_path, capsys):
+    numbers = json.loads((REFERENCE_DIR / "reference_numbers.json").read_text())
+    law = numbers["numbers"]["R1-random-s101"]["K=2"]["Traversal"]["output_law"]
+    seq = next(iter(law))
+    law[seq] += 1e-8  # 10x the tolerance
+    changed = tmp_path / "numbers.json"
+    changed.write_text(json.dumps(numbers))
+    assert reference_laws.main(["--check", "--numbers", str(changed)]) == 1
+    assert f"R1-random-s101 K=2 Traversal output '{seq}'" in capsys.readouterr().out
