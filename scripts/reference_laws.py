@@ -9,10 +9,16 @@ draft rows keyed by the comma-joined prefix, "" the empty one). Output, per inst
 method: the exact one-iteration law of the emitted sequence (X^τ, Y), the law of τ and E[τ],
 plus the closed forms F1, F3 and Σ min(p, q) of §10: the contents of
 ``tests/reference/reference_numbers.json``, which tests/test_reference_laws.py and
-tests/test_facts.py test the verifiers against. ``--check`` exits 1 when a committed number
-differs from its recomputation by more than TOLERANCE (or a sequence above NEGLIGIBLE is missing
-on either side), 0 otherwise (today the largest difference is ~1e-15); it also checks the exact toy fractions of §12, in
-rational arithmetic, against those ``blockspec demo`` prints (service/cli.py) and against F1/F3.
+tests/test_facts.py test the verifiers against.
+
+``--check`` exits 1 unless all of these hold, 0 otherwise:
+- every committed number is within TOLERANCE of its recomputation, and no sequence above
+  NEGLIGIBLE is in one law only (today the largest difference is ~1e-15);
+- every recomputed law is lossless: the emitted sequence completed by the target follows the
+  target (Sun et al. Lemma 2), or for GreedyBV and SpecTr-GBV* completed by the law they carry
+  forward (Lemma 8; §3.1, §10);
+- the toy instance's E[τ], recomputed in rational arithmetic, equals the fractions of §12 that
+  ``blockspec demo`` prints (service/cli.py), and F1/F3 equal theirs.
 
 The laws come from the rules of docs/verification.md, written here once more as plain Python
 over the tables, independently of the verifiers under test (service/verification/): nothing is
@@ -48,6 +54,7 @@ import json
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -92,6 +99,7 @@ class Instance:
         self._q = {_prefix(k): [num(x) for x in row] for k, row in spec["draft"].items()}
         self.one = Fraction(1) if exact else 1.0
         self.zero = self.one * 0
+        self.chains = {}  # k -> greedy_chain(self, k)
 
     def p(self, v: tuple[int, ...]) -> list:
         return self._p[v]
@@ -258,11 +266,13 @@ def greedy_tau(inst: Instance, law: Law, x: tuple[int, ...]) -> list:
     return [acc[i] * math.prod((1 - a for a in acc[i + 1 :]), start=one) for i in range(g + 1)]
 
 
-def sequential_greedy(inst: Instance, k: int) -> dict:
-    """SpecTr-GBV* with K = k (K = 1: greedy BV). The state after each draft is the history of
-    accepted prefixes (A_1, .., A_k), which fixes the law the next draft is tested against."""
-    base = Law(inst, inst.p)
-    laws = {(): base}  # history -> the law P_{k+1} its next draft is tested against
+def greedy_chain(inst: Instance, k: int) -> tuple[dict, Callable[[tuple], Law]]:
+    """SpecTr-GBV* with K = k (K = 1: greedy BV) as a Markov chain: the state after each draft
+    is the history of accepted prefixes (A_1, .., A_k), which fixes the law the next draft is
+    tested against. Returns (final history -> probability, history -> the law after it)."""
+    if k in inst.chains:
+        return inst.chains[k]
+    laws = {(): Law(inst, inst.p)}  # history -> the law P_{k+1} its next draft is tested against
 
     def law_after(history):
         if history not in laws:
@@ -283,10 +293,16 @@ def sequential_greedy(inst: Instance, k: int) -> dict:
                     if pr > 0:
                         new[(*history, x[:tau] if tau > len(a) else a)] += w * wx * pr
         states = new
+    inst.chains[k] = states, law_after
+    return inst.chains[k]
+
+
+def sequential_greedy(inst: Instance, k: int) -> dict:
+    """Emitted law of SpecTr-GBV* (greedy BV at k = 1): A, then y ~ P_{K+1}(·|A)."""
+    states, law_after = greedy_chain(inst, k)
     law = defaultdict(int)
     for history, w in states.items():
-        a = history[-1]
-        emit(law, a, w, law_after(history).row(a))  # y ~ P_{K+1}(·|A)
+        emit(law, history[-1], w, law_after(history).row(history[-1]))
     return law
 
 
@@ -514,20 +530,58 @@ def summary(inst: Instance, law: dict) -> dict:
     }
 
 
-def recompute(instances: dict, ks=KS, exact: bool = False) -> dict:
-    """The numbers of every instance x K (ks) x method, in reference_numbers.json's layout."""
-    numbers = {}
+def completed(law_of_prefix, length: int, row_fn) -> dict:
+    """Extend every emitted sequence to ``length`` tokens with ``row_fn(prefix)`` rows."""
+    out = defaultdict(int)
+
+    def walk(seq, w):
+        if len(seq) == length:
+            out[seq] += w
+            return
+        for y, r in enumerate(row_fn(seq)):
+            if r > 0:
+                walk((*seq, y), w * r)
+
+    for seq, w in law_of_prefix.items():
+        walk(seq, w)
+    return out
+
+
+def lossless_error(inst: Instance, k: int, method: str, law: dict) -> float:
+    """Largest gap between the target's law and the emitted sequence completed by the target
+    (Sun et al. Lemma 2: (X^τ, Y, Z^{γ-τ}) ~ p^{γ+1}). For GreedyBV and SpecTr-GBV* the
+    completion comes from the carried law, to length γ (Lemma 8, §3.1, §10)."""
+    if method in ("GreedyBV", "SpecTr-GBV*"):
+        states, law_after = greedy_chain(inst, 1 if method == "GreedyBV" else k)
+        out, length = defaultdict(int), inst.gamma
+        for history, w in states.items():
+            a = history[-1]
+            for seq, pr in completed({a: w}, length, law_after(history).row).items():
+                out[seq] += pr
+    else:
+        out, length = completed(law, inst.gamma + 1, inst.p), inst.gamma + 1
+    seqs = itertools.product(range(inst.V), repeat=length)
+    return max(abs(float(out.get(s, 0) - inst.joint(inst.p, s))) for s in seqs)
+
+
+def recompute(instances: dict, ks=KS, exact: bool = False) -> tuple[dict, dict]:
+    """(the numbers of every instance x K (ks) x method, in reference_numbers.json's layout;
+    {"instance K=k method": lossless_error})."""
+    numbers, lossless = {}, {}
     for name, spec in instances.items():
         inst = Instance(spec, exact=exact)
-        single = {m: summary(inst, METHODS[m](inst, 1)) for m in SINGLE_PATH}
-        numbers[name] = {}
+        numbers[name], laws = {}, {}
         for k in ks:
-            row = {
-                m: single[m] if m in single else summary(inst, METHODS[m](inst, k)) for m in METHODS
-            }
+            row = {}
+            for m in METHODS:
+                key = (m, 1) if m in SINGLE_PATH else (m, k)
+                if key not in laws:
+                    laws[key] = METHODS[m](inst, key[1])
+                    lossless[f"{name} K={key[1]} {m}"] = lossless_error(inst, k, m, laws[key])
+                row[m] = summary(inst, laws[key])
             numbers[name][f"K={k}"] = row | closed_forms(inst, k)
     meta = {name: {"gamma": s["gamma"], "V": len(s["target"][""])} for name, s in instances.items()}
-    return {"instances": meta, "numbers": numbers}
+    return {"instances": meta, "numbers": numbers}, lossless
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,7 +640,7 @@ def check_toy_fractions(instances: dict) -> list[str]:
     from service.verification import VERIFIERS
 
     method_of = {registry: spec for spec, registry in SPEC_NAMES.items()}
-    fresh = recompute({"toy": instances["toy"]}, exact=True)["numbers"]["toy"]
+    fresh = recompute({"toy": instances["toy"]}, exact=True)[0]["numbers"]["toy"]
     problems = []
     expected = {method_of[m]: ks for m, ks in TOY_EXACT.items()} | TOY_CLOSED_FORMS
     for method, ks in expected.items():
@@ -636,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     instances = json.loads(args.instances.read_text())
-    fresh = recompute(instances)
+    fresh, lossless = recompute(instances)
     if args.out:
         args.out.write_text(json.dumps(to_json(fresh)) + "\n")
     if not args.check:
@@ -644,11 +698,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     problems, worst = compare(json.loads(args.numbers.read_text()), fresh)
     problems += check_toy_fractions(instances)
+    problems += [
+        f"{where}: not lossless, off the target's law by {err:.2e}"
+        for where, err in lossless.items()
+        if not err <= TOLERANCE
+    ]
     for line in problems[:50]:
         print(line)
     cells = sum(len(by_k) for by_k in fresh["numbers"].values())
     verdict = f"{len(problems)} differences" if problems else "all match"
-    print(f"{cells} instance x K cells recomputed, largest difference {worst:.2e}: {verdict}")
+    print(
+        f"{cells} instance x K cells recomputed, largest difference {worst:.2e}; "
+        f"every law lossless within {max(lossless.values()):.2e}: {verdict}"
+    )
     return 1 if problems else 0
 
 
