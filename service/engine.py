@@ -1,7 +1,7 @@
 """Speculative engine: continuous batching over a draft worker and a target worker, in process
 or over Ray actors (workers/actors.py).
 
-One step for the batch of active requests (shared/spec/architecture.md), with its phases timed
+One step for the batch of active requests (docs/architecture.md), with its phases timed
 separately (`StepTimes`):
   plan:       the batch's pending tokens, K/γ, sampling settings and groups (`StepPlan`)
   speculate:  draft  -> K i.i.d. paths of γ tokens per request (draft worker)

@@ -9,7 +9,7 @@ was sampled from), ``target_probs`` [B, K, γ+1, V] (p(·| context, first i toke
 rows of identical prefixes must be identical. See :mod:`service.verification.common` for the
 vocabulary (accepted / recovered / bonus) and :class:`VerifyOutput` for the result.
 
-The math of every method is specified in ``shared/spec/verification.md`` (section numbers are
+The math of every method is specified in ``docs/verification.md`` (section numbers are
 quoted in each module). ``greedy_block`` and ``spectr_gbv`` change the target for later steps:
 thread ``out.carry`` into the next ``verify`` call of the same requests (``carry=``).
 """
