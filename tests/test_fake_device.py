@@ -50,11 +50,12 @@ MAX_BATCH, MAX_LEN = 4, 96
 # Host syncs per decode step (reads of device data, and blocking copies to it), at most: the
 # tree's size (build_tree), the step's one copy of the verdict back to the host
 # (verdict_on_host), and per verify call its draft-token range check
-# (verification.common.check_inputs). The methods that carry a target modification also read
-# how many rows their records still modify, and prune dead records (verification.modification).
+# (verification.common.check_inputs). The methods that carry a target modification read
+# nothing more: off the CPU their records pass over all rows, masked, and are pruned by a
+# bound on their age (verification.modification); they took 2 more reads a step before.
 TREE_AND_VERDICT = 2
 PER_VERIFY_CALL = 1
-PER_CARRY_CALL = 2
+PER_CARRY_CALL = 0
 
 
 def host_sync_bound(methods: set[str]) -> int:

@@ -60,7 +60,7 @@ class TargetModification:
         """Each request's records, a batch of one each. Where host reads are free, only the
         columns live for that request (``select``); on an accelerator the rows of this batch's
         columns, as views: pruning them would read the device once a request, and the batch's
-        columns are already pruned (``advance_records``); dead columns change no row."""
+        columns are already bounded (``advance_records``); dead columns change no row."""
         if host_reads_are_free(self.rows_left):
             return [self.select([j]) for j in range(self.batch_size)]
         return [
@@ -81,12 +81,25 @@ class TargetModification:
         width = max(m.rows_left.shape[1] for m in mods)
 
         def pad(t: torch.Tensor, value: float) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+            # Dead slots go first: each request's newest records stay the rightmost columns,
+            # which `_bounded` relies on (the order of the live ones is unchanged).
+            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
 
         return TargetModification(
             torch.cat([pad(m.log_p, 0.0) for m in mods]),
             torch.cat([pad(m.log_q, 0.0) for m in mods]),
             torch.cat([pad(m.rows_left, 0) for m in mods]),
+        )
+
+    def _bounded(self, generations: int, per_generation: int) -> TargetModification:
+        """Keep the newest generations x per_generation columns, with no host read: a record
+        modifies at most L rows and every iteration emits at least one token, so records of
+        more than L iterations ago (generations = L) are dead. The accelerators' `_pruned`."""
+        keep = generations * per_generation
+        if self.rows_left.shape[1] <= keep:
+            return self
+        return TargetModification(
+            self.log_p[:, -keep:], self.log_q[:, -keep:], self.rows_left[:, -keep:]
         )
 
     def _pruned(self) -> TargetModification:
@@ -199,8 +212,12 @@ def apply_records(
     B, P, L = tokens.shape
     R = mod.rows_left.shape[1]
     rows = ResidualRows.base(tokens)
-    most = mod.max_rows  # a host read: once
-    width = min(most, L + 1)  # rows beyond every record's window are untouched
+    # Rows beyond every record's window are untouched. Reading the widest window waits for an
+    # accelerator, so there every record passes over all L rows, masked to its own window
+    # (the engine keeps γ constant under a carry, so no record reaches past L).
+    on_host = host_reads_are_free(tokens)
+    most = mod.max_rows if on_host else L  # a host read: once
+    width = min(most, L + 1)
     if R == 0 or width == 0:
         return rows, ResidualRows.base(tokens.new_empty(B, R, P, L))
     if most > L:
@@ -208,7 +225,7 @@ def apply_records(
             f"carry modifies {most} upcoming rows but only {L} draft rows were given: "
             "keep γ constant for a request that carries a target modification"
         )
-    if host_reads_are_free(tokens) and cpu_kernels.applies(draft_probs, target_probs):
+    if on_host and cpu_kernels.applies(draft_probs, target_probs):
         # float32 CPU rows: one loop a request, each record over its own window only
         t, z, base_t, base_z = cpu_verifiers.apply_records(
             tokens, draft_probs, target_probs, mod.log_p, mod.log_q, mod.rows_left, T_MAX
@@ -256,7 +273,8 @@ def advance_records(
     probabilities are read here, no row over V.
     """
     gamma = emitted.shape[1]
-    if mod.max_rows > 0:
+    on_host = host_reads_are_free(mod.rows_left)
+    if (mod.max_rows if on_host else mod.rows_left.shape[1]) > 0:  # dead columns: no-ops
         ar = torch.arange(emitted.shape[0], device=emitted.device)
         tok = emitted.clamp_min(0)  # [B, γ]
         at = (ar[:, None], path[:, None], torch.arange(gamma, device=emitted.device), tok)
@@ -279,4 +297,4 @@ def advance_records(
         torch.cat([mod.log_q, torch.where(new_alive, new_log_q, 0.0)], dim=1),
         torch.cat([mod.rows_left, new_rows_left.clamp_min(0)], dim=1),
     )
-    return out._pruned()
+    return out._pruned() if on_host else out._bounded(gamma, new_rows_left.shape[1])
