@@ -150,9 +150,20 @@ def test_carried_methods_hold_their_law_at_sixty_thousand_requests(pairs, method
     assert pvalue > ALPHA, f"{method} with a {kind} draft: p = {pvalue:.2e}"
 
 
+# Through the actors: by default the carried methods and one other with the reduced feature
+# draft (the actor path's own state is the draft's kept features); every pair with -m slow.
+# (tests/test_service.py also checks that the actors give the in-process engine's bits.)
+ACTOR_DEFAULT = [(m, "feature_reduced") for m in (*CARRIED, "block")]
+ACTOR_PAIRS = [
+    pytest.param(m, kind, marks=() if (m, kind) in ACTOR_DEFAULT else pytest.mark.slow)
+    for kind in KINDS
+    for m in METHODS
+]
+
+
 @pytest.mark.xdist_group("ray")
-@pytest.mark.parametrize("method", [*CARRIED, "block"])
-def test_output_law_through_the_actors_with_a_reduced_feature_draft(service, tmp_path, method):
+@pytest.mark.parametrize(("method", "kind"), ACTOR_PAIRS)
+def test_output_law_through_the_actors(service, tmp_path, method, kind):
     """The same law through a replica's Ray actors (draft actor -> target rank 0, which
     verifies), where the draft's kept features live in the draft actor between steps."""
     import ray
@@ -160,7 +171,7 @@ def test_output_law_through_the_actors_with_a_reduced_feature_draft(service, tmp
     from service.config import ReplicaConfig
     from service.replica import build_remote_engine
 
-    draft_dir, target_dir = save_pair(tmp_path, "feature_reduced")
+    draft_dir, target_dir = save_pair(tmp_path, kind)
     law = exact_target_law(load_model(target_dir).build(), PROMPT, LENGTH, VOCAB)
     cfg = ReplicaConfig(
         draft_dir=str(draft_dir),
@@ -172,7 +183,7 @@ def test_output_law_through_the_actors_with_a_reduced_feature_draft(service, tmp
     engine, _ = build_remote_engine(cfg)
     try:
         pvalue, _ = engine_law_pvalue(engine, law, method, paths(method))
-        assert pvalue > ALPHA, f"{method} through the actors: p = {pvalue:.2e}"
+        assert pvalue > ALPHA, f"{method} with a {kind} draft through the actors: p = {pvalue:.2e}"
     finally:
         for actor in engine.draft.actors + engine.target.actors:
             ray.kill(actor)
