@@ -35,18 +35,15 @@ small as p = 0.3), so the pair's seed is fixed to one where it shows.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ALPHA, chi_square
-from test_engine import exact_target_law, make_engine, save_tiny, tiny_config
+from harness import ALPHA
+from test_engine import engine_law_pvalue, exact_target_law, make_engine, save_tiny, tiny_config
 
-from service.engine import GenerationRequest
 from service.verification import METHODS, VERIFIERS
 from workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
-from workers.sampling import SamplingParams
 
 KINDS = ("token", "feature", "feature_reduced")
 PROMPT, LENGTH, GAMMA, VOCAB, TRIALS = [1, 4, 2], 3, 2, 6, 6000
@@ -92,14 +89,8 @@ def pairs(tmp_path_factory):
     return out
 
 
-def engine_law_pvalue(engine, law, method: str, k: int, trials: int = TRIALS):
-    reqs = [
-        GenerationRequest(PROMPT, LENGTH, method, k, GAMMA, SamplingParams(), seed=i)
-        for i in range(trials)
-    ]
-    results = engine.generate(reqs)
-    outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
-    return chi_square(outcomes, law, trials)[2], results
+def law_pvalue(engine, law, method: str, k: int, trials: int = TRIALS):
+    return engine_law_pvalue(engine, law, PROMPT, GAMMA, method, k, trials)
 
 
 def paths(method: str) -> int:
@@ -111,7 +102,7 @@ def paths(method: str) -> int:
 def test_output_law_equals_the_targets_for_every_method_and_draft_kind(pairs, method, kind):
     draft, target, law = pairs[kind]
     engine = make_engine(target, draft, max_batch=256, max_len=32)
-    pvalue, results = engine_law_pvalue(engine, law, method, paths(method))
+    pvalue, results = law_pvalue(engine, law, method, paths(method))
     assert pvalue > ALPHA, f"{method} with a {kind} draft: p = {pvalue:.2e}"
     assert sum(r.stats.accepted for r in results) > TRIALS // 10  # drafts were accepted
 
@@ -134,7 +125,7 @@ def test_the_carried_records_mutant_is_lossy_with_a_feature_draft(pairs, monkeyp
     monkeypatch.setattr(engine_module, "verify_step", never_live)
     draft, target, law = pairs[kind]
     engine = make_engine(target, draft, max_batch=256, max_len=32)
-    pvalue, _ = engine_law_pvalue(engine, law, method, paths(method))
+    pvalue, _ = law_pvalue(engine, law, method, paths(method))
     assert pvalue < 1e-8, f"the mutant passed: p = {pvalue:.2e}"
 
 
@@ -146,7 +137,7 @@ def test_carried_methods_hold_their_law_at_sixty_thousand_requests(pairs, method
     Σ Δ²/p = 0.0015)."""
     draft, target, law = pairs[kind]
     engine = make_engine(target, draft, max_batch=256, max_len=32)
-    pvalue, _ = engine_law_pvalue(engine, law, method, paths(method), trials=60_000)
+    pvalue, _ = law_pvalue(engine, law, method, paths(method), trials=60_000)
     assert pvalue > ALPHA, f"{method} with a {kind} draft: p = {pvalue:.2e}"
 
 
@@ -182,7 +173,7 @@ def test_output_law_through_the_actors(service, tmp_path, method, kind):
     )
     engine, _ = build_remote_engine(cfg)
     try:
-        pvalue, _ = engine_law_pvalue(engine, law, method, paths(method))
+        pvalue, _ = law_pvalue(engine, law, method, paths(method))
         assert pvalue > ALPHA, f"{method} with a {kind} draft through the actors: p = {pvalue:.2e}"
     finally:
         for actor in engine.draft.actors + engine.target.actors:

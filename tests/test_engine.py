@@ -390,6 +390,15 @@ def sampled_law_pvalue(target, draft, method: str, k: int, trials: int = 12_000)
     gamma, length, prompt = 2, 4, [1, 3, 0]
     law = exact_target_law(target, prompt, length, target.spec.vocab_size)
     engine = make_engine(target, draft, max_batch=trials, max_len=16)
+    return engine_law_pvalue(engine, law, prompt, gamma, method, k, trials)
+
+
+def engine_law_pvalue(
+    engine, law: dict[str, float], prompt: list[int], gamma: int, method: str, k: int, trials: int
+):
+    """Chi-square p-value of `trials` seeded requests (T = 1, as many tokens as the law's
+    outcomes have) through `engine` against `law`; and the results."""
+    length = len(next(iter(law)).split(","))
     reqs = [
         GenerationRequest(prompt, length, method, k, gamma, SamplingParams(), seed=i)
         for i in range(trials)
