@@ -687,6 +687,66 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
         ray.util.remove_placement_group(engine.target.placement_group)
 
 
+def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service, tmp_path):
+    """A feature draft under a live greedy-block record runs on its own features, state that a
+    rebuild from the tokens cannot reproduce (docs/verification.md, "Carried records with a
+    feature draft"): when the draft actor is killed mid-generation, those requests end with
+    RequestLost (UNAVAILABLE, retry) and the others finish; the replica keeps serving."""
+    from pathlib import Path
+
+    import ray
+
+    from service.config import ReplicaConfig
+    from service.coordinator import Coordinator, Done, Emitted, Failed, RequestLost
+    from service.replica import build_remote_engine
+    from tests.test_feature_draft import save_feature_draft
+
+    draft = tmp_path / "draft"
+    save_feature_draft(Path(TINY_PAIR["target_dir"]), draft)
+    methods = ["greedy_block"] * 4 + ["block"]
+    cfg = ReplicaConfig(
+        draft_dir=str(draft), target_dir=TINY_PAIR["target_dir"], max_batch=len(methods),
+        max_sessions=0,
+    )  # fmt: skip
+    engine, _ = build_remote_engine(cfg)
+    outcome, killed = {}, threading.Event()
+
+    def deliver(request_id: str):
+        def on_event(event) -> None:  # on the coordinator's thread, between steps
+            if isinstance(event, Emitted) and request_id == "r4" and not killed.is_set():
+                lost = [a.req.request_id for a in engine.active if a.own_features]
+                if lost:  # some request now depends on the draft's own state: kill it
+                    ray.kill(engine.draft.actors[0])
+                    killed.set()
+            if isinstance(event, Done | Failed):
+                outcome[request_id] = event
+
+        return on_event
+
+    coordinator = Coordinator(engine, max_queued=0)
+    try:
+        for i, method in enumerate(methods):
+            request = GenerationRequest(
+                [1, 2 + i, 3], 32, method, 1, 5, SamplingParams(1.0), seed=50 + i
+            )
+            request.request_id = f"r{i}"
+            coordinator.submit(request, deliver(request.request_id), None)
+        deadline = time.time() + 120
+        while len(outcome) < len(methods) and time.time() < deadline:
+            time.sleep(0.1)
+        assert killed.is_set() and coordinator.failure is None
+        assert coordinator.stats.recoveries == 1
+        lost = [rid for rid, e in outcome.items() if isinstance(e, Failed)]
+        assert lost and all(isinstance(outcome[rid].error, RequestLost) for rid in lost)
+        assert isinstance(outcome["r4"], Done)  # block: no record, rebuilt and finished
+        assert len(outcome) == len(methods)
+    finally:
+        coordinator.close()
+        for actor in engine.draft.actors + engine.target.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(engine.target.placement_group)
+
+
 def _kill_replica_process(service) -> None:
     """SIGKILL the Serve replica's process (Serve then starts a new one)."""
     import os
