@@ -53,3 +53,12 @@ def service(redis_url):
     channel.close()
     serve.shutdown()
     ray.shutdown()
+
+
+def stop_remote_engine(engine) -> None:
+    """Kill a test's own replica engine's actors and free its target placement group."""
+    import ray
+
+    for actor in engine.draft.actors + engine.target.actors:
+        ray.kill(actor)
+    ray.util.remove_placement_group(engine.target.placement_group)

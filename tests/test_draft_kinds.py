@@ -43,6 +43,7 @@ from harness import ALPHA
 from test_engine import engine_law_pvalue, exact_target_law, make_engine, save_tiny, tiny_config
 
 from service.verification import METHODS, VERIFIERS
+from tests.live_service import stop_remote_engine
 from workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
 
 KINDS = ("token", "feature", "feature_reduced")
@@ -157,7 +158,6 @@ ACTOR_PAIRS = [
 def test_output_law_through_the_actors(service, tmp_path, method, kind):
     """The same law through a replica's Ray actors (draft actor -> target rank 0, which
     verifies), where the draft's kept features live in the draft actor between steps."""
-    import ray
 
     from service.config import ReplicaConfig
     from service.replica import build_remote_engine
@@ -176,6 +176,4 @@ def test_output_law_through_the_actors(service, tmp_path, method, kind):
         pvalue, _ = law_pvalue(engine, law, method, paths(method))
         assert pvalue > ALPHA, f"{method} with a {kind} draft through the actors: p = {pvalue:.2e}"
     finally:
-        for actor in engine.draft.actors + engine.target.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(engine.target.placement_group)
+        stop_remote_engine(engine)

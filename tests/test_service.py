@@ -26,7 +26,7 @@ from service.config import Settings
 from service.engine import GenerationRequest, StepTimes, build_engine
 from service.sessions import RedisStore
 from service.verification import VERIFIERS
-from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR
+from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
 from workers.draft import padding_groups
 from workers.sampling import SamplingParams
 
@@ -525,7 +525,6 @@ def _scale_up(port: int, name: str) -> int:
 def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service):
     """The replica's engine with the target split over 2 shard actors (gloo on loopback, one
     placement group) decodes exactly like the in-process engine."""
-    import ray
 
     from service.config import ReplicaConfig
     from service.replica import build_remote_engine
@@ -547,9 +546,7 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
         assert remote == [r.token_ids for r in local.generate(requests())]
         assert engine.times.transfer > 0  # actor calls cost something beyond their compute
     finally:
-        for actor in engine.draft.actors + engine.target.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(engine.target.placement_group)
+        stop_remote_engine(engine)
 
 
 @pytest.mark.parametrize(("draft_kind", "world"), [("reduced_head", 1), ("features", 2)])
@@ -566,8 +563,6 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     import json
     import shutil
     from pathlib import Path
-
-    import ray
 
     from service.config import ReplicaConfig
     from service.replica import build_remote_engine
@@ -618,9 +613,7 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     finally:
         if world > 1:
             local.target.close()
-        for actor in engine.draft.actors + engine.target.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(engine.target.placement_group)
+        stop_remote_engine(engine)
 
 
 @pytest.mark.parametrize(("kind", "world"), [("draft", 1), ("target", 1), ("target", 2)])
@@ -682,9 +675,7 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
     finally:
         if coordinator is not None:
             coordinator.close()
-        for actor in engine.draft.actors + engine.target.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(engine.target.placement_group)
+        stop_remote_engine(engine)
 
 
 def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service, tmp_path):
@@ -742,9 +733,7 @@ def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service,
         assert len(outcome) == len(methods)
     finally:
         coordinator.close()
-        for actor in engine.draft.actors + engine.target.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(engine.target.placement_group)
+        stop_remote_engine(engine)
 
 
 def _kill_replica_process(service) -> None:
