@@ -606,11 +606,13 @@ class SpeculativeEngine:
         for a, carry, alive in zip(batch, verdict.carries, live, strict=True):
             a.carry = carry
             a.own_features = self.feature_draft and alive
-        if plan.drafted:  # the target committed its paths itself
-            keep = verdict.num_accepted
-            if self.feature_draft:  # only under a live record (see _Active.own_features)
-                keep = torch.where(verdict.live, keep, 0)
-            self.draft.commit(verdict.path, keep)
+        # The target committed its paths itself. A feature draft keeps a path only under a
+        # live record (see _Active.own_features): with none in the batch it has nothing to keep
+        # (a call over Ray, and a pass over the suffix, saved).
+        if plan.drafted and not self.feature_draft:
+            self.draft.commit(verdict.path, verdict.num_accepted)
+        elif plan.drafted and any(live):
+            self.draft.commit(verdict.path, torch.where(verdict.live, verdict.num_accepted, 0))
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
             arm, shape = auto
             accepted = verdict.num_accepted.tolist()
