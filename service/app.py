@@ -107,7 +107,10 @@ def start_ray(settings: Settings) -> None:
     ray.init(
         num_cpus=settings.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
-        runtime_env={"env_vars": dict(LOOPBACK_ENV)},
+        runtime_env={
+            "env_vars": dict(LOOPBACK_ENV),
+            "worker_process_setup_hook": "service.app.serve_replicas_on_loopback",
+        },
         _system_config={"max_direct_call_object_size": settings.ray_inline_bytes},
     )
 
@@ -126,6 +129,23 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
         ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, ray_constants.ENABLE_RAY_CLUSTER
     )
+
+
+def serve_replicas_on_loopback() -> None:
+    """Worker setup hook of a local cluster: Serve replicas' own gRPC server on 127.0.0.1.
+
+    Every Serve replica starts a gRPC server for calls between deployments and binds it to
+    "[::]:0", all interfaces, with no setting to change it (Ray 2.60; ray-project/ray#64544).
+    A local cluster's every other listener is on 127.0.0.1, and its replicas reach each other
+    there, so the same address serves them. Only local clusters run this hook (start_ray)."""
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+
+    def on_loopback(server, address: str) -> int:
+        return bind(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    replica.add_port_to_grpc_server = on_loopback
 
 
 def run(settings: Settings, name: str | None = None):
