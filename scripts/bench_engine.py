@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_engine.py [--prompts 50] [--new-tokens 128] \\
         [--methods ...] [--k 1 2 3 4] [--gamma 4 8] [--temperature 0.6 1.0] [--batch 1 8] \\
-        [--threads 1] [--out docs/benchmarks]
+        [--threads 1] [--json docs/benchmarks.json]
 
 Method `auto` (service/policy.py) is one row per T and batch size, its own K and γ; a method
 named twice runs twice, e.g. `--methods block auto block auto` to alternate them.
@@ -138,7 +138,9 @@ def main() -> None:
         help="the draft HF assisted generation uses (default: --draft; for the default feature "
         "draft, the default pair's token-only draft: HF cannot give a draft the target's features)",
     )
-    ap.add_argument("--out", default="docs/benchmarks", help="writes OUT.md and OUT.json")
+    ap.add_argument(
+        "--json", default="docs/benchmarks.json", help="the raw result (docs/benchmarks.md's)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -196,7 +198,7 @@ def main() -> None:
     rows: list[dict] = []
 
     def save() -> None:  # after every row, so an interrupted multi-hour run keeps what it measured
-        Path(args.out + ".json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(meta, rows=rows), indent=1))
 
     for temperature in args.temperature:
         for batch in args.batch:
@@ -239,9 +241,9 @@ def main() -> None:
                 )
 
     command = "python scripts/bench_engine.py " + " ".join(sys.argv[1:])
-    intro = f"Command: `{command}`\n\nMachine: {platform.processor() or platform.machine()}, "
-    intro += f"torch {torch.__version__}, {args.threads} thread(s).\n\n"
-    Path(args.out + ".table.md").write_text(intro + "\n".join(lines) + "\n")
+    print(f"\nCommand: `{command}`\n\nMachine: {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, {args.threads} thread(s).\n")  # fmt: skip
+    print("\n".join(lines))
 
 
 def _row(r: dict, base: dict, c: float) -> str:

@@ -7,8 +7,8 @@ for each (columns a step, warps, programs a multiprocessor) of service/verificat
 Prints, per vocabulary and setting, the median replay ms, the GPU busy ms of one replay, and
 whether its tokens equal the default setting's eager call's (the settings split rows
 differently, so the sums may round apart; the tokens should not move). The defaults
-(KSEQ_BLOCK, KSEQ_WARPS, KSEQ_PROGRAMS_PER_SM) come from this script on an H100
-(docs/verification_benchmark.md, "GPU, fifth stop").
+(KSEQ_BLOCK, KSEQ_WARPS, KSEQ_PROGRAMS_PER_SM) come from this script on an H100 (the sweep is in
+the git history of docs/verification_benchmark.md, commit 7aa8946).
 """
 
 from __future__ import annotations

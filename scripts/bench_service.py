@@ -3,7 +3,7 @@ actors) against the in-process engine, on the same requests, in one run.
 
     .venv/bin/python scripts/bench_service.py [--pairs tiny default] [--batch 1 8] \
         [--requests 16] [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
-        [--threads 1] [--out docs/service_benchmark]    # writes <out>.json and <out>.table.md
+        [--threads 1] [--json docs/service_benchmark.json]    # prints the table
 
 Reports, per model pair and batch size (concurrent clients, closed loop): per-request latency,
 tokens/s, the service / engine ratio, per-step time and its breakdown (draft / tree / target /
@@ -199,7 +199,11 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1, help="torch threads: engine, each actor")
-    ap.add_argument("--out", default="docs/service_benchmark")
+    ap.add_argument(
+        "--json",
+        default="docs/service_benchmark.json",
+        help="the raw result (docs/service_benchmark.md's)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     pairs = {name: bench_pair(args, name) for name in args.pairs}
@@ -213,7 +217,7 @@ def main() -> None:
         torch=torch.__version__,
         machine=platform.machine(),
     )
-    Path(args.out + ".json").write_text(json.dumps(dict(meta, pairs=pairs), indent=1))
+    Path(args.json).write_text(json.dumps(dict(meta, pairs=pairs), indent=1))
     lines = [
         f"Command: `python scripts/bench_service.py {' '.join(sys.argv[1:])}`  ",
         f"{args.requests} HumanEval prompts (last 200 tokens) × {args.new_tokens} new tokens, "
@@ -248,7 +252,6 @@ def main() -> None:
             f"({session['cached_prompt_tokens']} of {session['context_tokens']} context tokens "
             f"cached) vs the same context cold {session['cold_ms']:.0f} ms (median of 5)."
         )
-    Path(args.out + ".table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,7 +1,7 @@
 """Chaos and soak run: mixed streaming load on a live service while faults are injected.
 
     .venv/bin/python scripts/chaos.py [--streams 64] [--soak-s 600] [--storm-size 1000]
-        [--out docs/reliability_run]
+        [--json docs/reliability.json] [--records FILE] [--plot FILE.png]
 
 Starts a redis-server and the service (tiny pair by default, Ray on 127.0.0.1), then keeps
 `--streams` closed-loop clients busy for `--soak-s` seconds: streams and unary calls of several
@@ -12,10 +12,11 @@ deadline storm (as many requests with a 50 ms deadline), slow readers (8 streams
 a second), kill the replica. Then the load stops and the run waits until every KV slot is free
 again and the gateway's in-flight gauge is back to 0.
 
-Writes <out>.json (every request, faults, RSS samples) and <out>.png (RSS of the service's
-processes over time, faults marked), and prints a summary: per fault, errors by status code
-(explained or not: each fault has the codes it is expected to cause), recovery time (from the
-fault to the first success of a request sent after it) and p99 latency.
+Prints a summary: per fault, errors by status code (explained or not: each fault has the
+codes it is expected to cause), recovery time (from the fault to the first success of a
+request sent after it) and p99 latency. Writes `--json` (docs/reliability.md's raw result: the
+faults, RSS samples, final replica stats, request count and that summary), `--records` (also
+every request) and `--plot` (RSS of the service's processes over time, faults marked).
 """
 
 from __future__ import annotations
@@ -327,7 +328,9 @@ def main() -> None:
     ap.add_argument("--every-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--storm-size", type=int, default=1000, help="requests per storm")
-    ap.add_argument("--out", default="docs/reliability_run")
+    ap.add_argument("--json", default="docs/reliability.json", help="docs/reliability.md's")
+    ap.add_argument("--records", help="the run with every request's record (JSON)")
+    ap.add_argument("--plot", help="RSS over time (PNG, needs matplotlib)")
     args = ap.parse_args()
     from ray import serve
 
@@ -352,10 +355,14 @@ def main() -> None:
         finally:
             redis.send_signal(signal.SIGCONT)
             redis.terminate()
-    Path(args.out + ".json").write_text(json.dumps(result))
-    plot(result, args.out + ".png")
     lines = summarize(result, args)
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    if args.records:
+        Path(args.records).write_text(json.dumps(result))
+    if args.plot:
+        plot(result, args.plot)
+    kept = {k: v for k, v in result.items() if k != "records"}
+    kept.update(requests=len(result["records"]), summary=lines)
+    Path(args.json).write_text(json.dumps(kept))
     print("\n".join(lines))
 
 

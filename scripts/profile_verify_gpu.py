@@ -6,8 +6,8 @@ the kernels that took the GPU time, plus the seeded output (to compare two revis
 
 An A/B against another revision: `git worktree add /tmp/base REV`, then run this script once
 with PYTHONPATH=/tmp/base and once with PYTHONPATH=., alternating, and compare the JSONs'
-`tokens`, `num_tokens` and `path` (docs/verification_benchmark.md, "GPU, sixth stop", ran this
-script's code with its settings in environment variables instead of flags).
+`tokens`, `num_tokens` and `path` (the A/B table of docs/verification_benchmark.md came from
+this script).
 """
 
 from __future__ import annotations
