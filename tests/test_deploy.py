@@ -312,9 +312,14 @@ def dockerfile_problems(text: str, settings: Settings) -> list[str]:
         for port in rest.split()
     }
     problems = []
-    wanted = {settings.port, settings.metrics_port}
+    # The image's own command (`blockspec serve`, default Settings) also opens the HTTP API;
+    # the configs' ports must be among the exposed ones too (KubeRay replaces the command).
+    default = Settings()
+    wanted = {default.port, default.metrics_port, default.http_port}
     if exposed != wanted:
-        problems.append(f"EXPOSE {sorted(exposed)}, the configs use {sorted(wanted)}")
+        problems.append(f"EXPOSE {sorted(exposed)}, `blockspec serve` opens {sorted(wanted)}")
+    if not {settings.port, settings.metrics_port} <= exposed:
+        problems.append(f"EXPOSE {sorted(exposed)} lacks the configs' gRPC or metrics port")
     env = dict(
         token.split("=", 1)
         for name, rest in instructions
@@ -508,3 +513,4 @@ def test_cluster_mismatches_are_caught():
         assert any(expected in p for p in edited(edit)), edit.__name__
     settings = Settings.model_validate(the_app(load_serve_config())["args"])
     assert dockerfile_problems("FROM x\nEXPOSE 50051\n", settings)
+    assert dockerfile_problems("FROM x\nEXPOSE 50051 9464\n", settings)  # HTTP left out
