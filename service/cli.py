@@ -269,13 +269,6 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--target", help="target model directory, with --local (default pair)")
     g.add_argument("--threads", type=int, default=1, help="torch threads per process")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
-    sub.add_parser("loadtest", help="load-test a running service (python -m loadtest --help)")
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["loadtest"]:  # its own parser: all of its options pass through
-        from loadtest.cli import main as loadtest
-
-        return loadtest(argv[1:])
     args = ap.parse_args(argv)
     if args.command == "methods":
         for v in VERIFIERS.values():
