@@ -38,6 +38,7 @@ from protos import blockspec_pb2_grpc as pb_grpc
 from service.auth import BearerAuth, server_credentials, warn_if_exposed
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
+from service.detokenizer import TextStream
 from service.engine import InvalidArgument
 from service.requests import (
     FinishedEvent,
@@ -132,7 +133,7 @@ class _Undecodable:
     message: str
 
 
-def _add_generator(servicer: Generator, server: grpc.aio.Server) -> None:
+def _add_generator(servicer: GenerationService, server: grpc.aio.Server) -> None:
     """pb_grpc.add_GeneratorServicer_to_server, except that a payload that does not parse
     reaches the method as `_Undecodable` instead of failing inside grpc."""
 
@@ -174,80 +175,6 @@ def _stats_message(stats: SpeculationStats) -> pb.SpeculationStats:
     return pb.SpeculationStats(**fields)
 
 
-class _TextStream:
-    """Incremental detokenization with stop strings: emitted text is final (never a broken
-    character, never the start of a stop string that later completes).
-
-    Each feed decodes only the new tokens, with the previous feed's tokens as left context
-    (tokenizers whose pieces depend on their neighbours decode as they would in one piece), so
-    a stream costs O(n) decoding, not O(n²) (vLLM's incremental detokenizer does the same).
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        # Text that could still be the beginning of a stop string is held back.
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""  # decoded text of ids[:read]
-        self.prefix = self.read = 0  # ids[prefix:read]: left context for the next decode
-        self.sent = 0  # characters of `text` already emitted
-        self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        # No clean-up of tokenization spaces: it rewrites text across piece boundaries. Special
-        # tokens (end of turn, end of text) are control, not text; their ids are still sent.
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def _tail(self) -> str:
-        """Text of ids[read:] (decoded after its left context ids[prefix:read])."""
-        left = self._decode(self.ids[self.prefix : self.read])
-        return self._decode(self.ids[self.prefix :])[len(left) :]
-
-    def feed(self, ids: list[int]) -> tuple[str, list[int]]:
-        """Text and token ids to emit for `ids`; sets `stopped` when a stop string appeared
-        (the text ends before it; token ids end with the token that completed it)."""
-        start = len(self.ids)
-        self.ids += ids
-        text = self.text + self._tail()
-        # Trailing U+FFFDs may be an incomplete UTF-8 sequence (one per byte with byte-fallback
-        # tokenizers): keep their tokens for the next decode and the characters unsent; the
-        # text before them is final.
-        pending = len(text) - len(text.rstrip("\ufffd"))
-        if not pending:
-            self.text, self.prefix, self.read = text, self.read, len(self.ids)
-        found = [(at, s) for s in self.stops if (at := text.find(s, self.sent)) >= 0]
-        if found:
-            at, stop = min(found)
-            self.stopped = True
-            cut = next(
-                (
-                    j
-                    for j in range(start + 1, len(self.ids) + 1)
-                    if stop in self._decode(self.ids[:j])
-                ),
-                len(self.ids),
-            )
-            new_ids, self.ids = self.ids[start:cut], self.ids[:cut]
-            delta, self.sent = text[self.sent : at], at
-            return delta, new_ids
-        end = len(text) - max(self.hold, pending)
-        if end <= self.sent:
-            return "", ids
-        delta, self.sent = text[self.sent : end], end
-        return delta, ids
-
-    def flush(self) -> str:
-        """Text held back at the end (an incomplete character stays as U+FFFD)."""
-        if self.stopped:
-            return ""
-        self.text += self._tail()
-        self.prefix = self.read = len(self.ids)
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
-
-
 @dataclass
 class _Call:
     """One Generate/GenerateStream RPC, as its end (the done callback) needs to see it."""
@@ -266,7 +193,9 @@ class _Call:
     first_token_s: float = 0.0
 
 
-class Generator(pb_grpc.GeneratorServicer):
+class GenerationService(pb_grpc.GeneratorServicer):
+    """The Generator service of the wire contract (one per gateway), over the replicas."""
+
     def __init__(
         self,
         replicas,
@@ -434,7 +363,7 @@ class Generator(pb_grpc.GeneratorServicer):
             raise Overloaded(f"client {call.client!r} holds {most} requests (its limit)")
         job, session = await self._job(request, context, call)
         for attempt in (1, 2):
-            text = _TextStream(self.tokenizer, list(request.stop))
+            text = TextStream(self.tokenizer, list(request.stop))
             output: list[int] = []
             held: list[pb.GenerateChunk] = []
             routing = job.session_id or ""  # its replica keeps the session's KV cache
@@ -542,7 +471,7 @@ class GatewayServer:
         # Every replica full (max_batch + max_queued each) and one replica's worth waiting.
         capacity = settings.replica.max_batch + settings.replica.max_queued
         max_in_flight = (settings.autoscaling.max_replicas + 1) * capacity
-        self.servicer = Generator(
+        self.servicer = GenerationService(
             replicas,
             tokenizer,
             Limits.from_info(info),

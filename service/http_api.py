@@ -6,8 +6,9 @@
 
 Both POSTs stream as server-sent events with ``"stream": true`` (ending in ``data: [DONE]``)
 and report ``usage``. A request becomes the wire contract's ``GenerateRequest`` and runs
-through the gRPC gateway's own request path (:meth:`service.gateway.Generator.open`): the same
-checks, limits, authentication, sessions, metrics and replicas, one copy of each. Its status
+through the gRPC gateway's own request path
+(:meth:`service.gateway.GenerationService.open`): the same checks, limits, authentication,
+sessions, metrics and replicas, one copy of each. Its status
 codes become HTTP statuses in OpenAI's error schema (:data:`HTTP_STATUS`).
 
 OpenAI fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` (or
@@ -200,7 +201,8 @@ class CompletionBody(_Body):
 
 
 class _Context:
-    """What service.gateway.Generator uses of a grpc.aio.ServicerContext, for one HTTP call."""
+    """What service.gateway.GenerationService uses of a grpc.aio.ServicerContext, for one
+    HTTP call."""
 
     def __init__(self, request: Request):
         self.metadata = self.metadata_of(request)
@@ -250,10 +252,10 @@ def _stats(chunk: pb.GenerateChunk, call) -> dict:
 
 
 class OpenAIFrontend:
-    """The three endpoints over a gateway's Generator (service.gateway)."""
+    """The three endpoints over a gateway's GenerationService (service.gateway)."""
 
-    def __init__(self, generator, model_id: str):
-        self.generator, self.model_id = generator, model_id
+    def __init__(self, service, model_id: str):
+        self.service, self.model_id = service, model_id
         self.created = int(time.time())
 
     def models(self) -> dict:
@@ -262,7 +264,7 @@ class OpenAIFrontend:
 
     def authorize(self, request: Request) -> None:
         """The gateway's token check (no token 401, an unknown one 403)."""
-        refused = self.generator.auth.refusal(_Context.metadata_of(request))
+        refused = self.service.auth.refusal(_Context.metadata_of(request))
         if refused is not None:
             code, message = refused
             status, kind = HTTP_STATUS[code]
@@ -283,7 +285,7 @@ class OpenAIFrontend:
         except ApiError as err:
             return err.response()
         context = _Context(request)
-        call, chunks = self.generator.open(wire, context, unary=not body.stream)
+        call, chunks = self.service.open(wire, context, unary=not body.stream)
         answer = _Answer(self.model_id, chat, call)
         streaming = False  # once the event stream owns the exchange, it ends it
         try:

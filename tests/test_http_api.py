@@ -193,7 +193,7 @@ def test_gateway_codes_map_to_http_statuses(code, status):
     assert named.param == "max_tokens" and named.message == "max_tokens: at most 512"
 
 
-class _Generator:
+class _GenerationService:
     """Only what OpenAIFrontend.authorize reads: the gateway's real BearerAuth."""
 
     def __init__(self, auth: BearerAuth):
@@ -212,20 +212,20 @@ def _request(headers: dict[str, str], body: dict | None = None) -> Request:
     return Request(scope, receive)
 
 
-async def post_completion(generator, body: dict):
-    """POST /v1/completions on a gateway's Generator, without the proxy: (status, JSON)."""
-    response = await OpenAIFrontend(generator, "target").complete(_request({}, body), False)
+async def post_completion(service, body: dict):
+    """POST /v1/completions on a gateway's GenerationService, without the proxy: (status, JSON)."""
+    response = await OpenAIFrontend(service, "target").complete(_request({}, body), False)
     return response.status_code, json.loads(response.body)
 
 
 def test_authorization_mirrors_the_grpc_interceptor():
-    frontend = OpenAIFrontend(_Generator(BearerAuth({"alice": "s3cret"})), "target")
+    frontend = OpenAIFrontend(_GenerationService(BearerAuth({"alice": "s3cret"})), "target")
     frontend.authorize(_request({"Authorization": "Bearer s3cret"}))
     for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 403)):
         with pytest.raises(ApiError) as err:
             frontend.authorize(_request(headers))
         assert err.value.status == status
-    open_frontend = OpenAIFrontend(_Generator(BearerAuth({})), "target")
+    open_frontend = OpenAIFrontend(_GenerationService(BearerAuth({})), "target")
     open_frontend.authorize(_request({}))  # auth off: anyone
 
 
