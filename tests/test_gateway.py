@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
 from service.detokenizer import TextStream
-from service.gateway import _status_of
+from service.gateway import refusal_of
 from service.requests import InvalidArgument
 from service.sessions import StoreUnavailableError
 from workers.models import TINY_TARGET
@@ -83,7 +83,7 @@ CODE = grpc.StatusCode
 @pytest.mark.parametrize(
     ("error", "code"),
     [
-        (InvalidArgument("k: 9 out of range"), CODE.INVALID_ARGUMENT),
+        (InvalidArgument("k", "9 out of range"), CODE.INVALID_ARGUMENT),
         (Overloaded("queue full"), CODE.RESOURCE_EXHAUSTED),
         (BackPressureError(num_queued_requests=3, max_queued_requests=2), CODE.RESOURCE_EXHAUSTED),
         (DeadlineExceeded("deadline exceeded"), CODE.DEADLINE_EXCEEDED),
@@ -93,6 +93,7 @@ CODE = grpc.StatusCode
     ],
 )
 def test_errors_map_to_grpc_codes(error, code):
-    code_got, message = _status_of(error)
-    assert code_got == code
-    assert str(error) in message  # the cause reaches the client
+    refusal = refusal_of(error)
+    assert refusal.code == code
+    assert str(error) in refusal.details  # the cause reaches the client
+    assert refusal.field == ("k" if code == CODE.INVALID_ARGUMENT else None)
