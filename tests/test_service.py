@@ -38,7 +38,7 @@ def stats(service) -> ReplicaStats:
     return service["replica"].stats.remote().result()
 
 
-def wait_idle(service, timeout: float = 20.0) -> dict:
+def wait_idle(service, timeout: float = 20.0) -> ReplicaStats:
     deadline = time.monotonic() + timeout
     while True:
         s = stats(service)
@@ -260,7 +260,7 @@ def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
     )
     assert stopped.finish_reason == pb.FINISH_REASON_STOP
     assert stopped.text == text[: text.find(stop)]
-    assert wait_idle(service)["active"] == 0
+    assert wait_idle(service).active == 0
 
 
 def test_session_continuation_reuses_the_kv_cache_and_lives_in_redis(service):
@@ -415,7 +415,7 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
     # service runs one replica): the 6 beyond are rejected, and Serve may reject a few more.
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 6, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert wait_idle(service)["active"] == 0
+    assert wait_idle(service).active == 0
     # Rejected RPCs are counted (before the client sees the code) and leave the in-flight gauge
     # (which drain() waits on) at 0.
     metrics = gateway_metrics(service)
