@@ -70,7 +70,7 @@ def paths_for(method: str) -> int:
     return 1 if method in (PLAIN, AUTO) or VERIFIERS[method].single_path else 3
 
 
-# Requests fit every engine here: the feature pair's 48 ids and MAX_LEN positions.
+# `requests` fit every engine here: the feature pair's 48 ids and MAX_LEN positions.
 LIMITS = Limits.for_engine(vocab_size=48, max_context=MAX_LEN)
 
 
@@ -228,11 +228,13 @@ def test_a_session_follow_up_decodes_on_the_device_as_on_the_cpu(tiny):
         return out
 
     def session(engine, run) -> tuple:
-        first = make_request(LIMITS, [3, 1, 4, 1, 5], 8, "block", 1, 3, seed=1, session_id="s")
+        first = make_request(
+            engine.limits, [3, 1, 4, 1, 5], 8, "block", 1, 3, seed=1, session_id="s"
+        )
         ((out, _),) = run(engine, [first])
         history = [*first.prompt_ids, *out]  # the follow-up reuses the parked KV of this
         follow = make_request(
-            LIMITS, [*history, 9, 2], 8, "specinfer", 3, 3, seed=2, session_id="s"
+            engine.limits, [*history, 9, 2], 8, "specinfer", 3, 3, seed=2, session_id="s"
         )
         ((again, cached),) = run(engine, [follow])
         assert cached > len(first.prompt_ids)
@@ -316,7 +318,7 @@ def test_a_dropped_move_fails_as_on_a_gpu(tiny, monkeypatch, mutant):
         run_fake(fake, requests(["block"]))
     with FakeCuda():  # leave the shared engine empty
         while fake.active:
-            fake.cancel(fake.active[-1].req.request_id)
+            fake.cancel(fake.active[-1].request_id)
 
 
 def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
