@@ -1,4 +1,4 @@
-"""`python -m loadtest` / `blockspec loadtest`: compare verifiers on a running service.
+"""`python -m loadtest` / `blockspec-loadtest`: compare verifiers on a running service.
 
     python -m loadtest --address 127.0.0.1:50051 --methods token block gbv --k 1 2 4 \
         --gamma 4 8 --temperature 0.6 1.0 --concurrency 1 2 4 8 16 32 --requests 32 \

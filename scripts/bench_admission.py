@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 from loadtest.prompts import prompt_ids
 from service.app import start_ray
 from service.config import ReplicaConfig, Settings
-from service.engine import GenerationRequest
 from service.replica import build_remote_engine
+from service.requests import make_request
 from workers.draft import padding_groups
 from workers.sampling import SamplingParams
 
@@ -48,14 +48,16 @@ def main() -> None:
     for r in range(args.rounds + 1):
         batch = prompts[r % 4 * n : r % 4 * n + n]
         for i, prompt in enumerate(batch):
-            engine.add(GenerationRequest(prompt, 8, "block", 1, 4, SamplingParams(1.0), seed=i))
+            engine.add(
+                make_request(engine.limits, prompt, 8, "block", 1, 4, SamplingParams(1.0), seed=i)
+            )
         start = time.perf_counter()
         engine._admit()
         admitted = time.perf_counter()
         engine.step()
         stepped = time.perf_counter()
         for a in list(engine.active):
-            engine.cancel(a.req.request_id)
+            engine.cancel(a.request_id)
         if r:
             admit.append(admitted - start)
             first.append(stepped - admitted)

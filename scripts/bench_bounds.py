@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 from bench_engine import forward_ms
 
-from service.engine import GenerationRequest, build_engine
+from service.engine import build_engine
+from service.requests import make_request
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET, load_model
 from workers.sampling import SamplingParams
 
@@ -150,7 +151,7 @@ def step_cpu(engine, pids: dict[str, int]) -> tuple[float, float, dict[str, Coun
     """One request decoded to the end after its first step: (wall ms a step, busy CPU ms a
     step, per process: CPU ms a step by thread name)."""
     prompt = list(range(100, 160))
-    engine.add(GenerationRequest(prompt, 192, "block", 1, 4, SamplingParams(1.0), seed=0))
+    engine.add(make_request(engine.limits, prompt, 192, "block", 1, 4, SamplingParams(1.0), seed=0))
     engine.step()  # admission
     before = {k: _thread_cpu_s(p) for k, p in pids.items()}
     busy, start, steps = _busy_s(), time.perf_counter(), 0

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from loadtest.prompts import prompt_ids
-from service.engine import GenerationRequest, build_engine
+from service.engine import build_engine
 from service.policy import AUTO
+from service.requests import make_request
 from service.verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
@@ -64,8 +65,15 @@ def forward_ms(
 
 def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=0):
     reqs = [
-        GenerationRequest(
-            p, new_tokens, method, k, gamma, SamplingParams(temperature), seed=seed + i
+        make_request(
+            engine.limits,
+            p,
+            new_tokens,
+            method,
+            k,
+            gamma,
+            SamplingParams(temperature),
+            seed=seed + i,
         )
         for i, p in enumerate(prompts)
     ]

@@ -75,7 +75,8 @@ import torch
 from bench_verify import make_inputs
 
 from loadtest.prompts import complete_function
-from service.engine import GenerationRequest, build_engine
+from service.engine import build_engine
+from service.requests import make_request
 from service.verification import VERIFIERS, VerifyGraphs, verify
 from workers import models as wm
 from workers.draft import prefill
@@ -234,7 +235,9 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
         case["prompt_source"] = source
         greedy = SamplingParams(0.0)
         reqs = [
-            GenerationRequest(p, args.parity_tokens, method, k, max(gamma, 1), greedy, seed=i)
+            make_request(
+                engine.limits, p, args.parity_tokens, method, k, max(gamma, 1), greedy, seed=i
+            )
             for i, p in enumerate(prompts)
         ]
         try:
@@ -305,12 +308,13 @@ def run_engine(engine, prompts, method, k, gamma, args, new_tokens, budget_s, fi
     phases = dict.fromkeys(("prefill", "draft", "tree", "target", "verify", "overhead"), 0.0)
     for lo in range(0, len(prompts), chunk):
         reqs = [
-            GenerationRequest(
+            make_request(
+                engine.limits,
                 p,
                 new_tokens[lo + i],
                 method,
                 k,
-                max(gamma, 1),
+                gamma,
                 SamplingParams(args.temperature),
                 seed=first_seed + lo + i,
             )

@@ -29,7 +29,8 @@ import torch
 
 from loadtest.prompts import prompt_ids
 from service.config import Settings
-from service.engine import GenerationRequest, StepTimes, build_engine
+from service.engine import StepTimes, build_engine
+from service.requests import make_request
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
 
@@ -41,10 +42,10 @@ def in_process(args, engine, ids) -> dict:
     one added as soon as one finishes; latency from each request's own start."""
     params = SamplingParams(1.0)
     reqs = [
-        GenerationRequest(p, args.new_tokens, args.method, 1, args.gamma, params, seed=i)
+        make_request(engine.limits, p, args.new_tokens, args.method, 1, args.gamma, params, seed=i)
         for i, p in enumerate(ids)
     ]
-    engine.generate([GenerationRequest(ids[0], 8, args.method, 1, args.gamma)])  # warm up
+    engine.generate([make_request(engine.limits, ids[0], 8, args.method, 1, args.gamma)])  # warm up
     engine.reset_stats()
     start = time.perf_counter()
     started, latencies = {}, []
@@ -98,8 +99,8 @@ def through_service(args, ids, stub, replica, batch: int) -> dict:
         latencies = list(pool.map(call, enumerate(ids)))
     wall = time.perf_counter() - start
     after = replica.stats.remote().result()
-    times = StepTimes(**{p: after["step_seconds"][p] - before["step_seconds"][p] for p in PHASES})
-    steps = after["steps"] - before["steps"]
+    times = StepTimes(**{p: after.step_seconds[p] - before.step_seconds[p] for p in PHASES})
+    steps = after.steps - before.steps
     return _summary(wall, latencies, len(ids) * args.new_tokens, steps, times)
 
 

@@ -207,7 +207,7 @@ async def main_async(
         redis.send_signal(signal.SIGCONT)
 
     async def kill_replica() -> None:
-        os.kill((await replica.stats.remote())["pid"], signal.SIGKILL)
+        os.kill((await replica.stats.remote()).pid, signal.SIGKILL)
 
     schedule = [
         ("draft_kill", lambda: kill_worker("draft")),
@@ -232,7 +232,7 @@ async def main_async(
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         stats = await replica.stats.remote()
-        if stats["in_flight"] == 0 and stats["active"] == 0:
+        if stats.in_flight == 0 and stats.active == 0:
             free_at = run.now()
             break
         await asyncio.sleep(0.5)

@@ -94,22 +94,31 @@ def engine_runs() -> dict[str, list]:
     from test_engine import make_engine, tiny_pair
     from test_feature_draft import random_fc
 
-    from service.engine import GenerationRequest, build_engine
+    from service.engine import build_engine
     from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
     from workers.sampling import SamplingParams
 
     METHODS, VERIFIERS, _ = _verify()
 
-    def requests(method: str, n: int, new: int, prompt_len: int) -> list:
+    def request(engine, prompt: list[int], new: int, method: str, k: int, sampling, seed: int):
+        try:  # requests are built by the validator (service/requests.py) since it exists
+            from service.requests import make_request
+        except ImportError:  # older trees: the engine checked the request itself
+            from service.engine import GenerationRequest
+
+            return GenerationRequest(prompt, new, method, k, 3, sampling, seed=seed)
+        return make_request(engine.limits, prompt, new, method, k, 3, sampling, seed=seed)
+
+    def requests(engine, method: str, n: int, new: int, prompt_len: int) -> list:
         k = 1 if VERIFIERS[method].single_path else 2
         sampling = (SamplingParams(), SamplingParams(0.7, 0, 0.9))
         return [
-            GenerationRequest(
+            request(
+                engine,
                 [(7 * i + j) % 40 + 1 for j in range(prompt_len)],
                 new,
                 method,
                 k,
-                3,
                 sampling[i % 2],
                 seed=100 + i,
             )
@@ -129,14 +138,14 @@ def engine_runs() -> dict[str, list]:
     _, target, draft = tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
     featured = make_engine(target, draft, 8, 64)
     for method in METHODS:
-        out[f"engine/tiny/{method}"] = tokens(cpu, requests(method, 12, 12, 5))
+        out[f"engine/tiny/{method}"] = tokens(cpu, requests(cpu, method, 12, 12, 5))
         with FakeCuda():
-            out[f"engine/tiny-device/{method}"] = tokens(fake, requests(method, 12, 12, 5))
-        out[f"engine/feature/{method}"] = tokens(featured, requests(method, 12, 12, 5))
+            out[f"engine/tiny-device/{method}"] = tokens(fake, requests(fake, method, 12, 12, 5))
+        out[f"engine/feature/{method}"] = tokens(featured, requests(featured, method, 12, 12, 5))
     if Path(DEFAULT_TARGET).is_dir() and Path(DEFAULT_DRAFT).is_dir():
         default, _ = build_engine(str(DEFAULT_DRAFT), str(DEFAULT_TARGET), max_batch=4, max_len=64)
         for method in METHODS:
-            out[f"engine/default/{method}"] = tokens(default, requests(method, 2, 6, 6))
+            out[f"engine/default/{method}"] = tokens(default, requests(default, method, 2, 6, 6))
     return out
 
 

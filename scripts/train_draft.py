@@ -523,7 +523,8 @@ def target_answers(args, first: int, count: int, temperatures: tuple[float, ...]
     at each temperature ({T: answers}; `--eval-tokens` tokens, the engine's plain decoding in
     fp32, seed = problem index), from one engine."""
     from loadtest.prompts import prompt_ids
-    from service.engine import GenerationRequest, build_engine
+    from service.engine import build_engine
+    from service.requests import make_request
     from workers.models import DEFAULT_DRAFT
     from workers.sampling import SamplingParams
 
@@ -532,7 +533,9 @@ def target_answers(args, first: int, count: int, temperatures: tuple[float, ...]
     answers = {}
     for temp in temperatures:
         reqs = [
-            GenerationRequest(p, args.eval_tokens, "none", sampling=SamplingParams(temp), seed=i)
+            make_request(
+                engine.limits, p, args.eval_tokens, "none", None, None, SamplingParams(temp), i
+            )
             for i, p in enumerate(prompts, start=first)
         ]
         answers[temp] = [r.token_ids for r in engine.generate(reqs)]

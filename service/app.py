@@ -33,7 +33,7 @@ class Gateway:
         self.settings = Settings.model_validate(settings)
         info = await replicas.info.remote()
         self.server = GatewayServer(self.settings, replicas, info)
-        self.http = OpenAIFrontend(self.server.servicer, info["target_model"])
+        self.http = OpenAIFrontend(self.server.servicer, info.target_model)
         await self.server.start()
 
     @http_app.post("/v1/chat/completions")

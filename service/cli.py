@@ -74,9 +74,9 @@ def config_label(args, steps_by_config: dict[str, int]) -> str:
 
 
 def generate_local(args) -> None:
-    from service.engine import GenerationRequest, build_engine
-    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat, user_turn
-    from workers.sampling import SamplingParams
+    from service.engine import build_engine
+    from service.requests import ChatTurn, RequestParams, RequestValidator
+    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     torch.set_num_threads(args.threads)
     draft = args.draft or str(DEFAULT_DRAFT)
@@ -84,21 +84,21 @@ def generate_local(args) -> None:
     engine, tokenizer = build_engine(
         draft, target, max_batch=1, max_len=args.max_len, tensor_parallel=args.tp
     )
-    if args.chat:
-        ids = render_chat(tokenizer, user_turn(args.prompt))
-    else:
-        ids = tokenizer(args.prompt)["input_ids"]
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    req = GenerationRequest(
-        prompt_ids=ids,
+    chat = dict(messages=(ChatTurn("user", args.prompt),))
+    prompt = chat if args.chat else dict(prompt=args.prompt)
+    params = RequestParams(
+        **prompt,
         max_new_tokens=args.max_new_tokens,
         method=args.method,
         k=args.k,
         gamma=args.gamma,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
-        stop_token_ids=stop,
     )
+    validator = RequestValidator(engine.limits, tokenizer)  # the service's checks, and EOS
+    req = validator.request(params, validator.prompt_ids(params))
     start = time.perf_counter()
     (result,) = engine.generate([req])
     seconds = time.perf_counter() - start
@@ -269,13 +269,6 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--target", help="target model directory, with --local (default pair)")
     g.add_argument("--threads", type=int, default=1, help="torch threads per process")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
-    sub.add_parser("loadtest", help="load-test a running service (python -m loadtest --help)")
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["loadtest"]:  # its own parser: all of its options pass through
-        from loadtest.cli import main as loadtest
-
-        return loadtest(argv[1:])
     args = ap.parse_args(argv)
     if args.command == "methods":
         for v in VERIFIERS.values():

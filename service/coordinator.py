@@ -21,13 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.engine import (
-    GenerationRequest,
-    GenerationResult,
-    SpeculativeEngine,
-    StepResult,
-    StepTimes,
-)
+from service.engine import GenerationResult, SpeculativeEngine, StepResult, StepTimes
+from service.requests import GenerationRequest
 from workers.actors import WorkerLost
 
 log = logging.getLogger(__name__)
@@ -99,7 +94,6 @@ class _Stop:
 class _Job:
     request: GenerationRequest
     deliver: Deliver
-    deadline: float | None  # time.time() seconds
 
 
 @dataclass
@@ -134,24 +128,22 @@ class Coordinator:
         self._thread.start()
 
     # ------------------------------------------------------------ request side (any thread)
-    def submit(self, request: GenerationRequest, deliver: Deliver, deadline: float | None) -> None:
-        """Queue a validated request; raises InvalidArgument (bad field), Overloaded or
-        ReplicaFailed. `request.request_id` must be unique among those in flight (RuntimeError
-        otherwise: a bug of ours, not the client's)."""
+    def submit(self, request_id: str, request: GenerationRequest, deliver: Deliver) -> None:
+        """Queue a checked request (service/requests.py) under `request_id`, which must be
+        unique among those in flight (RuntimeError otherwise: a bug of ours, not the
+        client's); raises Overloaded or ReplicaFailed."""
         if self.failure is not None:
             raise ReplicaFailed(f"replica failed: {self.failure!r}")
-        self.engine.validate(request)  # pure: reads only limits
         with self._lock:
-            if request.request_id in self._jobs:  # the replica numbers its requests
-                raise RuntimeError(f"request id {request.request_id!r} is already in flight")
+            if request_id in self._jobs:  # the replica numbers its requests
+                raise RuntimeError(f"request id {request_id!r} is already in flight")
             if len(self._jobs) >= self.capacity:
                 self.stats.rejected += 1
                 raise Overloaded(
                     f"queue full: {len(self._jobs)} requests in flight (limit {self.capacity})"
                 )
-            self._jobs[request.request_id] = _Job(request, deliver, deadline)
-        request.on_tokens = lambda tokens: deliver(Emitted(tokens))
-        self._inbox.put(_Add(request.request_id))
+            self._jobs[request_id] = _Job(request, deliver)
+        self._inbox.put(_Add(request_id))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(_Cancel(request_id))
@@ -168,6 +160,11 @@ class Coordinator:
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------ loop (own thread)
+    @staticmethod
+    def _streamer(deliver: Deliver) -> Callable[[list[int]], None]:
+        """The engine's on_tokens callback for a request: each step's tokens as Emitted."""
+        return lambda tokens: deliver(Emitted(tokens))
+
     def _finish(self, request_id: str, event: Done | Failed) -> None:
         with self._lock:
             job = self._jobs.pop(request_id, None)
@@ -188,7 +185,7 @@ class Coordinator:
                 case _Add(request_id):
                     job = self._jobs.get(request_id)
                     if job is not None:  # None: cancelled or expired before it was added
-                        self.engine.add(job.request)
+                        self.engine.add(job.request, request_id, self._streamer(job.deliver))
                 case _Cancel(request_id):  # the requester has gone: nobody to deliver to
                     if self.engine.cancel(request_id):
                         self.stats.cancelled += 1
@@ -197,7 +194,11 @@ class Coordinator:
 
     def _expire(self) -> None:
         now = time.time()
-        late = [rid for rid, job in list(self._jobs.items()) if job.deadline and job.deadline < now]
+        late = [
+            rid
+            for rid, job in list(self._jobs.items())
+            if job.request.deadline and job.request.deadline < now
+        ]
         for rid in late:
             if self.engine.cancel(rid):
                 self.stats.cancelled += 1

@@ -46,82 +46,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
+from service.requests import GenerationRequest, Limits, context_needed
 from service.verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.draft import DraftWorker, padding_groups, split_features
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree
-
-
-class InvalidArgument(ValueError):
-    """A request field the caller got wrong (gRPC INVALID_ARGUMENT); the message starts with the
-    field's name. Raised by the engine's own checks and by the gateway's (service/requests.py)."""
-
-
-def check_method(
-    method: str, k: int, gamma: int, max_k: int | None = None, max_gamma: int | None = None
-) -> None:
-    """Raise InvalidArgument unless `method` can run with K = k paths of γ = gamma tokens
-    (within a deployment's max_k / max_gamma when given). Plain decoding ignores k and gamma."""
-    if method not in (PLAIN, AUTO) and method not in VERIFIERS:
-        raise InvalidArgument(
-            f"method: unknown {method!r}; expected none, auto or one of {', '.join(VERIFIERS)}"
-        )
-    if method in (PLAIN, AUTO):  # auto chooses K and γ itself (service/policy.py)
-        return
-    _check_range("k", k, max_k)
-    if VERIFIERS[method].single_path and k != 1:
-        raise InvalidArgument(f"k: method {method!r} verifies a single path; k must be 1")
-    _check_range("gamma", gamma, max_gamma)
-
-
-def _check_range(name: str, value: int, most: int | None) -> None:
-    if most is None and value < 1:
-        raise InvalidArgument(f"{name}: {value} must be >= 1")
-    if most is not None and not 1 <= value <= most:
-        raise InvalidArgument(f"{name}: {value} out of range [1, {most}]")
-
-
-def context_needed(prompt_tokens: int, max_new_tokens: int, method: str, gamma: int) -> int:
-    """Cache positions a request may occupy: its prompt and output, plus the last step's
-    overshoot (a step scores γ draft tokens past the last output token, and emits up to γ + 1
-    tokens whose KV stays even past a stop) and 2 for the tokens pending in the caches. `auto`
-    needs no more than plain decoding: it only drafts as far as a request's context allows."""
-    return prompt_tokens + max_new_tokens + (gamma if method not in (PLAIN, AUTO) else 0) + 2
-
-
-def check_context(
-    prompt_tokens: int,
-    max_new_tokens: int,
-    method: str,
-    gamma: int,
-    max_context: int,
-    history_tokens: int = 0,
-) -> None:
-    """Raise InvalidArgument unless the request fits a context of `max_context` positions;
-    `history_tokens` of the prompt came from a session (named in the message)."""
-    if context_needed(prompt_tokens, max_new_tokens, method, gamma) > max_context:
-        where = f" ({history_tokens} from the session)" if history_tokens else ""
-        raise InvalidArgument(
-            f"prompt: {prompt_tokens} tokens{where} + max_new_tokens {max_new_tokens} + γ "
-            f"exceed the model context ({max_context})"
-        )
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    method: str = "block"
-    k: int = 1
-    gamma: int = 4
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    request_id: str = ""
-    session_id: str | None = None  # park the KV under this key when finished (max_sessions > 0)
-    # Called with the tokens each step appends to the output (streaming), on the engine's thread.
-    on_tokens: Callable[[list[int]], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -353,6 +283,7 @@ class _Laps:
 @dataclass
 class _Active:
     req: GenerationRequest
+    request_id: str
     generator: torch.Generator
     target_pending: int  # last emitted token: root of the next tree, not yet in target's cache
     draft_pending: list[int]  # emitted tokens not yet run through the draft (1 or 2)
@@ -368,6 +299,8 @@ class _Active:
     stats: RequestStats = field(default_factory=RequestStats)
     emitted: int = 0  # tokens emitted so far, including any past a stop (they are in the caches)
     cached_tokens: int = 0
+    # Called with the tokens each step appends to the output (streaming), on the engine's thread.
+    on_tokens: Callable[[list[int]], None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -413,22 +346,22 @@ class SpeculativeEngine:
         self.times, self.steps = StepTimes(), 0
 
     # ---------------------------------------------------------------- admission
-    def validate(self, req: GenerationRequest) -> None:
-        """Raise InvalidArgument (a ValueError) naming the field of a request the engine cannot
-        serve."""
-        if not req.prompt_ids:
-            raise InvalidArgument("prompt: empty")
-        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-            raise InvalidArgument(f"prompt: token ids must lie in [0, {self.vocab_size})")
-        check_method(req.method, req.k, req.gamma)
-        if req.max_new_tokens < 1:
-            raise InvalidArgument("max_new_tokens: must be >= 1")
-        check_context(len(req.prompt_ids), req.max_new_tokens, req.method, req.gamma, self.max_len)
+    @property
+    def limits(self) -> Limits:
+        """What this engine can run: the bounds requests for it are built against
+        (service.requests.make_request)."""
+        return Limits.for_engine(self.vocab_size, self.max_len)
 
-    def add(self, req: GenerationRequest) -> str:
-        self.validate(req)
-        if not req.request_id:
-            req.request_id = f"req-{next(self._ids)}"
+    def add(
+        self,
+        req: GenerationRequest,
+        request_id: str | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> str:
+        """Queue a request checked against `limits` (service/requests.py; the engine trusts it)
+        under `request_id` (one is made when None); `on_tokens` is called with the tokens each
+        step appends to its output (streaming), on the engine's thread. Returns the id."""
+        request_id = request_id or f"req-{next(self._ids)}"
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         gen = torch.Generator().manual_seed(seed)
         last = req.prompt_ids[-1]
@@ -437,17 +370,20 @@ class SpeculativeEngine:
             room = self.max_len - context_needed(len(req.prompt_ids), req.max_new_tokens, AUTO, 0)
             auto, gamma = AutoState(room, req.max_new_tokens), self.policy.max_gamma
         stats = RequestStats(accepted_per_position=[0] * max(gamma, 1))
-        self.waiting.append(_Active(req, gen, last, [last], arm, auto, stats=stats))
-        return req.request_id
+        active = _Active(
+            req, request_id, gen, last, [last], arm, auto, stats=stats, on_tokens=on_tokens
+        )
+        self.waiting.append(active)
+        return request_id
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or active request (between steps); its KV slot is freed, not parked."""
         for i, a in enumerate(self.waiting):
-            if a.req.request_id == request_id:
+            if a.request_id == request_id:
                 del self.waiting[i]
                 return True
         for i, a in enumerate(self.active):
-            if a.req.request_id == request_id:
+            if a.request_id == request_id:
                 self._retire(i, park=False)
                 return True
         return False
@@ -496,7 +432,7 @@ class SpeculativeEngine:
         the target runs first and the draft's kept prefix ends one past the target's (or both
         are 0): the target's new features then cover exactly the draft's new positions and the
         pending token's."""
-        tokens = [a.req.prompt_ids + a.output for a in batch]
+        tokens = [[*a.req.prompt_ids, *a.output] for a in batch]
 
         def rest(keep: list[int], pending: list[int]) -> list[torch.Tensor]:
             return [
@@ -538,7 +474,7 @@ class SpeculativeEngine:
         if not self.free_slots:
             self.free_slots.append(self.parked.popitem(last=False)[1].slot)
         slot = self.free_slots.pop()
-        history = a.req.prompt_ids + a.output
+        history = [*a.req.prompt_ids, *a.output]
         total = len(a.req.prompt_ids) + a.emitted  # what the caches hold, minus pending tokens
         self.draft.move(index, slot)
         self.target.move(index, slot)
@@ -578,7 +514,7 @@ class SpeculativeEngine:
             worker.wait_ready()
         self.free_slots += [parked.slot for parked in self.parked.values()]
         self.parked.clear()
-        lost = [a.req.request_id for a in self.active if a.own_features]
+        lost = [a.request_id for a in self.active if a.own_features]
         for request_id in lost:
             self.cancel(request_id)
         if self.active:
@@ -767,11 +703,11 @@ class SpeculativeEngine:
                     break
             if a.auto is not None:
                 a.auto.remaining = a.req.max_new_tokens - len(a.output)
-            if a.req.on_tokens is not None:
-                a.req.on_tokens(a.output[before:])
+            if a.on_tokens is not None:
+                a.on_tokens(a.output[before:])
             if reason:
                 results.append(
-                    GenerationResult(a.req.request_id, a.output, reason, a.stats, a.cached_tokens)
+                    GenerationResult(a.request_id, a.output, reason, a.stats, a.cached_tokens)
                 )
                 done.append(i)
         for i in reversed(done):

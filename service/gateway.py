@@ -5,9 +5,10 @@ status codes to INTERNAL (ray-project/ray#58851) and cost ~7–10 ms per unary c
 contract below needs exact codes. The gateway reaches replicas through a Serve
 `DeploymentHandle`, so Serve's routing and autoscaling (on ongoing requests) stay in charge.
 
-Per request: check fields (INVALID_ARGUMENT, naming the field), tokenize, prepend the session's
-history, stream the replica's tokens back as text (stop strings cut here), record metrics, save
-the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full (the gateway holds
+Per request: parse it into the validator's input (service/requests.py), tokenize and check it
+(INVALID_ARGUMENT, naming the field), build it after the session's history, stream the
+replica's tokens back as text (stop strings cut by service/detokenizer.py), record metrics,
+save the session. Codes: RESOURCE_EXHAUSTED when the replicas' queues are full (the gateway holds
 at most max_replicas + 1 replicas' worth of requests), DEADLINE_EXCEEDED / CANCELLED stop the
 request and free its KV cache, UNAVAILABLE while draining or when a replica failed. Also
 grpc.health.v1 (NOT_SERVING while draining) and server reflection.
@@ -38,15 +39,16 @@ from protos import blockspec_pb2_grpc as pb_grpc
 from service.auth import BearerAuth, server_credentials, warn_if_exposed
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
-from service.engine import InvalidArgument
+from service.detokenizer import TextStream
+from service.engine import RequestStats, StepTimes
 from service.requests import (
+    ChatTurn,
     FinishedEvent,
-    GenerateJob,
-    Limits,
-    SpeculationStats,
-    check_request,
-    check_sizes,
-    prompt_ids,
+    GenerationRequest,
+    InvalidArgument,
+    ReplicaInfo,
+    RequestParams,
+    RequestValidator,
 )
 from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
 
@@ -90,7 +92,7 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge("blockspec_in_flight", "Requests being served", registry=registry)
 
-    def finished(self, method: str, stats: SpeculationStats, tokens: int) -> None:
+    def finished(self, method: str, stats: RequestStats, tokens: int) -> None:
         self.output_tokens.labels(method).inc(tokens)
         self.target_calls.labels(method).inc(stats.target_calls)
         for position, count in enumerate(stats.accepted_per_position):
@@ -99,29 +101,37 @@ class GatewayMetrics:
             self.block_efficiency.labels(method).observe(stats.tokens_per_call)
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
+class Refusal(Exception):
+    """How a request ends when it does not end OK: its gRPC code and message, and for
+    INVALID_ARGUMENT the request field at fault (the HTTP API names it as OpenAI's param)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
+        super().__init__(code, message, field)
+        self.code, self.message, self.field = code, message, field
+
+    @property
+    def details(self) -> str:
+        """The gRPC status details: the field first, when there is one."""
+        return f"{self.field}: {self.message}" if self.field else self.message
 
 
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC code for an error raised by validation, the handle or a replica."""
+def refusal_of(exc: BaseException) -> Refusal:
+    """The refusal for an error raised by validation, the handle or a replica."""
     # Serve re-raises a replica's exception as a RayTaskError that is also an instance of the
     # original class; its cause carries the original message.
     cause = getattr(exc, "cause", None) or exc
     text = str(cause)
-    if isinstance(exc, _Abort):
-        return exc.code, exc.message
-    if isinstance(exc, ValueError):  # InvalidArgument, or the engine's own field checks
-        return grpc.StatusCode.INVALID_ARGUMENT, text
+    if isinstance(exc, Refusal):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        return Refusal(grpc.StatusCode.INVALID_ARGUMENT, cause.message, cause.field)
     if isinstance(exc, Overloaded | BackPressureError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}"
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}")
     if isinstance(exc, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, text
+        return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, text)
     if isinstance(exc, ReplicaFailed | RequestLost | StoreUnavailableError):
-        return grpc.StatusCode.UNAVAILABLE, text
-    return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}"
+        return Refusal(grpc.StatusCode.UNAVAILABLE, text)
+    return Refusal(grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {text}")
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ class _Undecodable:
     message: str
 
 
-def _add_generator(servicer: Generator, server: grpc.aio.Server) -> None:
+def _add_generator(servicer: GenerationService, server: grpc.aio.Server) -> None:
     """pb_grpc.add_GeneratorServicer_to_server, except that a payload that does not parse
     reaches the method as `_Undecodable` instead of failing inside grpc."""
 
@@ -169,83 +179,41 @@ async def _refuse_undecodable(request, context) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
-def _stats_message(stats: SpeculationStats) -> pb.SpeculationStats:
-    fields = dict(vars(stats), step_ms=pb.StepBreakdown(**stats.step_ms))
-    return pb.SpeculationStats(**fields)
+def speculation_stats(stats: RequestStats, cached_tokens: int) -> pb.SpeculationStats:
+    """A finished request's stats, from the engine's own to the wire's."""
+    calls = max(stats.target_calls, 1)
+    step_ms = {name: 1e3 * getattr(stats.steps, name) / calls for name in StepTimes.PHASES}
+    return pb.SpeculationStats(
+        target_calls=stats.target_calls,
+        accepted_tokens=stats.accepted,
+        tokens_per_call=stats.tokens_per_call,
+        accepted_per_position=stats.accepted_per_position,
+        cached_prompt_tokens=cached_tokens,
+        mean_batch_size=stats.mean_batch_size,
+        step_ms=pb.StepBreakdown(**step_ms),
+        steps_by_config=dict(stats.steps_by_config),
+    )
 
 
-class _TextStream:
-    """Incremental detokenization with stop strings: emitted text is final (never a broken
-    character, never the start of a stop string that later completes).
-
-    Each feed decodes only the new tokens, with the previous feed's tokens as left context
-    (tokenizers whose pieces depend on their neighbours decode as they would in one piece), so
-    a stream costs O(n) decoding, not O(n²) (vLLM's incremental detokenizer does the same).
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        # Text that could still be the beginning of a stop string is held back.
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""  # decoded text of ids[:read]
-        self.prefix = self.read = 0  # ids[prefix:read]: left context for the next decode
-        self.sent = 0  # characters of `text` already emitted
-        self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        # No clean-up of tokenization spaces: it rewrites text across piece boundaries. Special
-        # tokens (end of turn, end of text) are control, not text; their ids are still sent.
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def _tail(self) -> str:
-        """Text of ids[read:] (decoded after its left context ids[prefix:read])."""
-        left = self._decode(self.ids[self.prefix : self.read])
-        return self._decode(self.ids[self.prefix :])[len(left) :]
-
-    def feed(self, ids: list[int]) -> tuple[str, list[int]]:
-        """Text and token ids to emit for `ids`; sets `stopped` when a stop string appeared
-        (the text ends before it; token ids end with the token that completed it)."""
-        start = len(self.ids)
-        self.ids += ids
-        text = self.text + self._tail()
-        # Trailing U+FFFDs may be an incomplete UTF-8 sequence (one per byte with byte-fallback
-        # tokenizers): keep their tokens for the next decode and the characters unsent; the
-        # text before them is final.
-        pending = len(text) - len(text.rstrip("\ufffd"))
-        if not pending:
-            self.text, self.prefix, self.read = text, self.read, len(self.ids)
-        found = [(at, s) for s in self.stops if (at := text.find(s, self.sent)) >= 0]
-        if found:
-            at, stop = min(found)
-            self.stopped = True
-            cut = next(
-                (
-                    j
-                    for j in range(start + 1, len(self.ids) + 1)
-                    if stop in self._decode(self.ids[:j])
-                ),
-                len(self.ids),
-            )
-            new_ids, self.ids = self.ids[start:cut], self.ids[:cut]
-            delta, self.sent = text[self.sent : at], at
-            return delta, new_ids
-        end = len(text) - max(self.hold, pending)
-        if end <= self.sent:
-            return "", ids
-        delta, self.sent = text[self.sent : end], end
-        return delta, ids
-
-    def flush(self) -> str:
-        """Text held back at the end (an incomplete character stays as U+FFFD)."""
-        if self.stopped:
-            return ""
-        self.text += self._tail()
-        self.prefix = self.read = len(self.ids)
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
+def request_params(request: pb.GenerateRequest) -> RequestParams:
+    """The validator's input from the wire request (proto3: 0 and "" mean the default)."""
+    optional = {name: getattr(request, name) for name in ("temperature", "top_p", "seed")}
+    return RequestParams(
+        prompt=request.prompt,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        messages=tuple(ChatTurn(m.role, m.content) for m in request.messages),
+        max_new_tokens=request.max_new_tokens or None,
+        method=request.method or None,
+        k=request.k or None,
+        gamma=request.gamma or None,
+        top_k=request.top_k,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+        session_id=request.session_id,
+        new_session=request.new_session,
+        ignore_eos=request.ignore_eos,
+        **{name: value for name, value in optional.items() if request.HasField(name)},
+    )
 
 
 @dataclass
@@ -266,13 +234,14 @@ class _Call:
     first_token_s: float = 0.0
 
 
-class Generator(pb_grpc.GeneratorServicer):
+class GenerationService(pb_grpc.GeneratorServicer):
+    """The Generator service of the wire contract (one per gateway), over the replicas."""
+
     def __init__(
         self,
         replicas,
         tokenizer,
-        limits: Limits,
-        info: dict,
+        info: ReplicaInfo,
         store: SessionStore,
         metrics: GatewayMetrics,
         max_in_flight: int,
@@ -280,7 +249,8 @@ class Generator(pb_grpc.GeneratorServicer):
         max_per_client: int | None = None,
     ):
         self.replicas = replicas  # DeploymentHandle of service.replica.Replica
-        self.tokenizer, self.limits, self.info = tokenizer, limits, info
+        self.tokenizer, self.info = tokenizer, info
+        self.validator = RequestValidator(info.limits(), tokenizer)
         self.store, self.metrics = store, metrics
         self.auth = auth or BearerAuth({})
         self.max_per_client = max_per_client
@@ -294,31 +264,35 @@ class Generator(pb_grpc.GeneratorServicer):
         await _refuse_undecodable(request, context)
         i = self.info
         return pb.InfoResponse(
-            draft_model=i["draft_model"],
-            target_model=i["target_model"],
-            vocab_size=i["vocab_size"],
-            methods=[pb.MethodInfo(**m) for m in i["methods"]],
+            draft_model=i.draft_model,
+            target_model=i.target_model,
+            vocab_size=i.vocab_size,
+            methods=[pb.MethodInfo(**vars(m)) for m in i.methods],
             limits=pb.Limits(
-                max_new_tokens=i["max_new_tokens"],
-                max_k=i["max_k"],
-                max_gamma=i["max_gamma"],
-                max_context=i["max_context"],
-                max_batch=i["max_batch"],
-                max_queued=i["max_queued"],
+                max_new_tokens=i.max_new_tokens,
+                max_k=i.max_k,
+                max_gamma=i.max_gamma,
+                max_context=i.max_context,
+                max_batch=i.max_batch,
+                max_queued=i.max_queued,
             ),
-            default_method=i["default_method"],
-            default_gamma=i["default_gamma"],
-            tensor_parallel=i["tensor_parallel"],
+            default_method=i.default_method,
+            default_gamma=i.default_gamma,
+            tensor_parallel=i.tensor_parallel,
             chat_template=_default_template(self.tokenizer.chat_template),
         )
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
         await _refuse_undecodable(request, context)
-        text, ids, last, call = [], [], None, self._call(request, unary=True)
-        async for chunk in self._serve(request, context, call):
-            text.append(chunk.text)
-            ids += chunk.token_ids
-            last = chunk
+        params = request_params(request)
+        text, ids, last, call = [], [], None, self._call(params, unary=True)
+        try:
+            async for chunk in self._serve(params, context, call):
+                text.append(chunk.text)
+                ids += chunk.token_ids
+                last = chunk
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
         return pb.GenerateResponse(
             text="".join(text),
             token_ids=ids,
@@ -331,25 +305,33 @@ class Generator(pb_grpc.GeneratorServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator[pb.GenerateChunk]:
         await _refuse_undecodable(request, context)
-        async for chunk in self._serve(request, context, self._call(request)):
-            yield chunk
+        params = request_params(request)
+        try:
+            async for chunk in self._serve(params, context, self._call(params)):
+                yield chunk
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
 
     def open(
-        self, request: pb.GenerateRequest, context, unary: bool = False
+        self, params: RequestParams, context, unary: bool = False
     ) -> tuple[_Call, AsyncIterator[pb.GenerateChunk]]:
-        """One request through this path for another ingress (service/http_api.py): `context`
-        offers what this class uses of a grpc.aio.ServicerContext, its abort() raises, and it
-        calls the done callbacks when its exchange ends. The call's prompt_tokens and
+        """One request through this path for another ingress (service/http_api.py), which
+        parsed it into `params`: `context` offers what this class uses of a
+        grpc.aio.ServicerContext and calls the done callbacks when its exchange ends. The chunks
+        end in a `Refusal` when the request does not end OK. The call's prompt_tokens and
         session_id are set once the first chunk has arrived."""
-        call = self._call(request, unary=unary)
-        return call, self._serve(request, context, call)
+        call = self._call(params, unary=unary)
+        return call, self._serve(params, context, call)
 
     # ----------------------------------------------------------------------------- core
-    def _call(self, request, unary: bool = False) -> _Call:
-        method = request.method or self.limits.default_method
+    def _call(self, params: RequestParams, unary: bool = False) -> _Call:
+        method = params.method or self.info.default_method
         return _Call(method, time.perf_counter(), unary=unary)
 
-    async def _serve(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
+    async def _serve(
+        self, params: RequestParams, context, call: _Call
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        """The chunks of one request, with its accounting; raises a Refusal when it fails."""
         self.in_flight += 1
         self.metrics.in_flight.inc()
         call.principal = self.auth.principal(context.invocation_metadata())
@@ -361,16 +343,16 @@ class Generator(pb_grpc.GeneratorServicer):
         # end does the accounting and stops the replica's work (frees its KV slot).
         context.add_done_callback(lambda _: self._rpc_done(call))
         try:
-            async for chunk in self._generate(request, context, call):
+            async for chunk in self._generate(params, context, call):
                 yield chunk
             # Settled before grpc sends the status, so a client that has its answer also sees
             # it counted.
             self._settle(call, grpc.StatusCode.OK)
         except Exception as exc:
             call.finished = True  # a failed stream (e.g. back-pressure) has nothing to cancel
-            code, message = _status_of(exc)
-            self._settle(call, code)
-            await context.abort(code, message)
+            refusal = refusal_of(exc)
+            self._settle(call, refusal.code)
+            raise refusal from exc
 
     def _rpc_done(self, call: _Call) -> None:
         try:
@@ -395,36 +377,36 @@ class Generator(pb_grpc.GeneratorServicer):
         if code == grpc.StatusCode.OK:
             self.metrics.latency.labels(call.method).observe(time.perf_counter() - call.start)
 
-    async def _job(self, request, context, call: _Call) -> tuple[GenerateJob, Session | None]:
-        """The replica's job for `request`, checked, after its session's history (if any; the
-        session's key, under the caller's principal, is the job's session_id)."""
-        check_sizes(request, self.limits)
-        ids = prompt_ids(request, self.tokenizer)  # before any await on the store
+    async def _request(
+        self, params: RequestParams, context, call: _Call
+    ) -> tuple[GenerationRequest, Session | None]:
+        """The replica's request for `params`, checked, after its session's history (if any;
+        the session's key, under the caller's principal, is the request's session_id)."""
+        ids = self.validator.prompt_ids(params)  # before any await on the store
         if call.principal is None:  # the interceptor lets no such call through
-            raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing")
-        if request.new_session and request.session_id:
-            raise InvalidArgument("new_session: set it or session_id, not both")
-        call.session_id = secrets.token_hex(16) if request.new_session else request.session_id
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing")
+        call.session_id = secrets.token_hex(16) if params.new_session else params.session_id
         # Another client's session id names another session.
         key = f"{call.principal}/{call.session_id}" if call.principal else call.session_id
         session = await self.store.get(key) if key else None
-        history = session.tokens if session else []
-        job = check_request(request, self.limits, ids, len(history))
-        job.prompt_ids = history + ids
-        job.session_id = key or None
-        call.prompt_tokens = len(job.prompt_ids)
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and not request.ignore_eos:
-            job.stop_token_ids.append(eos)
         remaining = context.time_remaining()
-        job.deadline = time.time() + remaining if remaining is not None else None
-        if job.seed is None:  # drawn here, so that a retry on another replica redraws the same
-            job.seed = secrets.randbits(63)
-        return job, session
+        request = self.validator.request(
+            params,
+            ids,
+            history=session.tokens if session else (),
+            session_key=key or None,
+            deadline=time.time() + remaining if remaining is not None else None,
+            # drawn here, so that a retry on another replica redraws the same
+            drawn_seed=secrets.randbits(63),
+        )
+        call.prompt_tokens = len(request.prompt_ids)
+        return request, session
 
-    async def _generate(self, request, context, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
+    async def _generate(
+        self, params: RequestParams, context, call: _Call
+    ) -> AsyncIterator[pb.GenerateChunk]:
         if self.draining:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
         # Checked before the first await, so a burst cannot overshoot it (Serve's handle queue
         # limit can: it counts a request as queued only after it has checked the limit).
         if self.in_flight > self.max_in_flight:
@@ -432,14 +414,14 @@ class Generator(pb_grpc.GeneratorServicer):
         most = self.max_per_client
         if most and self.per_client[call.client] > most:
             raise Overloaded(f"client {call.client!r} holds {most} requests (its limit)")
-        job, session = await self._job(request, context, call)
+        request, session = await self._request(params, context, call)
         for attempt in (1, 2):
-            text = _TextStream(self.tokenizer, list(request.stop))
+            text = TextStream(self.tokenizer, list(request.stop))
             output: list[int] = []
             held: list[pb.GenerateChunk] = []
-            routing = job.session_id or ""  # its replica keeps the session's KV cache
+            routing = request.session_id or ""  # its replica keeps the session's KV cache
             handle = self.replicas.options(stream=True, multiplexed_model_id=routing)
-            stream = call.stream = handle.generate.remote(job)
+            stream = call.stream = handle.generate.remote(request)
             final: FinishedEvent | None = None
             try:
                 async for event in stream:  # TokensEvent..., FinishedEvent
@@ -455,7 +437,7 @@ class Generator(pb_grpc.GeneratorServicer):
                     if text.stopped:
                         stream.cancel()  # the replica frees the request's KV slot
                         held.append(chunk)
-                        final = FinishedEvent("stop", stats=None, replica="")
+                        final = FinishedEvent("stop", stats=None, cached_tokens=0, replica="")
                         break
                     if not (delta or new_ids):
                         continue
@@ -478,12 +460,13 @@ class Generator(pb_grpc.GeneratorServicer):
             raise RuntimeError("the replica's stream ended without a finish event")
         if final.stats is not None:
             self.metrics.finished(call.method, final.stats, len(output))
-        if job.session_id:
-            await self._save_session(session, job, output, final)
+        if request.session_id:
+            await self._save_session(session, request, output, final)
+        stats = final.stats and speculation_stats(final.stats, final.cached_tokens)
         yield pb.GenerateChunk(
             text=text.flush(),
             finish_reason=FINISH[final.finish_reason],
-            stats=_stats_message(final.stats) if final.stats else None,
+            stats=stats,
             replica=final.replica,
             session_id=call.session_id,
         )
@@ -491,18 +474,19 @@ class Generator(pb_grpc.GeneratorServicer):
     async def _save_session(
         self,
         old: Session | None,
-        job: GenerateJob,
+        request: GenerationRequest,
         output: list[int],
         final: FinishedEvent,
     ) -> None:
         now = time.time()
-        tokens = job.prompt_ids + output
+        tokens = [*request.prompt_ids, *output]
+        temperature = request.sampling.temperature
         await self.store.put(
             Session(
-                session_id=job.session_id,
+                session_id=request.session_id,
                 tokens=tokens,
                 settings=dict(
-                    method=job.method, k=job.k, gamma=job.gamma, temperature=job.temperature
+                    method=request.method, k=request.k, gamma=request.gamma, temperature=temperature
                 ),
                 replica=final.replica or None,
                 kv_length=len(tokens) - 1 if final.replica else 0,
@@ -523,7 +507,7 @@ def _default_template(template: str | dict | None) -> str:
 class GatewayServer:
     """The gRPC server with health and reflection, and the Prometheus endpoint."""
 
-    def __init__(self, settings: Settings, replicas, info: dict):
+    def __init__(self, settings: Settings, replicas, info: ReplicaInfo):
         self.settings = settings
         tokenizer = AutoTokenizer.from_pretrained(
             settings.replica.target_dir, local_files_only=True
@@ -542,10 +526,9 @@ class GatewayServer:
         # Every replica full (max_batch + max_queued each) and one replica's worth waiting.
         capacity = settings.replica.max_batch + settings.replica.max_queued
         max_in_flight = (settings.autoscaling.max_replicas + 1) * capacity
-        self.servicer = Generator(
+        self.servicer = GenerationService(
             replicas,
             tokenizer,
-            Limits.from_info(info),
             info,
             self.store,
             self.metrics,

@@ -5,10 +5,11 @@
     GET  /v1/models             the one model this deployment serves
 
 Both POSTs stream as server-sent events with ``"stream": true`` (ending in ``data: [DONE]``)
-and report ``usage``. A request becomes the wire contract's ``GenerateRequest`` and runs
-through the gRPC gateway's own request path (:meth:`service.gateway.Generator.open`): the same
-checks, limits, authentication, sessions, metrics and replicas, one copy of each. Its status
-codes become HTTP statuses in OpenAI's error schema (:data:`HTTP_STATUS`).
+and report ``usage``. A request body is parsed into the validator's input
+(:class:`service.requests.RequestParams`) and runs through the gRPC gateway's own request path
+(:meth:`service.gateway.GenerationService.open`): the same checks, limits, authentication,
+sessions, metrics and replicas, one copy of each. Its status codes become HTTP statuses in
+OpenAI's error schema (:data:`HTTP_STATUS`), the field at fault its ``param``.
 
 OpenAI fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` (or
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``stop``, ``seed``, ``stream``,
@@ -34,6 +35,8 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protos import blockspec_pb2 as pb
+from service.gateway import Refusal
+from service.requests import ChatTurn, RequestParams
 
 # The gateway's status codes as HTTP statuses and OpenAI error types.
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -78,14 +81,13 @@ class ApiError(Exception):
         self.status, self.kind, self.message, self.param = status, kind, message, param
 
     @staticmethod
-    def from_status(code: grpc.StatusCode, message: str) -> ApiError:
-        status, kind = HTTP_STATUS.get(code, (500, "server_error"))
-        field, sep, rest = message.partition(":")
-        param = None
-        if sep and field and " " not in field:  # the checks name the field first
-            param = OPENAI_NAMES.get(field, field)
-            message = f"{param}:{rest}"
-        return ApiError(status, kind, message, param)
+    def from_refusal(refusal: Refusal) -> ApiError:
+        """The gateway's refusal, its field (if any) under the name the client sent."""
+        status, kind = HTTP_STATUS.get(refusal.code, (500, "server_error"))
+        if refusal.field is None:
+            return ApiError(status, kind, refusal.message)
+        param = OPENAI_NAMES.get(refusal.field, refusal.field)
+        return ApiError(status, kind, f"{param}: {refusal.message}", param)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -119,25 +121,26 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """Fields both endpoints share; unknown fields are ignored (clients add their own)."""
+    """Fields both endpoints share; unknown fields are ignored (clients add their own). Only
+    types are checked here: the bounds are the validator's (service/requests.py)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    seed: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # blockspec's knobs (see protos/blockspec.proto)
     method: str | None = None
-    k: int | None = Field(None, ge=1)
-    gamma: int | None = Field(None, ge=1)
-    top_k: int | None = Field(None, ge=0)
+    k: int | None = None
+    gamma: int | None = None
+    top_k: int | None = None
     session_id: str | None = None
     new_session: bool = False
     ignore_eos: bool = False
@@ -154,53 +157,54 @@ class _Body(BaseModel):
                 continue
             raise invalid(name, f"{value!r} is not supported by this service")
 
-    def wire(self, **prompt) -> pb.GenerateRequest:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        fields = dict(
-            max_new_tokens=self.max_tokens or 0,
+    def params(self, **prompt) -> RequestParams:
+        """The validator's input: this body's fields under the wire contract's names."""
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return RequestParams(
+            max_new_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
-            method=self.method or "",
-            k=self.k or 0,
-            gamma=self.gamma or 0,
-            top_k=self.top_k or 0,
+            method=self.method,
+            k=self.k,
+            gamma=self.gamma,
+            top_k=self.top_k,
             session_id=self.session_id or "",
             new_session=self.new_session,
             ignore_eos=self.ignore_eos,
             stop=stops,
-            stop_token_ids=self.stop_token_ids or [],
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            **prompt,
         )
-        return pb.GenerateRequest(**{k: v for k, v in fields.items() if v is not None}, **prompt)
 
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
 
-    def request(self) -> pb.GenerateRequest:
+    def request(self) -> RequestParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        turns = [pb.ChatMessage(role=m.role, content=m.text()) for m in self.messages]
-        return self.wire(messages=turns)
+        return self.params(messages=tuple(ChatTurn(m.role, m.text()) for m in self.messages))
 
 
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int]
 
-    def request(self) -> pb.GenerateRequest:
+    def request(self) -> RequestParams:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise invalid("prompt", "one prompt per request (a list of one string)")
             prompt = prompt[0]
         if isinstance(prompt, list):
-            return self.wire(prompt_token_ids=prompt)
-        return self.wire(prompt=prompt)
+            return self.params(prompt_token_ids=tuple(prompt))
+        return self.params(prompt=prompt)
 
 
 class _Context:
-    """What service.gateway.Generator uses of a grpc.aio.ServicerContext, for one HTTP call."""
+    """What service.gateway.GenerationService uses of a grpc.aio.ServicerContext, for one
+    HTTP call."""
 
     def __init__(self, request: Request):
         self.metadata = self.metadata_of(request)
@@ -226,9 +230,6 @@ class _Context:
     def time_remaining(self) -> float | None:
         return None
 
-    async def abort(self, code: grpc.StatusCode, message: str):
-        raise ApiError.from_status(code, message)
-
     def done(self) -> None:
         """The HTTP exchange ended (answered, failed, or the client went away)."""
         callbacks, self.callbacks = self.callbacks, []
@@ -250,10 +251,10 @@ def _stats(chunk: pb.GenerateChunk, call) -> dict:
 
 
 class OpenAIFrontend:
-    """The three endpoints over a gateway's Generator (service.gateway)."""
+    """The three endpoints over a gateway's GenerationService (service.gateway)."""
 
-    def __init__(self, generator, model_id: str):
-        self.generator, self.model_id = generator, model_id
+    def __init__(self, service, model_id: str):
+        self.service, self.model_id = service, model_id
         self.created = int(time.time())
 
     def models(self) -> dict:
@@ -262,7 +263,7 @@ class OpenAIFrontend:
 
     def authorize(self, request: Request) -> None:
         """The gateway's token check (no token 401, an unknown one 403)."""
-        refused = self.generator.auth.refusal(_Context.metadata_of(request))
+        refused = self.service.auth.refusal(_Context.metadata_of(request))
         if refused is not None:
             code, message = refused
             status, kind = HTTP_STATUS[code]
@@ -279,11 +280,11 @@ class OpenAIFrontend:
     async def complete(self, request: Request, chat: bool):
         try:
             self.authorize(request)
-            body, wire = await self._parse(request, ChatBody if chat else CompletionBody)
+            body, params = await self._parse(request, ChatBody if chat else CompletionBody)
         except ApiError as err:
             return err.response()
         context = _Context(request)
-        call, chunks = self.generator.open(wire, context, unary=not body.stream)
+        call, chunks = self.service.open(params, context, unary=not body.stream)
         answer = _Answer(self.model_id, chat, call)
         streaming = False  # once the event stream owns the exchange, it ends it
         try:
@@ -293,8 +294,8 @@ class OpenAIFrontend:
                 return JSONResponse(answer.whole())
             first = await anext(chunks)  # errors before any output keep their HTTP status
             streaming = True
-        except ApiError as err:
-            return err.response()
+        except Refusal as refusal:
+            return ApiError.from_refusal(refusal).response()
         finally:
             if not streaming:
                 context.done()
@@ -319,8 +320,8 @@ class OpenAIFrontend:
                     yield _sse(event)
             if usage:
                 yield _sse(answer.usage_event())
-        except ApiError as err:  # after the first chunk: the status line is long gone
-            yield _sse(err.body())
+        except Refusal as refusal:  # after the first chunk: the status line is long gone
+            yield _sse(ApiError.from_refusal(refusal).body())
         finally:
             context.done()  # a client that went away lands here too: its slot is freed
         yield "data: [DONE]\n\n"

@@ -1,12 +1,13 @@
 """A replica of the service: one coordinator with its draft actor and target shard group, as a
 Ray Serve deployment (autoscaled by Serve on the number of ongoing requests).
 
-The gateway calls `generate` with a checked `GenerateJob` (token ids; a session's history
+The gateway calls `generate` with a checked `GenerationRequest` (token ids; a session's history
 already prepended) and `stream=True`; it yields a `TokensEvent` per decode step that produced
 tokens and a final `FinishedEvent` with the finish reason and the request's speculation stats
-(service/requests.py). Requests of a session are routed with the session id as Serve's
-*multiplexed model id*: Serve then prefers the replica that last "loaded" that id, i.e. the one
-whose engine parked the session's KV cache. If that replica is gone, any other rebuilds the
+(service/requests.py); `info` and `stats` describe the replica (`ReplicaInfo`,
+`ReplicaStats`). Requests of a session are routed with the session id as Serve's *multiplexed
+model id*: Serve then prefers the replica that last "loaded" that id, i.e. the one whose engine
+parked the session's KV cache. If that replica is gone, any other rebuilds the
 cache from the history the gateway sends; nothing is lost.
 
 Step-level metrics (step time by phase, batch size, queue depth) go to Ray's metrics agent
@@ -26,11 +27,17 @@ from ray import serve
 
 from service.config import ReplicaConfig, Resources
 from service.coordinator import Coordinator, Done, Emitted, Event, Failed
-from service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
-from service.policy import AUTO, PLAIN, AutoPolicy
-from service.requests import FinishedEvent, GenerateJob, SpeculationStats, TokensEvent
+from service.engine import SpeculativeEngine, StepTimes
+from service.policy import AUTO, AutoPolicy
+from service.requests import (
+    FinishedEvent,
+    GenerationRequest,
+    MethodInfo,
+    ReplicaInfo,
+    ReplicaStats,
+    TokensEvent,
+)
 from service.verification import VERIFIERS
-from workers.sampling import SamplingParams
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
 
@@ -104,37 +111,6 @@ def _pid(_actor) -> int:
     return os.getpid()
 
 
-def to_engine_request(job: GenerateJob, request_id: str) -> GenerationRequest:
-    plain = job.method == PLAIN
-    return GenerationRequest(
-        prompt_ids=list(job.prompt_ids),
-        max_new_tokens=job.max_new_tokens,
-        method=job.method,
-        k=1 if plain else job.k,
-        gamma=1 if plain else job.gamma,
-        sampling=SamplingParams(job.temperature, job.top_k, job.top_p),
-        seed=job.seed,
-        stop_token_ids=tuple(job.stop_token_ids),
-        request_id=request_id,
-        session_id=job.session_id or None,
-    )
-
-
-def speculation_stats(result: GenerationResult) -> SpeculationStats:
-    stats = result.stats
-    calls = max(stats.target_calls, 1)
-    return SpeculationStats(
-        target_calls=stats.target_calls,
-        accepted_tokens=stats.accepted,
-        tokens_per_call=stats.tokens_per_call,
-        accepted_per_position=stats.accepted_per_position,
-        cached_prompt_tokens=result.cached_tokens,
-        mean_batch_size=stats.mean_batch_size,
-        step_ms={name: 1e3 * getattr(stats.steps, name) / calls for name in StepTimes.PHASES},
-        steps_by_config=dict(stats.steps_by_config),
-    )
-
-
 AUTO_DESCRIPTION = "picks method, K and γ each step from measured load (k, gamma ignored)"
 
 
@@ -153,8 +129,10 @@ class Replica:
         # Marks the session as "loaded" here, so Serve routes its next request to this replica.
         return session_id
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[TokensEvent | FinishedEvent]:
-        request = to_engine_request(job, f"{self.id}-{next(self._ids)}")
+    async def generate(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[TokensEvent | FinishedEvent]:
+        request_id = f"{self.id}-{next(self._ids)}"
         if request.session_id:
             await self._route_session(request.session_id)
         loop = asyncio.get_running_loop()
@@ -163,7 +141,7 @@ class Replica:
         def deliver(event: Event) -> None:  # on the coordinator's thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        self.coordinator.submit(request, deliver, job.deadline)
+        self.coordinator.submit(request_id, request, deliver)
         finished = False
         try:
             while True:
@@ -176,22 +154,20 @@ class Replica:
                         raise error
                     case Done(result):
                         finished = True
-                        stats = speculation_stats(result)
-                        yield FinishedEvent(result.finish_reason, stats, self.id)
+                        yield FinishedEvent(
+                            result.finish_reason, result.stats, result.cached_tokens, self.id
+                        )
                         return
         finally:
             if not finished:  # the client went away (cancelled, deadline): free its KV slot
-                self.coordinator.cancel(request.request_id)
+                self.coordinator.cancel(request_id)
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> ReplicaInfo:
         cfg = self.cfg
-        return dict(
-            self.model_info,
-            methods=[
-                dict(name=v.name, single_path=v.single_path, description=v.description)
-                for v in VERIFIERS.values()
-            ]
-            + [dict(name=AUTO, single_path=False, description=AUTO_DESCRIPTION)],
+        methods = [MethodInfo(v.name, v.single_path, v.description) for v in VERIFIERS.values()]
+        return ReplicaInfo(
+            **self.model_info,
+            methods=(*methods, MethodInfo(AUTO, False, AUTO_DESCRIPTION)),
             default_method=cfg.default_method,
             default_gamma=cfg.default_gamma,
             default_max_new_tokens=cfg.default_max_new_tokens,
@@ -202,14 +178,14 @@ class Replica:
             max_queued=cfg.max_queued,
         )
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> ReplicaStats:
         """Cumulative coordinator counters of this replica (tests, load tests)."""
         s = self.coordinator.stats
         engine = self.coordinator.engine
         # Read before the counters: the coordinator counts a job before it drops it, so an
         # idle reading comes with every count it led to.
         in_flight, active = self.coordinator.in_flight, len(engine.active)
-        return dict(
+        return ReplicaStats(
             replica=self.id,
             pid=os.getpid(),
             steps=s.steps,

@@ -1,41 +1,116 @@
-"""Checking a wire request against a deployment's limits, and the messages between the gateway
-and a replica.
+"""The request contract, from the edge to the engine: what a client asked for
+(:class:`RequestParams`, parsed by the gRPC gateway or the HTTP API), the one validator that
+checks it against a deployment's :class:`Limits` (:class:`RequestValidator`), and the frozen
+:class:`GenerationRequest` it builds, which the gateway sends to a replica and the engine runs
+as it is (the engine does not check it again).
 
-The checks are pure functions of (request, limits): the gateway runs them before a request
-reaches any replica, so a bad request costs nothing and disturbs nobody. Method, K, γ and the
-context budget are checked by the same functions the engine uses (service/engine.py).
+Every bound lives here, and so does every INVALID_ARGUMENT message: :class:`InvalidArgument`
+carries the field at fault as data (the gateway answers "field: message", the HTTP API names it
+as OpenAI's ``param``). The checks are pure functions of (params, limits): the gateway runs them
+before a request reaches any replica, so a bad request costs nothing and disturbs nobody. Code
+that drives an engine directly (tests, scripts, ``blockspec generate --local``) builds its
+requests through the same validator (:func:`make_request`).
 
-Messages (dataclasses, pickled by Ray on the way): the gateway sends a replica one
-:class:`GenerateJob`; the replica streams back :class:`TokensEvent` per decode step that produced
-tokens, then one :class:`FinishedEvent`.
+Messages between the gateway and a replica (dataclasses, pickled by Ray on the way): the gateway
+sends a replica one :class:`GenerationRequest`; the replica streams back :class:`TokensEvent`
+per decode step that produced tokens, then one :class:`FinishedEvent`. :class:`ReplicaInfo` and
+:class:`ReplicaStats` are a replica's description and counters.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from protos import blockspec_pb2 as pb
-from service.engine import InvalidArgument, check_context, check_method
+from service.policy import AUTO, PLAIN
+from service.verification import VERIFIERS
 from workers.models import render_chat
+from workers.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine imports this module
+    from service.engine import RequestStats
 
 
-@dataclass
-class GenerateJob:
-    """A checked request, as the gateway sends it to a replica (defaults filled in)."""
+class InvalidArgument(ValueError):
+    """A request field the caller got wrong (gRPC INVALID_ARGUMENT, HTTP 400): `field` names it
+    (the wire contract's name), `message` says what is wrong with it."""
 
-    prompt_ids: list[int]  # a session's history, then this request's prompt
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)  # both in args: Ray pickles the exception by them
+        self.field, self.message = field, message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a deployment can serve: the bounds the validator checks a request against, and the
+    defaults it fills in. max_k / max_gamma None: no bound beyond >= 1 (an engine driven
+    directly)."""
+
+    vocab_size: int
+    max_context: int  # cache positions per request
+    max_new_tokens: int
+    max_k: int | None
+    max_gamma: int | None
+    default_method: str
+    default_gamma: int
+    default_max_new_tokens: int
+
+    @staticmethod
+    def for_engine(vocab_size: int, max_context: int) -> Limits:
+        """An engine's own limits, without a deployment's caps on K, γ and output length."""
+        return Limits(vocab_size, max_context, max_context, None, None, "block", 4, 128)
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What a client asked for, parsed from the wire (gRPC or HTTP) and not yet checked: the
+    validator's input. None means the deployment's default; a prompt is exactly one of
+    `prompt`, `prompt_token_ids` and `messages`."""
+
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
+    max_new_tokens: int | None = None
+    method: str | None = None
+    k: int | None = None
+    gamma: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings
+    stop_token_ids: tuple[int, ...] = ()
+    session_id: str = ""
+    new_session: bool = False
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request with its defaults filled in (built only by RequestValidator): what the
+    gateway sends a replica and the engine runs."""
+
+    prompt_ids: tuple[int, ...]  # a session's history, then this request's prompt
     max_new_tokens: int
     method: str
-    k: int
-    gamma: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)  # the gateway adds EOS
-    session_id: str | None = None
+    k: int  # 1 for plain decoding and auto
+    gamma: int  # 1 for plain decoding
+    sampling: SamplingParams
+    seed: int | None  # None: the engine draws one
+    stop_token_ids: tuple[int, ...] = ()  # EOS included unless the client ignores it
+    stop: tuple[str, ...] = ()  # stop strings: the gateway's detokenizer cuts them
+    session_id: str | None = None  # park the KV under this key when finished (max_sessions > 0)
     deadline: float | None = None  # time.time() seconds; None: none
 
 
@@ -47,42 +122,70 @@ class TokensEvent:
 
 
 @dataclass
-class SpeculationStats:
-    """A finished request's speculation stats (the fields of pb.SpeculationStats)."""
-
-    target_calls: int
-    accepted_tokens: int  # draft tokens accepted, all steps
-    tokens_per_call: float  # block efficiency
-    accepted_per_position: list[int]  # [γ]: steps that accepted draft position i
-    cached_prompt_tokens: int  # prompt tokens whose KV a parked session supplied
-    mean_batch_size: float
-    step_ms: dict[str, float]  # mean wall ms per step by phase (StepTimes.PHASES)
-    steps_by_config: dict[str, int]  # steps per "none" / "method/K/γ"
-
-
-@dataclass
 class FinishedEvent:
     """The end of a request's stream."""
 
     finish_reason: str  # "length" | "stop"
-    stats: SpeculationStats | None  # None when the gateway stopped it (a stop string)
+    stats: RequestStats | None  # None when the gateway stopped it (a stop string)
+    cached_tokens: int  # prompt tokens whose KV a parked session supplied
     replica: str  # the replica that served it ("" when unknown)
 
 
 @dataclass(frozen=True)
-class Limits:
+class MethodInfo:
+    name: str
+    single_path: bool
+    description: str
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A replica's models, methods and limits (the gateway's Info RPC and its validator)."""
+
+    draft_model: str
+    target_model: str
     vocab_size: int
     max_context: int
-    max_new_tokens: int
-    max_k: int
-    max_gamma: int
+    tensor_parallel: int
+    methods: tuple[MethodInfo, ...]
     default_method: str
     default_gamma: int
     default_max_new_tokens: int
+    max_new_tokens: int
+    max_k: int
+    max_gamma: int
+    max_batch: int
+    max_queued: int
 
-    @staticmethod
-    def from_info(info: dict[str, Any]) -> Limits:
-        return Limits(**{name: info[name] for name in Limits.__dataclass_fields__})
+    def limits(self) -> Limits:
+        return Limits(
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            max_new_tokens=self.max_new_tokens,
+            max_k=self.max_k,
+            max_gamma=self.max_gamma,
+            default_method=self.default_method,
+            default_gamma=self.default_gamma,
+            default_max_new_tokens=self.default_max_new_tokens,
+        )
+
+
+@dataclass
+class ReplicaStats:
+    """Cumulative coordinator counters of one replica (tests, load tests, chaos runs)."""
+
+    replica: str
+    pid: int
+    steps: int
+    batch_sizes: dict[int, int]  # batch size -> steps that ran it
+    step_seconds: dict[str, float]  # by phase (StepTimes.PHASES)
+    finished: int
+    cancelled: int
+    rejected: int
+    recoveries: int
+    in_flight: int
+    active: int
+    parked_sessions: list[str] = field(default_factory=list)
 
 
 # Size limits checked before any work (tokenizing, stop-string matching on every chunk).
@@ -91,102 +194,236 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_STOP_TOKEN_IDS = 64
 
 
-def check_sizes(req: pb.GenerateRequest, limits: Limits) -> None:
-    """Raise InvalidArgument, naming the field, for a request too large to be worth reading."""
-    most = CHARS_PER_POSITION * limits.max_context
-    text = len(req.prompt) + sum(len(m.content) + len(m.role) for m in req.messages)
-    if text > most:
-        field = "messages" if req.messages else "prompt"
-        raise InvalidArgument(
-            f"{field}: {text} characters cannot fit the model context ({limits.max_context} tokens)"
-        )
-    if len(req.prompt_token_ids) > limits.max_context:
-        raise InvalidArgument(
-            f"prompt_token_ids: {len(req.prompt_token_ids)} ids exceed the model context "
-            f"({limits.max_context})"
-        )
-    if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
-        raise InvalidArgument(
-            f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
-        )
-    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
+def context_needed(prompt_tokens: int, max_new_tokens: int, method: str, gamma: int) -> int:
+    """Cache positions a request may occupy: its prompt and output, plus the last step's
+    overshoot (a step scores γ draft tokens past the last output token, and emits up to γ + 1
+    tokens whose KV stays even past a stop) and 2 for the tokens pending in the caches. `auto`
+    needs no more than plain decoding: it only drafts as far as a request's context allows."""
+    return prompt_tokens + max_new_tokens + (gamma if method not in (PLAIN, AUTO) else 0) + 2
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer) -> list[int]:
-    """The request's prompt as token ids: exactly one of prompt / prompt_token_ids / messages
-    (rendered with the tokenizer's chat template, ending in the assistant's generation prompt).
-    Needs no session: the gateway runs it before it reads the session store."""
-    given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(req, f)]
-    if len(given) > 1:
-        raise InvalidArgument(f"{given[0]}: set one of prompt, prompt_token_ids, messages")
-    if req.prompt_token_ids:
-        return list(req.prompt_token_ids)
-    if not req.messages:
-        return tokenizer(req.prompt)["input_ids"]
-    if not tokenizer.chat_template:
-        raise InvalidArgument("messages: the target model has no chat template; send a prompt")
-    if any(not m.role for m in req.messages):
-        raise InvalidArgument("messages: every message needs a role")
-    try:
-        return render_chat(
-            tokenizer, [{"role": m.role, "content": m.content} for m in req.messages]
-        )
-    except Exception as err:  # the template's own checks (jinja raise_exception)
-        raise InvalidArgument(f"messages: the chat template refused them: {err}") from None
+def _check_range(name: str, value: int, most: int | None) -> None:
+    if most is None and value < 1:
+        raise InvalidArgument(name, f"{value} must be >= 1")
+    if most is not None and not 1 <= value <= most:
+        raise InvalidArgument(name, f"{value} out of range [1, {most}]")
 
 
-def check_request(
-    req: pb.GenerateRequest, limits: Limits, prompt_ids: list[int], history_len: int = 0
-) -> GenerateJob:
-    """The replica's job for `req` (prompt already tokenized into `prompt_ids`; a session's
-    `history_len` tokens come before it, and the caller prepends them). Raises InvalidArgument
-    naming the field."""
-    if not prompt_ids:
-        raise InvalidArgument("prompt: empty (set prompt, prompt_token_ids or messages)")
-    if req.messages and history_len:
-        # A template renders a whole conversation (some add a system turn when the first message
-        # is not one), so new turns cannot be rendered alone: the session holds tokens, not turns.
-        raise InvalidArgument(
-            "messages: this session already has turns; send the next turn as prompt text "
-            "(render it with Info.chat_template)"
+def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidArgument(name, f"ids must lie in [0, {vocab_size})")
+
+
+class RequestValidator:
+    """The one place a request is checked: against `limits`, with `tokenizer` (None: token-id
+    prompts only, no EOS) for text prompts and chat messages. Two phases, because the gateway
+    reads the session store in between: `prompt_ids` needs no session, `request` builds the
+    engine's request after the session's history."""
+
+    def __init__(self, limits: Limits, tokenizer=None):
+        self.limits, self.tokenizer = limits, tokenizer
+
+    def prompt_ids(self, params: RequestParams) -> list[int]:
+        """The request's prompt as token ids (chat messages rendered with the tokenizer's
+        template, ending in the assistant's generation prompt), after the size checks that
+        come before any work."""
+        self._check_sizes(params)
+        given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(params, f)]
+        if len(given) > 1:
+            raise InvalidArgument(given[0], "set one of prompt, prompt_token_ids, messages")
+        if params.new_session and params.session_id:
+            raise InvalidArgument("new_session", "set it or session_id, not both")
+        if params.prompt_token_ids or not (params.prompt or params.messages):
+            return list(params.prompt_token_ids)
+        if self.tokenizer is None:
+            raise InvalidArgument(given[0], "this engine takes prompt_token_ids only")
+        if not params.messages:
+            return self.tokenizer(params.prompt)["input_ids"]
+        return self._render(params.messages)
+
+    def request(
+        self,
+        params: RequestParams,
+        prompt_ids: list[int],
+        history: Sequence[int] = (),
+        session_key: str | None = None,
+        deadline: float | None = None,
+        drawn_seed: int | None = None,
+    ) -> GenerationRequest:
+        """The engine's request for `params`, whose prompt is `prompt_ids` (from `prompt_ids`)
+        after a session's `history` (stored under `session_key`). `drawn_seed` stands in for a
+        seed the client left unset (the gateway draws one, so that a retry redraws the same)."""
+        limits = self.limits
+        if not prompt_ids:
+            raise InvalidArgument("prompt", "empty (set prompt, prompt_token_ids or messages)")
+        if params.messages and history:
+            # A template renders a whole conversation (some add a system turn when the first
+            # message is not one), so new turns cannot be rendered alone: the session holds
+            # tokens, not turns.
+            raise InvalidArgument(
+                "messages",
+                "this session already has turns; send the next turn as prompt text "
+                "(render it with Info.chat_template)",
+            )
+        _check_ids("prompt_token_ids", prompt_ids, limits.vocab_size)
+        method, k, gamma = self._speculation(params)
+        max_new = _default(params.max_new_tokens, limits.default_max_new_tokens)
+        if not 1 <= max_new <= limits.max_new_tokens:
+            raise InvalidArgument(
+                "max_new_tokens", f"{max_new} out of range [1, {limits.max_new_tokens}]"
+            )
+        sampling = _sampling(params)
+        seed = _default(params.seed, drawn_seed)
+        if seed is not None and not 0 <= seed < 1 << 64:
+            raise InvalidArgument("seed", f"must lie in [0, 2^64), got {seed}")
+        self._check_context(len(history) + len(prompt_ids), max_new, method, gamma, len(history))
+        return GenerationRequest(
+            prompt_ids=(*history, *prompt_ids),
+            max_new_tokens=max_new,
+            method=method,
+            k=k,
+            gamma=gamma,
+            sampling=sampling,
+            seed=seed,
+            stop_token_ids=self._stop_token_ids(params),
+            stop=self._stop_strings(params),
+            session_id=session_key,
+            deadline=deadline,
         )
-    if any(not 0 <= t < limits.vocab_size for t in prompt_ids):
-        raise InvalidArgument(f"prompt_token_ids: ids must lie in [0, {limits.vocab_size})")
-    method = req.method or limits.default_method
-    k = req.k or 1
-    gamma = req.gamma or limits.default_gamma
-    check_method(method, k, gamma, limits.max_k, limits.max_gamma)
-    max_new = req.max_new_tokens or limits.default_max_new_tokens
-    if not 1 <= max_new <= limits.max_new_tokens:
-        raise InvalidArgument(
-            f"max_new_tokens: {max_new} out of range [1, {limits.max_new_tokens}]"
-        )
-    temperature = req.temperature if req.HasField("temperature") else 1.0
+
+    # ------------------------------------------------------------------------- the checks
+    def _check_sizes(self, params: RequestParams) -> None:
+        """Refuse a request too large to be worth reading (before tokenizing it)."""
+        most_chars = CHARS_PER_POSITION * self.limits.max_context
+        chars = len(params.prompt) + sum(len(m.content) + len(m.role) for m in params.messages)
+        if chars > most_chars:
+            raise InvalidArgument(
+                "messages" if params.messages else "prompt",
+                f"{chars} characters cannot fit the model context "
+                f"({self.limits.max_context} tokens)",
+            )
+        if len(params.prompt_token_ids) > self.limits.max_context:
+            raise InvalidArgument(
+                "prompt_token_ids",
+                f"{len(params.prompt_token_ids)} ids exceed the model context "
+                f"({self.limits.max_context})",
+            )
+        if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+            raise InvalidArgument(
+                "stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
+            )
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+
+    def _render(self, messages: tuple[ChatTurn, ...]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise InvalidArgument(
+                "messages", "the target model has no chat template; send a prompt"
+            )
+        if any(not m.role for m in messages):
+            raise InvalidArgument("messages", "every message needs a role")
+        try:
+            return render_chat(
+                self.tokenizer, [{"role": m.role, "content": m.content} for m in messages]
+            )
+        except Exception as err:  # the template's own checks (jinja raise_exception)
+            raise InvalidArgument("messages", f"the chat template refused them: {err}") from None
+
+    def _speculation(self, params: RequestParams) -> tuple[str, int, int]:
+        """(method, K, γ) with the defaults filled in; plain decoding runs with K = γ = 1 and
+        auto chooses K and γ itself (service/policy.py), so their k and gamma are ignored."""
+        limits = self.limits
+        method = params.method or limits.default_method
+        k = _default(params.k, 1)
+        gamma = _default(params.gamma, limits.default_gamma)
+        if method not in (PLAIN, AUTO) and method not in VERIFIERS:
+            raise InvalidArgument(
+                "method",
+                f"unknown {method!r}; expected none, auto or one of {', '.join(VERIFIERS)}",
+            )
+        if method == PLAIN:
+            return method, 1, 1
+        if method == AUTO:
+            return method, 1, gamma
+        _check_range("k", k, limits.max_k)
+        if VERIFIERS[method].single_path and k != 1:
+            raise InvalidArgument("k", f"method {method!r} verifies a single path; k must be 1")
+        _check_range("gamma", gamma, limits.max_gamma)
+        return method, k, gamma
+
+    def _check_context(
+        self, prompt_tokens: int, max_new_tokens: int, method: str, gamma: int, history: int
+    ) -> None:
+        """Refuse a request that cannot fit the context; `history` of the prompt tokens came
+        from a session (named in the message)."""
+        most = self.limits.max_context
+        if context_needed(prompt_tokens, max_new_tokens, method, gamma) > most:
+            where = f" ({history} from the session)" if history else ""
+            raise InvalidArgument(
+                "prompt",
+                f"{prompt_tokens} tokens{where} + max_new_tokens {max_new_tokens} + γ "
+                f"exceed the model context ({most})",
+            )
+
+    def _stop_token_ids(self, params: RequestParams) -> tuple[int, ...]:
+        _check_ids("stop_token_ids", params.stop_token_ids, self.limits.vocab_size)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None or params.ignore_eos:
+            return params.stop_token_ids
+        return (*params.stop_token_ids, eos)
+
+    @staticmethod
+    def _stop_strings(params: RequestParams) -> tuple[str, ...]:
+        if any(not s for s in params.stop):
+            raise InvalidArgument("stop", "empty stop string")
+        return params.stop
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+def _sampling(params: RequestParams) -> SamplingParams:
+    temperature = _default(params.temperature, 1.0)
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise InvalidArgument(f"temperature: must be finite and >= 0, got {temperature}")
-    if req.top_k < 0:
-        raise InvalidArgument(f"top_k: must be >= 0 (0 = off), got {req.top_k}")
-    top_p = req.top_p if req.HasField("top_p") else 1.0
+        raise InvalidArgument("temperature", f"must be finite and >= 0, got {temperature}")
+    top_k = _default(params.top_k, 0)
+    if top_k < 0:
+        raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {top_k}")
+    top_p = _default(params.top_p, 1.0)
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise InvalidArgument(f"top_p: must lie in (0, 1], got {top_p}")
-    if any(not 0 <= t < limits.vocab_size for t in req.stop_token_ids):
-        raise InvalidArgument(f"stop_token_ids: ids must lie in [0, {limits.vocab_size})")
-    if any(not s for s in req.stop):
-        raise InvalidArgument("stop: empty stop string")
-    check_context(
-        history_len + len(prompt_ids), max_new, method, gamma, limits.max_context, history_len
-    )
-    return GenerateJob(
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new,
+        raise InvalidArgument("top_p", f"must lie in (0, 1], got {top_p}")
+    return SamplingParams(temperature, top_k, top_p)
+
+
+def make_request(
+    limits: Limits,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int | None = None,
+    method: str | None = None,
+    k: int | None = None,
+    gamma: int | None = None,
+    sampling: SamplingParams | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    session_id: str | None = None,
+) -> GenerationRequest:
+    """A checked request from token ids, for an engine driven directly (tests, scripts,
+    ``blockspec generate --local``): the validator's, against `limits` (an engine's own:
+    `SpeculativeEngine.limits`). Raises InvalidArgument."""
+    sampling = sampling or SamplingParams()
+    params = RequestParams(
+        prompt_token_ids=tuple(prompt_ids),
+        max_new_tokens=max_new_tokens,
         method=method,
         k=k,
         gamma=gamma,
-        temperature=temperature,
-        top_k=req.top_k,
-        top_p=top_p,
-        seed=req.seed if req.HasField("seed") else None,
-        stop_token_ids=list(req.stop_token_ids),
-        session_id=req.session_id or None,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids),
+        session_id=session_id or "",
     )
+    validator = RequestValidator(limits)
+    return validator.request(params, validator.prompt_ids(params), session_key=session_id)

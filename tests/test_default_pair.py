@@ -12,9 +12,15 @@ import json
 import pytest
 import torch
 
-from protos import blockspec_pb2 as pb
-from service.engine import GenerationRequest, build_engine
-from service.requests import InvalidArgument, Limits, check_request, prompt_ids
+from service.engine import build_engine
+from service.requests import (
+    ChatTurn,
+    InvalidArgument,
+    Limits,
+    RequestParams,
+    RequestValidator,
+    make_request,
+)
 from workers.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -87,8 +93,8 @@ def test_greedy_chat_answer_equals_hugging_face(tokenizer):
     engine, _ = build_engine(str(DEFAULT_DRAFT), str(DEFAULT_TARGET), max_batch=2, max_len=256)
     greedy = SamplingParams(temperature=0.0)
     reqs = [
-        GenerationRequest(ids, 24, "none", sampling=greedy),
-        GenerationRequest(ids, 24, "gbv", k=2, gamma=4, sampling=greedy),
+        make_request(engine.limits, ids, 24, "none", sampling=greedy),
+        make_request(engine.limits, ids, 24, "gbv", k=2, gamma=4, sampling=greedy),
     ]
     plain, speculative = engine.generate(reqs)
     assert plain.token_ids == expected and speculative.token_ids == expected
@@ -102,19 +108,20 @@ def test_messages_render_with_the_chat_template(tokenizer):
     # What Info.chat_template sends: the template clients render later session turns with.
     assert "<|im_start|>" in _default_template(tokenizer.chat_template)
     assert _default_template({"default": "t", "tool_use": "u"}) == "t"
-    req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=PROMPT)])
-    ids = prompt_ids(req, tokenizer)
+    validator = RequestValidator(Limits(49152, 8192, 512, 4, 16, "block", 4, 128), tokenizer)
+    params = RequestParams(messages=(ChatTurn("user", PROMPT),))
+    ids = validator.prompt_ids(params)
     assert ids == render_chat(tokenizer, user_turn(PROMPT))
     text = tokenizer.decode(ids)
     assert text.endswith("<|im_start|>assistant\n") and PROMPT in text
-    limits = Limits(49152, 8192, 512, 4, 16, "block", 4, 128)
-    assert check_request(req, limits, ids).prompt_ids == ids  # a session's first turn
+    first_turn = validator.request(params, ids)
+    assert first_turn.prompt_ids == tuple(ids)
     with pytest.raises(InvalidArgument, match=r"^messages: this session already has turns"):
-        check_request(req, limits, ids, history_len=30)
+        validator.request(params, ids, history=[1] * 30)
     with pytest.raises(InvalidArgument, match=r"^prompt: set one of"):
-        prompt_ids(pb.GenerateRequest(prompt="x", messages=req.messages), tokenizer)
+        validator.prompt_ids(RequestParams(prompt="x", messages=params.messages))
     with pytest.raises(InvalidArgument, match=r"^messages: every message needs a role"):
-        prompt_ids(pb.GenerateRequest(messages=[pb.ChatMessage(content="x")]), tokenizer)
+        validator.prompt_ids(RequestParams(messages=(ChatTurn("", "x"),)))
 
 
 def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):

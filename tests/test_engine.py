@@ -9,6 +9,7 @@ methods; at temperature > 0 the law of the first generated tokens equals the tar
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
 
@@ -17,8 +18,9 @@ import torch
 from harness import ALPHA, chi_square
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service.engine import GenerationRequest, SpeculativeEngine, VerifyPlan, verify_step
+from service.engine import SpeculativeEngine, VerifyPlan, verify_step
 from service.policy import PLAIN
+from service.requests import GenerationRequest, InvalidArgument, make_request
 from service.verification import METHODS, VERIFIERS, verify
 from workers.draft import DraftWorker, padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
@@ -172,7 +174,9 @@ def test_greedy_output_equals_target_greedy_for_every_method(pair):
         method_grid(), zip(prompts, refs, strict=True)
     ):
         requests.append(
-            GenerationRequest(prompt, 24, method, k, 3, SamplingParams(temperature=0.0), seed=1)
+            make_request(
+                engine.limits, prompt, 24, method, k, 3, SamplingParams(temperature=0.0), seed=1
+            )
         )
         expected.append(ref)
     results = engine.generate(requests)  # 30 requests, max_batch 16: continuous batching
@@ -187,9 +191,16 @@ def test_kv_cache_equals_fresh_prefill_after_commits(pair):
     _, target, draft = pair
     engine = make_engine(target, draft, max_batch=4)
     reqs = [
-        GenerationRequest([1, 2, 3], 40, "spectr_gbv", 2, 4, SamplingParams(), seed=3),
-        GenerationRequest(
-            [9, 8, 7, 6, 5, 4], 40, "traversal", 3, 3, SamplingParams(0.7, top_k=10), seed=4
+        make_request(engine.limits, [1, 2, 3], 40, "spectr_gbv", 2, 4, SamplingParams(), seed=3),
+        make_request(
+            engine.limits,
+            [9, 8, 7, 6, 5, 4],
+            40,
+            "traversal",
+            3,
+            3,
+            SamplingParams(0.7, top_k=10),
+            seed=4,
         ),
     ]
     for r in reqs:
@@ -197,9 +208,9 @@ def test_kv_cache_equals_fresh_prefill_after_commits(pair):
     for _ in range(5):
         engine.step()
     for slot, active in enumerate(engine.active):
-        committed = active.req.prompt_ids + active.output[:-1]  # all but the pending last token
+        committed = [*active.req.prompt_ids, *active.output[:-1]]  # all but the pending last token
         for worker, pending in ((engine.target, 1), (engine.draft, len(active.draft_pending))):
-            seq = (active.req.prompt_ids + active.output)[: len(committed) + 1 - pending]
+            seq = [*active.req.prompt_ids, *active.output][: len(committed) + 1 - pending]
             fresh = KVCache(worker.model.spec, worker.model.kv_heads, 1, 128, torch.float32, "cpu")
             prefill(worker.model, fresh, 0, [torch.tensor(seq)])
             n = len(seq)
@@ -296,10 +307,10 @@ def test_stop_tokens_and_max_new_tokens(pair):
     stop = ref[5]
     first = ref.index(stop)
     reqs = [
-        GenerationRequest(
-            [3, 7, 1], 12, "block", 1, 4, SamplingParams(0.0), stop_token_ids=(stop,)
+        make_request(
+            engine.limits, [3, 7, 1], 12, "block", 1, 4, SamplingParams(0.0), stop_token_ids=(stop,)
         ),
-        GenerationRequest([3, 7, 1], 7, "gbv", 2, 4, SamplingParams(0.0)),
+        make_request(engine.limits, [3, 7, 1], 7, "gbv", 2, 4, SamplingParams(0.0)),
     ]
     stopped, capped = engine.generate(reqs)
     assert stopped.finish_reason == "stop" and stopped.token_ids == ref[: first + 1]
@@ -310,16 +321,18 @@ def test_bad_requests_are_refused_with_the_field_named(pair):
     _, target, draft = pair
     engine = make_engine(target, draft, max_len=64)
     cases = {
-        "method": GenerationRequest([1], method="nope"),
-        "prompt": GenerationRequest([]),
-        "k": GenerationRequest([1], method="block", k=2),
-        "max_new_tokens": GenerationRequest([1], max_new_tokens=0),
+        "method": dict(prompt_ids=[1], method="nope"),
+        "prompt": dict(prompt_ids=[]),
+        "k": dict(prompt_ids=[1], method="block", k=2),
+        "max_new_tokens": dict(prompt_ids=[1], max_new_tokens=0),
+        "prompt_token_ids": dict(prompt_ids=[1, engine.vocab_size], max_new_tokens=8),
     }
-    for field, req in cases.items():
-        with pytest.raises(ValueError, match=field):
-            engine.add(req)
-    with pytest.raises(ValueError, match="context"):
-        engine.add(GenerationRequest(list(range(40)), max_new_tokens=30))
+    for field, fields in cases.items():
+        with pytest.raises(InvalidArgument) as refused:
+            make_request(engine.limits, **fields)
+        assert refused.value.field == field
+    with pytest.raises(InvalidArgument, match="context"):
+        make_request(engine.limits, list(range(40)), max_new_tokens=30)
 
 
 def exact_target_law(target: Llama, prompt: list[int], length: int, vocab: int) -> dict[str, float]:
@@ -400,7 +413,7 @@ def engine_law_pvalue(
     outcomes have) through `engine` against `law`; and the results."""
     length = len(next(iter(law)).split(","))
     reqs = [
-        GenerationRequest(prompt, length, method, k, gamma, SamplingParams(), seed=i)
+        make_request(engine.limits, prompt, length, method, k, gamma, SamplingParams(), seed=i)
         for i in range(trials)
     ]
     results = engine.generate(reqs)
@@ -452,8 +465,8 @@ def test_engine_context_is_capped_at_the_models_context(tmp_path):
     save_tiny(tmp_path / "target", 40, context=64)
     engine, _ = build_engine(str(tmp_path / "draft"), str(tmp_path / "target"), max_len=1024)
     assert engine.max_len == 64
-    with pytest.raises(ValueError, match="context"):
-        engine.add(GenerationRequest(list(range(30)), max_new_tokens=30, gamma=4))
+    with pytest.raises(InvalidArgument, match="context"):
+        make_request(engine.limits, list(range(30)), max_new_tokens=30, gamma=4)
 
 
 # Every method with its own K and γ (and plain decoding), as batch-mates of one another.
@@ -480,7 +493,7 @@ def test_seeded_output_does_not_depend_on_batch_mates(pair, temperature):
 
     def requests(seed: int) -> list[GenerationRequest]:
         return [
-            GenerationRequest([5, 1 + i, 7, 3], 16, m, k, g, sampling, seed=seed + i)
+            make_request(engine.limits, [5, 1 + i, 7, 3], 16, m, k, g, sampling, seed=seed + i)
             for i, (m, k, g) in enumerate(MIXED)
         ]
 
@@ -498,12 +511,12 @@ def test_plain_requests_skip_the_draft_and_catch_up_in_a_mixed_batch(pair):
     prompt = [3, 7, 1, 9, 2]
     ref = greedy_reference(hf, prompt, 20)
     greedy = SamplingParams(temperature=0.0)
-    engine.add(GenerationRequest(prompt, 20, "none", sampling=greedy, request_id="plain"))
+    engine.add(make_request(engine.limits, prompt, 20, "none", sampling=greedy), "plain")
     for _ in range(4):  # a batch of plain requests only: the draft model does not run
         engine.step()
     # The draft cache still holds only the prefilled context; 1 + 4 tokens wait for it.
     assert int(engine.draft.cache.lengths[0]) == 4 and len(engine.active[0].draft_pending) == 5
-    engine.add(GenerationRequest(prompt, 20, "block", 1, 4, greedy, request_id="spec"))
+    engine.add(make_request(engine.limits, prompt, 20, "block", 1, 4, greedy), "spec")
     results = {}
     while engine.active or engine.waiting:
         results.update({r.request_id: r for r in engine.step().finished})
@@ -516,8 +529,8 @@ def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
     greedy = SamplingParams(temperature=0.0)
     first = [3, 7, 1, 9, 2]
     stop = greedy_reference(hf, first, 12)[7]  # stops mid-block: KV past the stop is dropped
-    req = GenerationRequest(
-        first, 12, "block", 1, 4, greedy, stop_token_ids=(stop,), session_id="s"
+    req = make_request(
+        engine.limits, first, 12, "block", 1, 4, greedy, stop_token_ids=(stop,), session_id="s"
     )
     (r1,) = engine.generate([req])
     assert r1.finish_reason == "stop" and r1.cached_tokens == 0  # nothing parked yet
@@ -525,7 +538,9 @@ def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
     turn2 = [*history, 11, 12]
     # A second session fills the other parked slot; a third evicts the oldest ("s" is reused
     # first, so it is the newest).
-    (r2,) = engine.generate([GenerationRequest(turn2, 10, "gbv", 2, 3, greedy, session_id="s")])
+    (r2,) = engine.generate(
+        [make_request(engine.limits, turn2, 10, "gbv", 2, 3, greedy, session_id="s")]
+    )
     # Only the new tokens ran (and the last history token, if the stop ended a block).
     assert r2.cached_tokens in (len(history) - 1, len(history))
     assert r2.token_ids == greedy_reference(hf, turn2, 10)
@@ -540,14 +555,20 @@ def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
     assert diff < 1e-4
     # An edited history reuses only the common prefix, and the output is still exact.
     edited = [*seq[:4], 30, 31]
-    (r3,) = engine.generate([GenerationRequest(edited, 6, "token", 1, 2, greedy, session_id="s")])
+    (r3,) = engine.generate(
+        [make_request(engine.limits, edited, 6, "token", 1, 2, greedy, session_id="s")]
+    )
     assert r3.cached_tokens == 4
     assert r3.token_ids == greedy_reference(hf, edited, 6)
     # Eviction: capacity 2, three sessions; the least recently parked one starts cold.
     for sid in ("a", "b"):
-        engine.generate([GenerationRequest([5, 6], 3, "block", 1, 2, greedy, session_id=sid)])
+        engine.generate(
+            [make_request(engine.limits, [5, 6], 3, "block", 1, 2, greedy, session_id=sid)]
+        )
     assert list(engine.parked) == ["a", "b"] and len(engine.free_slots) == 0
-    (r4,) = engine.generate([GenerationRequest(edited, 4, "block", 1, 2, greedy, session_id="s")])
+    (r4,) = engine.generate(
+        [make_request(engine.limits, edited, 4, "block", 1, 2, greedy, session_id="s")]
+    )
     assert r4.cached_tokens == 0 and r4.token_ids == greedy_reference(hf, edited, 4)
 
 
@@ -556,15 +577,14 @@ def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
     engine = make_engine(target, draft, max_batch=2)
     greedy = SamplingParams(temperature=0.0)
     streamed: list[int] = []
-    keep = GenerationRequest([4, 5, 6], 20, "traversal", 2, 3, greedy, on_tokens=streamed.extend)
-    gone = GenerationRequest([7, 8], 20, "block", 1, 3, greedy)
-    waiting = GenerationRequest([9], 20, "block", 1, 3, greedy)
-    for r in (keep, gone, waiting):
-        engine.add(r)
+    request = functools.partial(make_request, engine.limits, max_new_tokens=20, sampling=greedy)
+    engine.add(request([4, 5, 6], method="traversal", k=2, gamma=3), on_tokens=streamed.extend)
+    gone = engine.add(request([7, 8], method="block", k=1, gamma=3))
+    waiting = engine.add(request([9], method="block", k=1, gamma=3))
     engine.step()
     assert len(engine.active) == 2 and len(engine.waiting) == 1
-    assert engine.cancel(gone.request_id) and engine.cancel(waiting.request_id)
-    assert not engine.cancel(gone.request_id)
+    assert engine.cancel(gone) and engine.cancel(waiting)
+    assert not engine.cancel(gone)
     assert len(engine.active) == 1 and not engine.waiting
     results = []
     while engine.active:

@@ -36,8 +36,9 @@ from test_feature_draft import random_fc
 import service.engine
 import workers.actors as actors
 import workers.draft
-from service.engine import GenerationRequest, build_engine
+from service.engine import build_engine
 from service.policy import AUTO, PLAIN
+from service.requests import GenerationRequest, Limits, make_request
 from service.verification import METHODS, VERIFIERS
 from workers.draft import DraftWorker
 from workers.llama import KVCache, LlamaSpec
@@ -69,13 +70,24 @@ def paths_for(method: str) -> int:
     return 1 if method in (PLAIN, AUTO) or VERIFIERS[method].single_path else 3
 
 
+# `requests` fit every engine here: the feature pair's 48 ids and MAX_LEN positions.
+LIMITS = Limits.for_engine(vocab_size=48, max_context=MAX_LEN)
+
+
 def requests(methods: list[str], gamma: int = 3, new: int = 10) -> list[GenerationRequest]:
     """Seeded requests of varied prompts and sampling settings, one per method given."""
     settings = [SamplingParams(), SamplingParams(0.8, top_k=40), SamplingParams(0.0)]
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [42], [7, 7, 7, 7]]
     return [
-        GenerationRequest(
-            prompts[i % len(prompts)], new, m, paths_for(m), gamma, settings[i % 3], seed=10 + i
+        make_request(
+            LIMITS,
+            prompts[i % len(prompts)],
+            new,
+            m,
+            paths_for(m),
+            gamma,
+            settings[i % 3],
+            seed=10 + i,
         )
         for i, m in enumerate(methods)
     ]
@@ -216,10 +228,14 @@ def test_a_session_follow_up_decodes_on_the_device_as_on_the_cpu(tiny):
         return out
 
     def session(engine, run) -> tuple:
-        first = GenerationRequest([3, 1, 4, 1, 5], 8, "block", 1, 3, seed=1, session_id="s")
+        first = make_request(
+            engine.limits, [3, 1, 4, 1, 5], 8, "block", 1, 3, seed=1, session_id="s"
+        )
         ((out, _),) = run(engine, [first])
-        history = first.prompt_ids + out  # the follow-up reuses the parked KV of this
-        follow = GenerationRequest([*history, 9, 2], 8, "specinfer", 3, 3, seed=2, session_id="s")
+        history = [*first.prompt_ids, *out]  # the follow-up reuses the parked KV of this
+        follow = make_request(
+            engine.limits, [*history, 9, 2], 8, "specinfer", 3, 3, seed=2, session_id="s"
+        )
         ((again, cached),) = run(engine, [follow])
         assert cached > len(first.prompt_ids)
         return out, again, cached, engine.parked["s"].tokens
@@ -302,7 +318,7 @@ def test_a_dropped_move_fails_as_on_a_gpu(tiny, monkeypatch, mutant):
         run_fake(fake, requests(["block"]))
     with FakeCuda():  # leave the shared engine empty
         while fake.active:
-            fake.cancel(fake.active[-1].req.request_id)
+            fake.cancel(fake.active[-1].request_id)
 
 
 def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):

@@ -21,7 +21,7 @@ from test_engine import (
     tiny_pair,
 )
 
-from service.engine import GenerationRequest
+from service.requests import GenerationRequest, make_request
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
 from workers.sampling import SamplingParams
@@ -54,16 +54,18 @@ def test_draft_cache_equals_a_prefill_with_true_features(pair):
     _, target, draft = pair
     engine = make_engine(target, draft, max_batch=4)
     reqs = [
-        GenerationRequest([1, 2, 3], 40, "block", 1, 4, SamplingParams(), seed=3),
-        GenerationRequest([9, 8, 7, 6], 40, "traversal", 3, 3, SamplingParams(0.7), seed=4),
-        GenerationRequest([5], 40, "none", seed=5),  # plain: the draft catches it up
+        make_request(engine.limits, [1, 2, 3], 40, "block", 1, 4, SamplingParams(), seed=3),
+        make_request(
+            engine.limits, [9, 8, 7, 6], 40, "traversal", 3, 3, SamplingParams(0.7), seed=4
+        ),
+        make_request(engine.limits, [5], 40, "none", seed=5),  # plain: the draft catches it up
     ]
     for r in reqs:
         engine.add(r)
     for _ in range(6):
         engine.step()
     for slot, active in enumerate(engine.active):
-        seq = active.req.prompt_ids + active.output
+        seq = [*active.req.prompt_ids, *active.output]
         committed = seq[: len(seq) - len(active.draft_pending)]
         fresh = fresh_draft_cache(target, draft, committed)
         n = len(committed)
@@ -81,7 +83,7 @@ def test_greedy_output_equals_target_greedy_for_every_method(pair):
     for method, k in method_grid():
         for prompt, ref in zip(prompts, refs, strict=True):
             greedy = SamplingParams(temperature=0.0)
-            requests.append(GenerationRequest(prompt, 20, method, k, 3, greedy, seed=1))
+            requests.append(make_request(engine.limits, prompt, 20, method, k, 3, greedy, seed=1))
             expected.append(ref)
     results = engine.generate(requests)
     for req, res, ref in zip(requests, results, expected, strict=True):
@@ -95,7 +97,7 @@ def test_seeded_output_does_not_depend_on_batch_mates(pair):
 
     def requests() -> list[GenerationRequest]:
         return [
-            GenerationRequest([5, 1 + i, 7], 16, m, k, g, SamplingParams(), seed=10 + i)
+            make_request(engine.limits, [5, 1 + i, 7], 16, m, k, g, SamplingParams(), seed=10 + i)
             for i, (m, k, g) in enumerate(mixed)
         ]
 
@@ -109,9 +111,13 @@ def test_session_continuation_matches_greedy(pair):
     engine = make_engine(target, draft, max_batch=2, max_sessions=2)
     greedy = SamplingParams(temperature=0.0)
     first = [3, 7, 1, 9, 2]
-    (r1,) = engine.generate([GenerationRequest(first, 9, "block", 1, 4, greedy, session_id="s")])
+    (r1,) = engine.generate(
+        [make_request(engine.limits, first, 9, "block", 1, 4, greedy, session_id="s")]
+    )
     turn2 = [*first, *r1.token_ids, 11, 12]
-    (r2,) = engine.generate([GenerationRequest(turn2, 10, "gbv", 2, 3, greedy, session_id="s")])
+    (r2,) = engine.generate(
+        [make_request(engine.limits, turn2, 10, "gbv", 2, 3, greedy, session_id="s")]
+    )
     assert r2.cached_tokens > len(first)
     assert r2.token_ids == greedy_reference(hf, turn2, 10)
 

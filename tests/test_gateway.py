@@ -1,4 +1,4 @@
-"""Gateway units without a service: the incremental detokenizer (service.gateway._TextStream)
+"""Gateway units without a service: the incremental detokenizer (service.detokenizer.TextStream)
 on the tiny pair's tokenizer (streamed text equals the one-piece decode, never shows a broken
 character, stop strings cut text and token ids exactly), and the gRPC code of each error."""
 
@@ -12,7 +12,8 @@ from ray.serve.exceptions import BackPressureError
 from transformers import AutoTokenizer
 
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
-from service.gateway import _status_of, _TextStream
+from service.detokenizer import TextStream
+from service.gateway import refusal_of
 from service.requests import InvalidArgument
 from service.sessions import StoreUnavailableError
 from workers.models import TINY_TARGET
@@ -33,7 +34,7 @@ def tokenizer():
 def stream(tokenizer, ids: list[int], stops: list[str], seed: int):
     """Feed `ids` in random chunks of 1-4 tokens; returns (pieces, ids emitted, stream)."""
     rng = random.Random(seed)
-    s = _TextStream(tokenizer, stops)
+    s = TextStream(tokenizer, stops)
     pieces, emitted, i = [], [], 0
     while i < len(ids) and not s.stopped:
         n = rng.randint(1, 4)
@@ -82,7 +83,7 @@ CODE = grpc.StatusCode
 @pytest.mark.parametrize(
     ("error", "code"),
     [
-        (InvalidArgument("k: 9 out of range"), CODE.INVALID_ARGUMENT),
+        (InvalidArgument("k", "9 out of range"), CODE.INVALID_ARGUMENT),
         (Overloaded("queue full"), CODE.RESOURCE_EXHAUSTED),
         (BackPressureError(num_queued_requests=3, max_queued_requests=2), CODE.RESOURCE_EXHAUSTED),
         (DeadlineExceeded("deadline exceeded"), CODE.DEADLINE_EXCEEDED),
@@ -92,6 +93,7 @@ CODE = grpc.StatusCode
     ],
 )
 def test_errors_map_to_grpc_codes(error, code):
-    code_got, message = _status_of(error)
-    assert code_got == code
-    assert str(error) in message  # the cause reaches the client
+    refusal = refusal_of(error)
+    assert refusal.code == code
+    assert str(error) in refusal.details  # the cause reaches the client
+    assert refusal.field == ("k" if code == CODE.INVALID_ARGUMENT else None)

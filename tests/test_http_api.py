@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from protos import blockspec_pb2 as pb
 from service.auth import BearerAuth
+from service.gateway import Refusal
 from service.http_api import ApiError, OpenAIFrontend
 from tests.test_service import poll_gateway_metrics, stats, wait_idle
 
@@ -103,7 +104,7 @@ def test_prompt_as_token_ids(service, client, model):
 @pytest.mark.parametrize(
     ("fields", "param", "status"),
     [
-        (dict(max_tokens=0), "max_tokens", 400),  # the HTTP layer's own range check
+        (dict(max_tokens=0), "max_tokens", 400),  # given, so not the default (unlike gRPC's 0)
         (dict(max_tokens=100_000), "max_tokens", 400),  # the shared limit (max_new_tokens)
         (dict(extra_body=dict(gamma=999)), "gamma", 400),
         (dict(extra_body=dict(method="nope")), "method", 400),
@@ -152,7 +153,7 @@ def test_malformed_bodies_are_refused_and_the_server_stays_up(service, client, m
 def test_a_cancelled_stream_frees_its_slot(service, client, model):
     counted = 'blockspec_requests_total{code="CANCELLED",method="token"}'
     before = poll_gateway_metrics(service, lambda m: True).get(counted, 0)
-    cancelled_before = stats(service)["cancelled"]
+    cancelled_before = stats(service).cancelled
     for _ in range(3):
         stream = client.completions.create(
             model=model,
@@ -164,8 +165,8 @@ def test_a_cancelled_stream_frees_its_slot(service, client, model):
         next(iter(stream))
         stream.close()  # the client goes away mid-stream
     s = wait_idle(service)
-    assert s["active"] == 0 and s["in_flight"] == 0
-    assert s["cancelled"] >= cancelled_before + 3
+    assert s.active == 0 and s.in_flight == 0
+    assert s.cancelled >= cancelled_before + 3
     metrics = poll_gateway_metrics(
         service, lambda m: m.get(counted, 0) >= before + 3 and m["blockspec_in_flight"] == 0
     )
@@ -187,13 +188,13 @@ def test_a_cancelled_stream_frees_its_slot(service, client, model):
     ],
 )
 def test_gateway_codes_map_to_http_statuses(code, status):
-    err = ApiError.from_status(code, "overloaded, retry later: the gateway holds 40 requests")
+    err = ApiError.from_refusal(Refusal(code, "overloaded, retry later: the gateway holds 40"))
     assert err.status == status and err.param is None
-    named = ApiError.from_status(code, "max_new_tokens: at most 512")
+    named = ApiError.from_refusal(Refusal(code, "at most 512", field="max_new_tokens"))
     assert named.param == "max_tokens" and named.message == "max_tokens: at most 512"
 
 
-class _Generator:
+class _GenerationService:
     """Only what OpenAIFrontend.authorize reads: the gateway's real BearerAuth."""
 
     def __init__(self, auth: BearerAuth):
@@ -212,20 +213,20 @@ def _request(headers: dict[str, str], body: dict | None = None) -> Request:
     return Request(scope, receive)
 
 
-async def post_completion(generator, body: dict):
-    """POST /v1/completions on a gateway's Generator, without the proxy: (status, JSON)."""
-    response = await OpenAIFrontend(generator, "target").complete(_request({}, body), False)
+async def post_completion(service, body: dict):
+    """POST /v1/completions on a gateway's GenerationService, without the proxy: (status, JSON)."""
+    response = await OpenAIFrontend(service, "target").complete(_request({}, body), False)
     return response.status_code, json.loads(response.body)
 
 
 def test_authorization_mirrors_the_grpc_interceptor():
-    frontend = OpenAIFrontend(_Generator(BearerAuth({"alice": "s3cret"})), "target")
+    frontend = OpenAIFrontend(_GenerationService(BearerAuth({"alice": "s3cret"})), "target")
     frontend.authorize(_request({"Authorization": "Bearer s3cret"}))
     for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 403)):
         with pytest.raises(ApiError) as err:
             frontend.authorize(_request(headers))
         assert err.value.status == status
-    open_frontend = OpenAIFrontend(_Generator(BearerAuth({})), "target")
+    open_frontend = OpenAIFrontend(_GenerationService(BearerAuth({})), "target")
     open_frontend.authorize(_request({}))  # auth off: anyone
 
 

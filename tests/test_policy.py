@@ -11,8 +11,8 @@ from harness import ALPHA, chi_square
 from test_engine import exact_target_law, make_engine, tiny_pair
 
 from service.config import ReplicaConfig
-from service.engine import GenerationRequest
 from service.policy import Acceptance, Arm, AutoPolicy, AutoState, StepShape, expected_tokens
+from service.requests import make_request
 from workers.sampling import SamplingParams
 
 
@@ -163,7 +163,7 @@ def test_engine_law_equals_target_law_while_auto_switches():
     engine.policy = AutoPolicy(["none", "token/1/1", "block/1/2", "gbv/3/2", "traversal/2/2"],
                                revisit=2)  # fmt: skip
     reqs = [
-        GenerationRequest(prompt, length, "auto", sampling=SamplingParams(), seed=i)
+        make_request(engine.limits, prompt, length, "auto", sampling=SamplingParams(), seed=i)
         for i in range(trials)
     ]
     results = engine.generate(reqs)

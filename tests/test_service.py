@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings
-from service.engine import GenerationRequest, StepTimes, build_engine
+from service.engine import StepTimes, build_engine
+from service.requests import ReplicaStats, make_request
 from service.sessions import RedisStore
 from service.verification import VERIFIERS
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
@@ -33,15 +34,15 @@ from workers.sampling import SamplingParams
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
 
 
-def stats(service) -> dict:
+def stats(service) -> ReplicaStats:
     return service["replica"].stats.remote().result()
 
 
-def wait_idle(service, timeout: float = 20.0) -> dict:
+def wait_idle(service, timeout: float = 20.0) -> ReplicaStats:
     deadline = time.monotonic() + timeout
     while True:
         s = stats(service)
-        if (s["active"] == 0 and s["in_flight"] == 0) or time.monotonic() > deadline:
+        if (s.active == 0 and s.in_flight == 0) or time.monotonic() > deadline:
             return s
         time.sleep(0.1)
 
@@ -144,7 +145,7 @@ def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batch
     cases = [("none", 1)] + [
         (m, 1 if VERIFIERS[m].single_path else 2) for m in VERIFIERS
     ]  # 10 methods x 4 prompts = 40 requests
-    before = stats(service)["batch_sizes"]
+    before = stats(service).batch_sizes
 
     def call(case_prompt):
         (method, k), prompt = case_prompt
@@ -168,7 +169,10 @@ def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batch
     )
     greedy = SamplingParams(temperature=0.0)
     refs = engine.generate(
-        [GenerationRequest(tokenizer(p)["input_ids"], 24, "block", 1, 3, greedy) for p in prompts]
+        [
+            make_request(engine.limits, tokenizer(p)["input_ids"], 24, "block", 1, 3, greedy)
+            for p in prompts
+        ]
     )
     expected = {p: r.token_ids for p, r in zip(prompts, refs, strict=True)}
     for ((method, _), prompt), reply in zip(jobs, replies, strict=True):
@@ -179,7 +183,7 @@ def test_greedy_output_of_every_method_equals_the_in_process_engine_and_is_batch
             assert reply.stats.target_calls < 24  # speculation accepted something
     assert max(r.stats.mean_batch_size for r in replies) > 1
     assert all(r.stats.step_ms.target > 0 and r.stats.step_ms.transfer > 0 for r in replies)
-    after = stats(service)["batch_sizes"]
+    after = stats(service).batch_sizes
     batched = {int(b): n - before.get(b, 0) for b, n in after.items() if int(b) > 1}
     assert any(n > 0 for b, n in batched.items() if b >= MAX_BATCH), after
 
@@ -208,9 +212,8 @@ def test_seeded_output_through_the_service_equals_the_engine_alone(service):
     engine, tokenizer = build_engine(replica.draft_dir, replica.target_dir, 1)
     differ = []
     for job, reply in zip(jobs, replies, strict=True):
-        alone = GenerationRequest(
-            tokenizer(job.prompt)["input_ids"], 20, job.method, job.k, job.gamma, seed=job.seed
-        )
+        ids = tokenizer(job.prompt)["input_ids"]
+        alone = make_request(engine.limits, ids, 20, job.method, job.k, job.gamma, seed=job.seed)
         if list(reply.token_ids) != engine.generate([alone])[0].token_ids:
             differ.append(job.method)
     assert len(differ) <= 2, differ
@@ -257,7 +260,7 @@ def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
     )
     assert stopped.finish_reason == pb.FINISH_REASON_STOP
     assert stopped.text == text[: text.find(stop)]
-    assert wait_idle(service)["active"] == 0
+    assert wait_idle(service).active == 0
 
 
 def test_session_continuation_reuses_the_kv_cache_and_lives_in_redis(service):
@@ -352,7 +355,7 @@ def test_undecodable_payloads_get_invalid_argument(service, payload):
 
 def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
     stub = service["stub"]
-    cancelled_before = stats(service)["cancelled"]
+    cancelled_before = stats(service).cancelled
     counted = 'blockspec_requests_total{code="CANCELLED",method="token"}'
     counted_before = gateway_metrics(service).get(counted, 0)
     # Cancelled after the first chunk, several times: the RPC may end while the gateway is
@@ -376,8 +379,8 @@ def test_cancelled_streams_and_deadlines_free_the_kv_cache(service):
             reached_replica = True
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     s = wait_idle(service)
-    assert s["active"] == 0 and s["in_flight"] == 0
-    assert s["cancelled"] >= cancelled_before + 6 + reached_replica, (s, cancelled_before)
+    assert s.active == 0 and s.in_flight == 0
+    assert s.cancelled >= cancelled_before + 6 + reached_replica, (s, cancelled_before)
     # The replica drops the late request by itself; the gateway ends its RPC independently.
     metrics = poll_gateway_metrics(service, lambda m: m["blockspec_in_flight"] == 0)
     assert metrics[counted] == counted_before + 6, (metrics, counted_before)
@@ -412,7 +415,7 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
     # service runs one replica): the 6 beyond are rejected, and Serve may reject a few more.
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 6, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert wait_idle(service)["active"] == 0
+    assert wait_idle(service).active == 0
     # Rejected RPCs are counted (before the client sees the code) and leave the in-flight gauge
     # (which drain() waits on) at 0.
     metrics = gateway_metrics(service)
@@ -536,7 +539,7 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
 
     def requests():
         return [
-            GenerationRequest(tokenizer(p)["input_ids"], 20, m, k, 3, greedy)
+            make_request(engine.limits, tokenizer(p)["input_ids"], 20, m, k, 3, greedy)
             for p, m, k in (("def add(a, b):", "traversal", 2), ("while True:", "block", 1))
         ]
 
@@ -597,7 +600,9 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     def requests(prompts):
         params = SamplingParams(1.0)
         return [
-            GenerationRequest(prompt, 24, method, k, gamma, params, seed=70 + i, session_id=f"s{i}")
+            make_request(
+                engine.limits, prompt, 24, method, k, gamma, params, seed=70 + i, session_id=f"s{i}"
+            )
             for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
         ]
 
@@ -638,7 +643,9 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
     def requests():
         prompts = [tokenizer(f"while x{i}:")["input_ids"] for i in range(len(MIXED))]
         return [
-            GenerationRequest(prompt, 24, method, k, gamma, SamplingParams(1.0), seed=30 + i)
+            make_request(
+                engine.limits, prompt, 24, method, k, gamma, SamplingParams(1.0), seed=30 + i
+            )
             for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
         ]
 
@@ -663,8 +670,7 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
         undisturbed = [r.token_ids for r in engine.generate(requests())]
         coordinator = Coordinator(engine, max_queued=0)
         for i, request in enumerate(requests()):
-            request.request_id = f"r{i}"
-            coordinator.submit(request, deliver(request.request_id), None)
+            coordinator.submit(f"r{i}", request, deliver(f"r{i}"))
         deadline = time.time() + 120
         while len(results) < len(MIXED) and time.time() < deadline:
             time.sleep(0.1)
@@ -705,7 +711,7 @@ def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service,
     def deliver(request_id: str):
         def on_event(event) -> None:  # on the coordinator's thread, between steps
             if isinstance(event, Emitted) and request_id == "r4" and not killed.is_set():
-                lost = [a.req.request_id for a in engine.active if a.own_features]
+                lost = [a.request_id for a in engine.active if a.own_features]
                 if lost:  # some request now depends on the draft's own state: kill it
                     ray.kill(engine.draft.actors[0])
                     killed.set()
@@ -717,11 +723,10 @@ def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service,
     coordinator = Coordinator(engine, max_queued=0)
     try:
         for i, method in enumerate(methods):
-            request = GenerationRequest(
-                [1, 2 + i, 3], 32, method, 1, 5, SamplingParams(1.0), seed=50 + i
+            request = make_request(
+                engine.limits, [1, 2 + i, 3], 32, method, 1, 5, SamplingParams(1.0), seed=50 + i
             )
-            request.request_id = f"r{i}"
-            coordinator.submit(request, deliver(request.request_id), None)
+            coordinator.submit(f"r{i}", request, deliver(f"r{i}"))
         deadline = time.time() + 120
         while len(outcome) < len(methods) and time.time() < deadline:
             time.sleep(0.1)
@@ -741,7 +746,7 @@ def _kill_replica_process(service) -> None:
     import os
     import signal
 
-    os.kill(service["replica"].stats.remote().result()["pid"], signal.SIGKILL)
+    os.kill(service["replica"].stats.remote().result().pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

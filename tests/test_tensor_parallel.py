@@ -20,7 +20,8 @@ import subprocess
 import pytest
 import torch
 
-from service.engine import GenerationRequest, SpeculativeEngine
+from service.engine import SpeculativeEngine
+from service.requests import make_request
 from workers.draft import DraftWorker
 from workers.llama import Llama
 from workers.models import load_model
@@ -185,7 +186,7 @@ def test_engine_greedy_equals_target(tp, checkpoint):
         vocab = draft.model.spec.vocab_size
         engine = SpeculativeEngine(draft, target, max_batch=2, max_len=MAX_LEN, vocab_size=vocab)
         reqs = [
-            GenerationRequest(p, 12, method, k, gamma, greedy, seed=i)
+            make_request(engine.limits, p, 12, method, k, gamma, greedy, seed=i)
             for i, (p, (_, method, k, gamma)) in enumerate(zip(prompts, specs, strict=True))
         ]
         return engine.generate(reqs)

@@ -13,8 +13,8 @@ import torch
 from ray.cluster_utils import Cluster
 
 from service.config import ReplicaConfig
-from service.engine import GenerationRequest
 from service.replica import build_remote_engine
+from service.requests import make_request
 from tests.test_engine import MIXED
 from workers.models import TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
@@ -37,7 +37,7 @@ def run(draft_node: str, target_node: str, prompts: list[list[int]]) -> dict:
     )
     engine, _ = build_remote_engine(cfg)
     requests = [
-        GenerationRequest(prompt, 16, method, k, gamma, SamplingParams(1.0), seed=90 + i)
+        make_request(engine.limits, prompt, 16, method, k, gamma, SamplingParams(1.0), seed=90 + i)
         for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
     ]
     try:
