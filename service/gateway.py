@@ -232,6 +232,8 @@ class _Call:
     session_id: str = ""  # the request's, or the one the server made for it
     sent: int = 0  # chunks the client has been sent
     first_token_s: float = 0.0
+    turns: tuple[ChatTurn, ...] = ()  # a chat session's turns, this request's included
+    reply: str = ""  # the text generated so far
 
 
 class GenerationService(pb_grpc.GeneratorServicer):
@@ -389,11 +391,21 @@ class GenerationService(pb_grpc.GeneratorServicer):
         # Another client's session id names another session.
         key = f"{call.principal}/{call.session_id}" if call.principal else call.session_id
         session = await self.store.get(key) if key else None
+        history = session.tokens if session else ()
+        call.turns = params.messages if key else ()
+        if params.messages and session is not None and session.messages is not None:
+            # A chat session's next turn: the template renders the whole conversation, and
+            # the replica's parked KV covers what it shares with the last prompt and reply.
+            stored = [ChatTurn(**turn) for turn in session.messages]
+            call.turns, ids = self.validator.continue_conversation(
+                stored, params.messages, session.tokens
+            )
+            history = ()
         remaining = context.time_remaining()
         request = self.validator.request(
             params,
             ids,
-            history=session.tokens if session else (),
+            history=history,
             session_key=key or None,
             deadline=time.time() + remaining if remaining is not None else None,
             # drawn here, so that a retry on another replica redraws the same
@@ -418,6 +430,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
         for attempt in (1, 2):
             text = TextStream(self.tokenizer, list(request.stop))
             output: list[int] = []
+            call.reply = ""
             held: list[pb.GenerateChunk] = []
             routing = request.session_id or ""  # its replica keeps the session's KV cache
             handle = self.replicas.options(stream=True, multiplexed_model_id=routing)
@@ -430,6 +443,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
                         continue
                     delta, new_ids = text.feed(event.token_ids)
                     output += new_ids
+                    call.reply += delta
                     if not call.first_token_s:
                         call.first_token_s = time.perf_counter() - call.start
                         self.metrics.first_token.labels(call.method).observe(call.first_token_s)
@@ -460,11 +474,13 @@ class GenerationService(pb_grpc.GeneratorServicer):
             raise RuntimeError("the replica's stream ended without a finish event")
         if final.stats is not None:
             self.metrics.finished(call.method, final.stats, len(output))
+        tail = text.flush()
+        call.reply += tail
         if request.session_id:
-            await self._save_session(session, request, output, final)
+            await self._save_session(session, request, output, final, call)
         stats = final.stats and speculation_stats(final.stats, final.cached_tokens)
         yield pb.GenerateChunk(
-            text=text.flush(),
+            text=tail,
             finish_reason=FINISH[final.finish_reason],
             stats=stats,
             replica=final.replica,
@@ -477,14 +493,18 @@ class GenerationService(pb_grpc.GeneratorServicer):
         request: GenerationRequest,
         output: list[int],
         final: FinishedEvent,
+        call: _Call,
     ) -> None:
         now = time.time()
         tokens = [*request.prompt_ids, *output]
+        reply = {"role": "assistant", "content": call.reply}
+        turns = [{"role": t.role, "content": t.content} for t in call.turns]
         temperature = request.sampling.temperature
         await self.store.put(
             Session(
                 session_id=request.session_id,
                 tokens=tokens,
+                messages=[*turns, reply] if call.turns else None,
                 settings=dict(
                     method=request.method, k=request.k, gamma=request.gamma, temperature=temperature
                 ),

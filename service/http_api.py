@@ -363,6 +363,7 @@ class _Answer:
         self.completion_tokens = 0
         self.finish: str | None = None
         self.stats: dict = {}
+        self.cached_tokens = 0
 
     def add(self, chunk: pb.GenerateChunk) -> None:
         self.text.append(chunk.text)
@@ -370,11 +371,19 @@ class _Answer:
         if chunk.finish_reason:
             self.finish = FINISH[chunk.finish_reason]
             self.stats = _stats(chunk, self.call)
+            self.cached_tokens = chunk.stats.cached_prompt_tokens
 
     def usage(self) -> dict:
+        """OpenAI's usage; cached_tokens: prompt tokens whose KV a parked session or a cached
+        prefix supplied (not prefilled again)."""
         prompt = self.call.prompt_tokens
         done = self.completion_tokens
-        return dict(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+        return dict(
+            prompt_tokens=prompt,
+            completion_tokens=done,
+            total_tokens=prompt + done,
+            prompt_tokens_details=dict(cached_tokens=self.cached_tokens),
+        )
 
     def _envelope(self, kind: str, choice: dict | None) -> dict:
         return dict(

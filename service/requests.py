@@ -241,6 +241,35 @@ class RequestValidator:
             return self.tokenizer(params.prompt)["input_ids"]
         return self._render(params.messages)
 
+    def continue_conversation(
+        self, stored: Sequence[ChatTurn], messages: tuple[ChatTurn, ...], spoken: Sequence[int]
+    ) -> tuple[tuple[ChatTurn, ...], list[int]]:
+        """A chat session's next prompt: its stored turns and the new ones, rendered whole with
+        the chat template (a template renders a conversation, not a turn: some add a system
+        turn or mark the last one). Returns (all the turns, their token ids).
+
+        A client may send only the next turn, or, as every OpenAI client does, the whole
+        conversation again: messages that begin with the stored turns add only the rest.
+
+        `spoken` are the session's tokens so far (the last prompt and the reply as generated).
+        Where the rendered text begins with their text, the prompt is those very tokens and
+        the rest of the text tokenized: the replica's parked KV then covers the whole history.
+        Tokenizing the reply's text again could split it otherwise than the model generated
+        it, and the cache would cover only up to the first difference."""
+        stored = tuple(stored)
+        resent = messages[: len(stored)] == stored
+        new = messages[len(stored) :] if resent else messages
+        if not new:
+            raise InvalidArgument("messages", "no new turn: they repeat the session's history")
+        turns = (*stored, *new)
+        ids = self._render(turns)
+        text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        said = self.tokenizer.decode(list(spoken), clean_up_tokenization_spaces=False)
+        if not spoken or not text.startswith(said):
+            return turns, ids
+        rest = self.tokenizer(text[len(said) :], add_special_tokens=False)["input_ids"]
+        return turns, [*spoken, *rest]
+
     def request(
         self,
         params: RequestParams,
@@ -258,12 +287,11 @@ class RequestValidator:
             raise InvalidArgument("prompt", "empty (set prompt, prompt_token_ids or messages)")
         if params.messages and history:
             # A template renders a whole conversation (some add a system turn when the first
-            # message is not one), so new turns cannot be rendered alone: the session holds
-            # tokens, not turns.
+            # message is not one), so new turns cannot follow a history of raw text: a chat
+            # session keeps its turns and is rendered whole (continue_conversation).
             raise InvalidArgument(
                 "messages",
-                "this session already has turns; send the next turn as prompt text "
-                "(render it with Info.chat_template)",
+                "this session was started with prompt text; continue it with prompt text",
             )
         _check_ids("prompt_token_ids", prompt_ids, limits.vocab_size)
         method, k, gamma = self._speculation(params)

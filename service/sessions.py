@@ -30,6 +30,9 @@ from redis.backoff import ExponentialWithJitterBackoff
 class Session(BaseModel):
     session_id: str
     tokens: list[int]  # full history: prompts + completions so far
+    # A chat session's turns ({"role", "content"}; replies included), rendered whole with the
+    # chat template on every turn; None: a session of prompt text, continued by appending.
+    messages: list[dict[str, str]] | None = None
     settings: dict[str, Any]  # the last request's settings, free-form JSON
     replica: str | None = None  # replica holding the warm KV cache, if any
     kv_length: int = 0  # leading tokens of `tokens` that `replica` holds KV for

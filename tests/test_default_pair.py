@@ -116,8 +116,27 @@ def test_messages_render_with_the_chat_template(tokenizer):
     assert text.endswith("<|im_start|>assistant\n") and PROMPT in text
     first_turn = validator.request(params, ids)
     assert first_turn.prompt_ids == tuple(ids)
-    with pytest.raises(InvalidArgument, match=r"^messages: this session already has turns"):
-        validator.request(params, ids, history=[1] * 30)
+    with pytest.raises(InvalidArgument, match=r"^messages: this session was started with"):
+        validator.request(params, ids, history=[1] * 30)  # a session of prompt text
+
+    # A chat session's next turn, sent alone or with the whole conversation again.
+    stored = (*params.messages, ChatTurn("assistant", "def add(a, b): return a + b"))
+    follow = ChatTurn("user", "Now multiply.")
+    whole = render_chat(tokenizer, [vars(t) for t in (*stored, follow)])
+    for sent in ((follow,), (*stored, follow)):
+        turns, ids = validator.continue_conversation(stored, sent, spoken=())
+        assert turns == (*stored, follow) and ids == whole
+    # A reply generated in other pieces than its text tokenizes into: its own tokens stay.
+    pieces = [t for c in stored[1].content for t in tokenizer.encode(c)]
+    spoken = [*first_turn.prompt_ids, *pieces, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    _, ids = validator.continue_conversation(stored, (follow,), spoken)
+    assert ids[: len(spoken)] == spoken and ids != whole
+    assert tokenizer.decode(ids) == tokenizer.decode(whole)
+    # A history whose text the rendered conversation does not begin with: rendered whole.
+    _, ids = validator.continue_conversation(stored, (follow,), [*first_turn.prompt_ids, 1, 2])
+    assert ids == whole
+    with pytest.raises(InvalidArgument, match=r"^messages: no new turn"):
+        validator.continue_conversation(stored, stored, spoken)
     with pytest.raises(InvalidArgument, match=r"^prompt: set one of"):
         validator.prompt_ids(RequestParams(prompt="x", messages=params.messages))
     with pytest.raises(InvalidArgument, match=r"^messages: every message needs a role"):
