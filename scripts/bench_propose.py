@@ -3,12 +3,13 @@
     .venv/bin/python scripts/bench_propose.py [--baseline 0070e89] [--draft DIR] \\
         [--dtype bfloat16] [--repeats 15] [--threads 1]
 
-Loads `workers/draft.py` as it was at `--baseline` (git show) next to this checkout's, builds
-one DraftWorker of each on the same model (a 200-token cache per request, random features for
-a feature draft), and times `propose` on the same inputs and seeds for a few shapes: batch 1
-and 8, K = 1 and 2, T = 1 and T = 0.7 with top_p = 0.9. Prints the medians (the better of two
-passes each, first two calls dropped), their ratio, whether the drafted tokens are identical
-and the largest difference between the two q.
+Loads `workers/draft.py` as it was at `--baseline` (git show; a revision from before the draft
+was split into proposers, whose `DraftWorker` it builds) next to this checkout's proposer
+(`build_proposer`), one of each on the same model (a 200-token cache per request, random
+features for a feature draft), and times `propose` on the same inputs and seeds for a few
+shapes: batch 1 and 8, K = 1 and 2, T = 1 and T = 0.7 with top_p = 0.9. Prints the medians (the
+better of two passes each, first two calls dropped), their ratio, whether the drafted tokens
+are identical and the largest difference between the two q.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from workers.draft import DraftWorker
 from workers.models import DEFAULT_DRAFT, DTYPES, load_model
+from workers.proposers import build_proposer
 from workers.sampling import SamplingParams
 
 SHAPES = [  # (batch, K, γ, sampling)
@@ -58,7 +59,7 @@ def main() -> None:
     model = load_model(args.draft, args.dtype, "cpu").build()
     E, V = model.spec.hidden_size, model.spec.vocab_size
     feature = model.feature_fc is not None
-    classes = {"baseline": baseline_worker_class(args.baseline), "now": DraftWorker}
+    classes = {"baseline": baseline_worker_class(args.baseline), "now": build_proposer}
 
     def worker(cls, n: int):
         w = cls(model, n, 1024, DTYPES[args.dtype], "cpu")
