@@ -162,7 +162,9 @@ class DraftFeed(Protocol):
         cache could keep of a prompt of `prompt_tokens` tokens."""
         ...
 
-    def prefill(self, draft: Draft, target: Target, batch: PrefillBatch) -> list:
+    def prefill(
+        self, draft: Draft, target: Target, batch: PrefillBatch
+    ) -> list[torch.Tensor | None]:
         """Prefill both caches; returns each request's pending features ([pending_i, E], or
         None where the draft reads none)."""
         ...

@@ -27,7 +27,9 @@ class TokenFeed:
         """Each cache keeps what it can on its own."""
         return draft_keep, target_keep
 
-    def prefill(self, draft: Draft, target: Target, batch: PrefillBatch) -> list[None]:
+    def prefill(
+        self, draft: Draft, target: Target, batch: PrefillBatch
+    ) -> list[torch.Tensor | None]:
         target.prefill(batch.slot0, batch.target_contexts, batch.target_keep)
         draft.prefill(batch.slot0, batch.draft_contexts, batch.draft_keep)
         return [None] * len(batch.draft_contexts)
