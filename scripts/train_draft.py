@@ -19,10 +19,11 @@ one. Only the layers and the norm are trained, and only they are committed.
 
 ``--arch features`` (the default draft since issue 9's second round) makes it an EAGLE-style
 *feature draft*: each position reads fc([f; e(x)]), f the target's final-norm hidden state one
-position back, and its own output stands in for f deeper in the draft (workers/draft.py). It
-trains a projection fc [E, 2E] too (committed as ``feature_fc.safetensors``), on two passes
-per batch: the target's features (what depth 1 sees) and its own detached outputs (what
-depths >= 2 see), plus a small regression of its outputs onto the features.
+position back, and its own output stands in for f deeper in the draft
+(workers/feature_draft.py). It trains a projection fc [E, 2E] too (committed as
+``feature_fc.safetensors``), on two passes per batch: the target's features (what depth 1 sees)
+and its own detached outputs (what depths >= 2 see), plus a small regression of its outputs
+onto the features.
 
 Stages (``--stage all`` runs them in order; each is resumable and time-boxed):
 1. ``generate``: sample answers with the target (bf16 on CPU: AMX makes batches cheap).

@@ -1,5 +1,6 @@
-"""Speculative engine: continuous batching over a draft worker and a target worker, in process
-or over Ray actors (workers/actors.py).
+"""Speculative engine: continuous batching over a draft worker and a target worker
+(workers/protocols.py), in process or over Ray actors (workers/actors.py): the step executor
+the engine is built with (`LocalExecutor`, `RayExecutor`) says how a step reaches them.
 
 One step for the batch of active requests (docs/architecture.md), with its phases timed
 separately (`StepTimes`):
@@ -21,9 +22,10 @@ Method ``none`` is plain autoregressive decoding with the target (the baseline).
 runs the draft with the largest K and γ present and each request uses its own prefix of that;
 requests with ``none`` still feed their tokens to the draft in such a batch (wasted work, kept
 simple), while a batch of only ``none`` requests skips the draft model entirely.
-A feature draft (EAGLE; workers/draft.py) also reads the target's features: the target hands
-back those of every position it prefills or commits, and each request carries the ones its
-draft has not read yet beside its pending tokens.
+A feature draft (EAGLE; workers/feature_draft.py) also reads the target's features: the target
+hands back those of every position it prefills or commits, and each request carries the ones
+its draft has not read yet beside its pending tokens. The draft's `feed` (workers/protocols.py)
+says what each kind of draft is fed and keeps, so the engine reads the same for both.
 Method ``auto`` (service/policy.py) lets the engine's `AutoPolicy` pick each step's method, K
 and γ for the batch's auto requests, from the replica's measured step times and acceptance.
 
@@ -42,16 +44,21 @@ import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
 from service.verification import VERIFIERS, TargetModification, VerifyGraphs, verify
-from workers.draft import DraftWorker, padding_groups, split_features
+from workers.proposers import build_proposer
+from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree
+
+if TYPE_CHECKING:
+    from workers.actors import RemoteDraft, RemoteTarget
 
 
 @dataclass
@@ -256,11 +263,6 @@ def group_rows(idx: list[int], device: torch.device | None = None) -> slice | to
     return torch.tensor(idx).to(device, non_blocking=True)
 
 
-def _device(worker) -> torch.device:
-    """Where a worker wants its inputs (remote workers: on the host, for the wire)."""
-    return getattr(worker, "device", torch.device("cpu"))
-
-
 def _on(device: torch.device, values: list) -> torch.Tensor:
     """int64 values on `device`, by a copy that does not wait for it (torch.tensor(values,
     device=...) copies blocking: the host would wait for all the device's queued work)."""
@@ -280,6 +282,97 @@ class _Laps:
         self._last = now
 
 
+class StepExecutor(Protocol):
+    """How a step's speculate part reaches the workers, chosen once when the engine is built:
+    in process (`LocalExecutor`) or over Ray actors (`RayExecutor`)."""
+
+    draft: Draft
+    target: Target
+
+    def speculate(
+        self, plan: StepPlan, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+        """Draft, build the trees, score them, verify, and commit the target's accepted paths.
+
+        Returns the draft tokens [n, K, γ] and the verdict (its tokens, τ, path and live flags
+        on the host: `verdict_on_host`) and the seconds per phase (StepTimes' names); the
+        generators come back advanced."""
+        ...
+
+    def restart_lost(self) -> None:
+        """Restart the workers that died (the step raised `WorkerLost`); their caches come
+        back empty, for the engine to rebuild."""
+        ...
+
+
+@dataclass
+class LocalExecutor:
+    """Workers in this process: each phase called and timed here. The step's tensors are made
+    on the workers' device and the host reads the verdict once a step (`verdict_on_host`)."""
+
+    draft: LocalDraft
+    target: LocalTarget
+
+    def speculate(
+        self, plan: StepPlan, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+        laps = _Laps()
+        n, q, dev = len(generators), None, self.target.device
+        x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
+        if plan.drafted:
+            x, q = self.draft.propose(
+                plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
+                generators, plan.pending_features, own=plan.own_features,
+            )  # fmt: skip
+        laps.lap("draft")
+        paths, depths = _on(dev, plan.num_paths), _on(dev, plan.depth)
+        tree = build_tree(plan.roots, x.to(dev), paths, depths)
+        laps.lap("tree")
+        p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
+        laps.lap("target")
+        verdict = verify_step(plan.verification, x, q, p, generators)
+        x, verdict = verdict_on_host(x, verdict)  # both commits and `_advance` read it there
+        laps.lap("verify")
+        verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
+        laps.lap("target")  # the commit is the target's work too
+        return x, verdict, dict(laps.seconds, transfer=0.0)
+
+    def restart_lost(self) -> None:
+        """Nothing to restart: workers in this process are lost only with it."""
+
+
+@dataclass
+class RayExecutor:
+    """Workers behind Ray actors (workers/actors.py): one chained call per step
+    (`RemoteTarget.speculate`), verified on the target's rank 0 next to its rows."""
+
+    draft: RemoteDraft
+    target: RemoteTarget
+
+    def speculate(
+        self, plan: StepPlan, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+        draft_args = None
+        if plan.drafted:
+            draft_args = (
+                plan.pending, plan.pending_count, plan.num_paths, plan.depth,
+                plan.pending_features, plan.own_features,
+            )  # fmt: skip
+        verify_here = functools.partial(verify_on_host, plan.verification)
+        return self.target.speculate(
+            self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
+            generators, verify_here,
+        )  # fmt: skip
+
+    def restart_lost(self) -> None:
+        """Restart the actor groups that no longer answer; both reload at once."""
+        dead = [worker for worker in (self.draft, self.target) if not worker.alive()]
+        for worker in dead:
+            worker.restart()
+        for worker in dead:
+            worker.wait_ready()
+
+
 @dataclass
 class _Active:
     req: GenerationRequest
@@ -292,7 +385,7 @@ class _Active:
     # feature draft: [len(draft_pending), E], the target's feature before each pending token
     draft_features: torch.Tensor | None = None
     # feature draft: the carry holds a live record, so the draft keeps the law it was written
-    # against (its own features past the record's root; workers/draft.py)
+    # against (its own features past the record's root; workers/feature_draft.py)
     own_features: bool = False
     output: list[int] = field(default_factory=list)
     carry: TargetModification | None = None
@@ -319,17 +412,18 @@ class SpeculativeEngine:
 
     def __init__(
         self,
-        draft: DraftWorker,
-        target: TargetWorker,
+        executor: StepExecutor,
         max_batch: int,
         max_len: int,
         vocab_size: int,
         max_sessions: int = 0,
         policy: AutoPolicy | None = None,
     ):
-        self.draft, self.target = draft, target
-        # EAGLE-style draft: reads the target's features (workers/draft.py)
-        self.feature_draft = draft.reads_features
+        self.executor = executor
+        self.draft: Draft = executor.draft
+        self.target: Target = executor.target
+        # what this kind of draft is fed and keeps (workers/protocols.py)
+        self.feed = self.draft.feed
         self.policy = policy or AutoPolicy()
         self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
@@ -412,9 +506,7 @@ class SpeculativeEngine:
                 self.draft.move(parked.slot, slot)
                 self.target.move(parked.slot, slot)
                 self.free_slots.append(parked.slot)
-            if self.feature_draft:  # the draft keeps one past the target, or both 0: _prefill
-                kt = min(kt, kd - 1, len(a.req.prompt_ids) - 2)
-                kt, kd = (kt, kt + 1) if kt >= 0 else (0, 0)
+            kd, kt = self.feed.aligned_keep(kd, kt, len(a.req.prompt_ids))
             a.cached_tokens = kt
             keep_draft.append(kd)
             keep_target.append(kt)
@@ -426,12 +518,8 @@ class SpeculativeEngine:
         self, slot0: int, batch: list[_Active], keep_draft: list[int], keep_target: list[int]
     ) -> int:
         """Prefill slots slot0.. (active requests) with their tokens but the pending ones, past
-        what each cache keeps; returns the tokens the target prefilled.
-
-        A feature draft's position t reads the target's feature at t - 1 (zero at t = 0), so
-        the target runs first and the draft's kept prefix ends one past the target's (or both
-        are 0): the target's new features then cover exactly the draft's new positions and the
-        pending token's."""
+        what each cache keeps (the draft's feed runs both workers: a feature draft reads the
+        target's features of what it prefills); returns the tokens the target prefilled."""
         tokens = [[*a.req.prompt_ids, *a.output] for a in batch]
 
         def rest(keep: list[int], pending: list[int]) -> list[torch.Tensor]:
@@ -442,27 +530,10 @@ class SpeculativeEngine:
 
         draft_pending = [len(a.draft_pending) for a in batch]
         contexts = rest(keep_target, [1] * len(tokens))
-        if not self.feature_draft:
-            self.target.prefill(slot0, contexts, keep_target)
-            self.draft.prefill(slot0, rest(keep_draft, draft_pending), keep_draft)
-            return sum(len(c) for c in contexts)
         draft_contexts = rest(keep_draft, draft_pending)
-
-        def draft_prefill(lo: int, hi: int, inputs) -> None:  # one of the target's groups
-            self.draft.prefill(slot0 + lo, draft_contexts[lo:hi], keep_draft[lo:hi], inputs)
-
-        remote = getattr(self.target, "prefill_features", None)
-        if remote is not None:  # Ray actors: the draft prefills a group while the target
-            # runs the next one, its features sent from rank 0 to the draft actor
-            args = (slot0, contexts, keep_target, keep_draft, draft_pending, draft_prefill)
-            tails = remote(*args)
-        else:  # the same draft calls, so the same batches and bits
-            features = self.target.prefill(slot0, contexts, keep_target)
-            inputs, tails = split_features(features, keep_draft, draft_pending)
-            for lo, hi in padding_groups([len(c) for c in contexts]):
-                draft_prefill(lo, hi, inputs[lo:hi])
-        for a, tail in zip(batch, tails, strict=True):
-            a.draft_features = tail
+        job = PrefillBatch(slot0, contexts, keep_target, draft_contexts, keep_draft, draft_pending)
+        for a, features in zip(batch, self.feed.prefill(self.draft, self.target, job), strict=True):
+            a.draft_features = features
         return sum(len(c) for c in contexts)
 
     def _park(self, index: int) -> None:
@@ -499,7 +570,7 @@ class SpeculativeEngine:
         """Restart the remote workers' dead actors and rebuild both caches (after `WorkerLost`).
         Returns the ids of the requests it dropped (cancelled) instead: those whose feature
         draft kept its own features for a live record, a law a rebuild from true features
-        would not reproduce (workers/draft.py).
+        would not reproduce (workers/feature_draft.py).
 
         Both caches are rebuilt, a survivor's too: the failed step may have run on it (the
         draft appends its pending tokens when it proposes). Every active request is prefilled
@@ -507,11 +578,7 @@ class SpeculativeEngine:
         pending); parked sessions are dropped, so a session's next request prefills from the
         history it carries. The failed step changed no request state (generator states and
         carries are set only when it returns), so the next step redoes it with the same draws."""
-        dead = [worker for worker in (self.draft, self.target) if not worker.alive()]
-        for worker in dead:  # both reload at once
-            worker.restart()
-        for worker in dead:
-            worker.wait_ready()
+        self.executor.restart_lost()
         self.free_slots += [parked.slot for parked in self.parked.values()]
         self.parked.clear()
         lost = [a.request_id for a in self.active if a.own_features]
@@ -536,25 +603,23 @@ class SpeculativeEngine:
         auto = self._choose_auto(batch, prefilled)
         plan = self._plan(batch)
         planned = time.perf_counter()
-        x, verdict, seconds = self._speculate(plan, [a.generator for a in batch])
+        x, verdict, seconds = self.executor.speculate(plan, [a.generator for a in batch])
         speculated = time.perf_counter()
         live = verdict.live.tolist()  # on the host (verdict_on_host)
         for a, carry, alive in zip(batch, verdict.carries, live, strict=True):
             a.carry = carry
-            a.own_features = self.feature_draft and alive
-        # The target committed its paths itself. A feature draft keeps a path only under a
-        # live record (see _Active.own_features): with none in the batch it has nothing to keep
-        # (a call over Ray, and a pass over the suffix, saved).
-        if plan.drafted and not self.feature_draft:
-            self.draft.commit(verdict.path, verdict.num_accepted)
-        elif plan.drafted and any(live):
-            self.draft.commit(verdict.path, torch.where(verdict.live, verdict.num_accepted, 0))
+            a.own_features = self.feed.keeps_own(alive)
+        # The target committed its paths itself; the draft keeps what its feed says (a feature
+        # draft: a path only under a live record, see _Active.own_features).
+        kept = self.feed.kept(verdict.num_accepted, verdict.live) if plan.drafted else None
+        if kept is not None:
+            self.draft.commit(verdict.path, kept)
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
             arm, shape = auto
             accepted = verdict.num_accepted.tolist()
             outcomes = [(a.auto, accepted[i]) for i, a in enumerate(batch) if a.auto is not None]
             self.policy.observe(arm, shape, time.perf_counter() - admitting, outcomes)
-        finished = self._advance(plan, x, verdict)
+        finished = self._advance(plan, x, verdict, kept)
         seconds["overhead"] = planned - start + time.perf_counter() - speculated
         seconds["prefill"] = seconds.get("prefill", 0.0) + prefill  # remote: posted calls
         times = StepTimes(**seconds, batch_size=len(batch))
@@ -593,13 +658,10 @@ class SpeculativeEngine:
         if not all(plain):  # a batch of plain requests never touches the draft model
             width = max(len(a.draft_pending) for a in batch)
             padded = [a.draft_pending + [0] * (width - len(a.draft_pending)) for a in batch]
-            pending = _on(_device(self.draft), padded)
-            if self.feature_draft:
-                features = torch.nn.utils.rnn.pad_sequence(
-                    [a.draft_features for a in batch], batch_first=True
-                )
-                if any(a.own_features for a in batch):
-                    own = torch.tensor([a.own_features for a in batch])
+            pending = _on(self.draft.device, padded)
+            features, own = self.feed.step_inputs(
+                [a.draft_features for a in batch], [a.own_features for a in batch]
+            )
         groups = defaultdict(list)
         for i, a in enumerate(batch):
             groups[(a.arm.method, a.arm.k, a.arm.gamma)].append(i)
@@ -610,7 +672,7 @@ class SpeculativeEngine:
             own_features=own,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
-            roots=_on(_device(self.target), [a.target_pending for a in batch]),
+            roots=_on(self.target.device, [a.target_pending for a in batch]),
             params=[a.req.sampling for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
@@ -619,49 +681,16 @@ class SpeculativeEngine:
             ),
         )
 
-    def _speculate(
-        self, plan: StepPlan, generators: list[torch.Generator]
-    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
-        """Draft, build the trees, score them, verify, and commit the target's accepted paths.
-
-        Returns the draft tokens [n, K, γ], the verdict and the seconds per phase."""
-        remote = getattr(self.target, "speculate", None)
-        if remote is not None:  # Ray actors (workers/actors.py): one chained call per step
-            draft_args = None
-            if plan.drafted:
-                draft_args = (
-                    plan.pending, plan.pending_count, plan.num_paths, plan.depth,
-                    plan.pending_features, plan.own_features,
-                )  # fmt: skip
-            verify_here = functools.partial(verify_on_host, plan.verification)
-            return remote(
-                self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
-                generators, verify_here,
-            )  # fmt: skip
-        laps = _Laps()
-        n, q, dev = len(generators), None, _device(self.target)
-        x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
-        if plan.drafted:
-            x, q = self.draft.propose(
-                plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
-                generators, plan.pending_features, own=plan.own_features,
-            )  # fmt: skip
-        laps.lap("draft")
-        paths, depths = _on(dev, plan.num_paths), _on(dev, plan.depth)
-        tree = build_tree(plan.roots, x.to(dev), paths, depths)
-        laps.lap("tree")
-        p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
-        laps.lap("target")
-        verdict = verify_step(plan.verification, x, q, p, generators)
-        x, verdict = verdict_on_host(x, verdict)  # both commits and `_advance` read it there
-        laps.lap("verify")
-        verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
-        laps.lap("target")  # the commit is the target's work too
-        return x, verdict, dict(laps.seconds, transfer=0.0)
-
-    def _advance(self, plan: StepPlan, x: torch.Tensor, verdict: Verdict) -> list[GenerationResult]:
+    def _advance(
+        self,
+        plan: StepPlan,
+        x: torch.Tensor,  # [n, K, γ] int64: the step's draft tokens, on the host
+        verdict: Verdict,
+        kept: torch.Tensor | None,  # [n] int64: draft tokens the draft kept; None: no commit
+    ) -> list[GenerationResult]:
         """Append emitted tokens, update pending tokens and stats; retire finished requests."""
         tokens, tau, path = verdict.tokens, verdict.num_accepted, verdict.path
+        keep = [0] * len(self.active) if kept is None else kept.tolist()
         done: list[int] = []
         results = []
         # draft tokens per path that the draft has run
@@ -676,21 +705,19 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
-            # A feature draft keeps no draft-path entries (it reruns them with true features)
-            # unless the request carries a live record (step: a.own_features).
-            keeps_path = a.arm.method != PLAIN and (not self.feature_draft or a.own_features)
             if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens
-                committed = min(t, run) if keeps_path else 0
+                committed = min(t, run, keep[i])  # a feature draft: none, unless own_features
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
             else:  # the draft did not run: it still has to see everything since
                 a.draft_pending = a.draft_pending + emitted
-            if a.own_features:  # one pending token, whose feature the draft kept itself
-                if len(a.draft_pending) != 1:  # a live record ends inside the path's run part
-                    raise RuntimeError("a live record outlived its path's drafted tokens")
-                a.draft_features = verdict.features.new_zeros(1, verdict.features.shape[-1])
-            elif self.feature_draft:  # the target's features before the new pending tokens
-                new = verdict.features[i, : t + 1]
-                a.draft_features = new if plan.drafted else torch.cat([a.draft_features, new])
+            # own_features: one pending token, whose feature the draft kept itself (a live
+            # record ends inside the path's run part)
+            if a.own_features and len(a.draft_pending) != 1:
+                raise RuntimeError("a live record outlived its path's drafted tokens")
+            accepted = None if verdict.features is None else verdict.features[i, : t + 1]
+            a.draft_features = self.feed.next_features(
+                a.draft_features, accepted, plan.drafted, a.own_features
+            )
             reason = None
             before = len(a.output)
             for tok in emitted:
@@ -736,10 +763,10 @@ def build_engine(
     auto_arms: list[str] | None = None,
     packed: bool | None = None,
 ):
-    """Engine over a local draft/target pair; the target split over `tensor_parallel` ranks
-    (spawned processes, gloo on CPU) when > 1. `max_len` is capped at the models' context.
-    `packed=False` keeps F.linear on dense weights where a CPU would pack them (a benchmark's
-    baseline; see workers.llama.Linear). Returns (engine, tokenizer)."""
+    """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
+    over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
+    at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
+    pack them (a benchmark's baseline; see workers.llama.Linear). Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
 
@@ -747,13 +774,13 @@ def build_engine(
     # Positions past either model's trained context are refused, not silently extrapolated.
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
-    draft = DraftWorker(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
+    draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
-        draft, target, max_batch, max_len, t.spec.vocab_size, max_sessions, policy
+        LocalExecutor(draft, target), max_batch, max_len, t.spec.vocab_size, max_sessions, policy
     )
     return engine, tokenizer

@@ -76,7 +76,9 @@ def _step_metrics():
 
 
 def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str, Any]]:
-    """Engine over a draft actor and the target shard group; returns (engine, model info)."""
+    """Engine over a draft actor and the target shard group (a `RayExecutor`); returns
+    (engine, model info)."""
+    from service.engine import RayExecutor
     from workers.actors import ActorSpec, start_draft, start_target
     from workers.models import check_pair
 
@@ -95,7 +97,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     target.use_draft(draft)
     policy = AutoPolicy(cfg.auto_arms)
     engine = SpeculativeEngine(
-        draft, target, cfg.max_batch, max_len, vocab_size, cfg.max_sessions, policy
+        RayExecutor(draft, target), cfg.max_batch, max_len, vocab_size, cfg.max_sessions, policy
     )
     info = dict(
         draft_model=os.path.basename(cfg.draft_dir.rstrip("/")),

@@ -7,7 +7,7 @@ its own features, and the same prefix with the target's features once it is reru
 step, so its law for a prefix depends on the step that drafts it. Greedy block verification and
 SpecTr-GBV* carry records written against the law of the step that drafted; an engine that let
 the next step draft with the rerun law was measurably lossy (the mutant test below), and the
-engine keeps the recording law while a record is live (workers/draft.py).
+engine keeps the recording law while a record is live (workers/feature_draft.py).
 
 Draft kinds, each saved as a checkpoint directory and loaded like a user's pair:
 - ``token``: a perturbed copy of the target whose untied head is 1.7x its embedding (q sharper

@@ -18,12 +18,13 @@ import torch
 from harness import ALPHA, chi_square
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service.engine import SpeculativeEngine, VerifyPlan, verify_step
+from service.engine import LocalExecutor, SpeculativeEngine, VerifyPlan, verify_step
 from service.policy import PLAIN
 from service.requests import GenerationRequest, InvalidArgument, make_request
 from service.verification import METHODS, VERIFIERS, verify
-from workers.draft import DraftWorker, padding_groups, prefill
+from workers.draft import padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
+from workers.proposers import build_proposer
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree, gather_rows, rows_at
@@ -70,8 +71,7 @@ def make_engine(
 ):
     slots = max_batch + max_sessions
     return SpeculativeEngine(
-        DraftWorker(draft, slots, max_len),
-        TargetWorker(target, slots, max_len),
+        LocalExecutor(build_proposer(draft, slots, max_len), TargetWorker(target, slots, max_len)),
         max_batch,
         max_len,
         target.spec.vocab_size,
@@ -375,7 +375,7 @@ def test_a_reduced_head_draft_proposes_on_its_ids():
     (whole_vocab=False, what the draft actor sends, is the same row unwidened)."""
     kept = sorted(torch.randperm(48, generator=torch.Generator().manual_seed(3))[:20].tolist())
     _, _, draft = tiny_pair(vocab=48, draft_head=kept)
-    worker = DraftWorker(draft, 2, 64)
+    worker = build_proposer(draft, 2, 64)
     worker.prefill(0, [torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
     args = (torch.tensor([[7, 0], [8, 9]]), torch.tensor([1, 2]), [2, 3], [3, 2])
     params = [SamplingParams(1.0), SamplingParams(0.7, top_k=5)]

@@ -36,15 +36,17 @@ from test_feature_draft import random_fc
 import service.engine
 import workers.actors as actors
 import workers.draft
-from service.engine import build_engine
+from service.engine import LocalExecutor, RayExecutor, build_engine
 from service.policy import AUTO, PLAIN
 from service.requests import GenerationRequest, Limits, make_request
 from service.verification import METHODS, VERIFIERS
-from workers.draft import DraftWorker
+from workers.draft import DraftProposer
+from workers.feature_draft import FeatureDraft, FeatureFeed
 from workers.llama import KVCache, LlamaSpec
 from workers.models import TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
+from workers.token_draft import TokenFeed
 
 MAX_BATCH, MAX_LEN = 4, 96
 
@@ -132,13 +134,15 @@ def featured():
     with FakeCuda():
         slots = MAX_BATCH
         fake = service.engine.SpeculativeEngine(
-            DraftWorker(to_fake_model(draft), slots, MAX_LEN, device="cuda"),
-            TargetWorker(to_fake_model(target), slots, MAX_LEN, device="cuda"),
+            LocalExecutor(
+                FeatureDraft(to_fake_model(draft), slots, MAX_LEN, device="cuda"),
+                TargetWorker(to_fake_model(target), slots, MAX_LEN, device="cuda"),
+            ),
             MAX_BATCH,
             MAX_LEN,
             target.spec.vocab_size,
         )
-    assert fake.feature_draft
+    assert isinstance(fake.feed, FeatureFeed)
     return cpu, fake
 
 
@@ -299,9 +303,9 @@ DROPPED_MOVES = {
         (),
     ),
     # the draft's pending counts, kept on the host by the engine
-    "DraftWorker.propose": (
-        DraftWorker,
-        "propose",
+    "DraftProposer._run_pending": (
+        DraftProposer,
+        "_run_pending",
         "pending_count = pending_count.to(dev, non_blocking=True)",
         "pass",
         (),
@@ -354,7 +358,8 @@ def wire(obj):
 class WiredDraft:
     """RemoteDraft in process: its DraftActor's calls, arguments through the wire."""
 
-    reads_features = False
+    device = torch.device("cpu")  # the wire's side: the host
+    feed = TokenFeed()  # the tiny pair's draft
 
     def __init__(self, actor):
         self.actor = actor
@@ -401,9 +406,8 @@ def wired():
         )
     assert is_fake(target.shard.worker.cache.k) and is_fake(draft.worker.cache.k)
     vocab = target.shard.worker.model.spec.vocab_size
-    return service.engine.SpeculativeEngine(
-        WiredDraft(draft), WiredTarget(target), MAX_BATCH, MAX_LEN, vocab, max_sessions=1
-    )
+    executor = RayExecutor(WiredDraft(draft), WiredTarget(target))
+    return service.engine.SpeculativeEngine(executor, MAX_BATCH, MAX_LEN, vocab, max_sessions=1)
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,11 @@ import subprocess
 import pytest
 import torch
 
-from service.engine import SpeculativeEngine
+from service.engine import LocalExecutor, SpeculativeEngine
 from service.requests import make_request
-from workers.draft import DraftWorker
 from workers.llama import Llama
 from workers.models import load_model
+from workers.proposers import build_proposer
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker
 from workers.tensor_parallel import TensorParallelTarget
@@ -182,9 +182,10 @@ def test_engine_greedy_equals_target(tp, checkpoint):
 
     def run(target) -> list:
         # max_batch 2 < 5 requests: continuous batching, so requests leave and slots move.
-        draft = DraftWorker(_noisy_draft(checkpoint), MAX_BATCH, MAX_LEN)
+        draft = build_proposer(_noisy_draft(checkpoint), MAX_BATCH, MAX_LEN)
         vocab = draft.model.spec.vocab_size
-        engine = SpeculativeEngine(draft, target, max_batch=2, max_len=MAX_LEN, vocab_size=vocab)
+        executor = LocalExecutor(draft, target)
+        engine = SpeculativeEngine(executor, max_batch=2, max_len=MAX_LEN, vocab_size=vocab)
         reqs = [
             make_request(engine.limits, p, 12, method, k, gamma, greedy, seed=i)
             for i, (p, (_, method, k, gamma)) in enumerate(zip(prompts, specs, strict=True))

@@ -1,7 +1,8 @@
 """The models as Ray actors: one draft actor and a group of tensor-parallel target shard actors.
 
 `RemoteDraft` and `RemoteTarget` give the coordinator the worker interface the engine needs
-(prefill, move, commit) plus one chained call per decode step, `RemoteTarget.speculate`:
+(workers/protocols.py: a `Draft` and a `Target`: prefill, move, commit) plus one chained call
+per decode step, `RemoteTarget.speculate`, which the engine's Ray step executor makes:
 
     coordinator --(pending tokens, generator states)--> draft actor: propose
     draft actor --(draft tokens, states, rows q)------> target shards: tree, forward
@@ -42,8 +43,11 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.draft import DraftWorker, padding_groups, split_features
+from workers.draft import padding_groups
+from workers.feature_draft import split_groups
 from workers.models import DTYPES, load_model
+from workers.proposers import build_proposer
+from workers.protocols import DraftFeed, DraftPrefill
 from workers.sampling import SamplingParams
 from workers.target import path_rows
 from workers.tensor_parallel import TargetShard, join_group, loopback_store
@@ -101,7 +105,7 @@ class DraftActor:
         torch.set_num_threads(threads)
         device = _actor_device(device)
         model = load_model(path, dtype, device).build()
-        self.worker = DraftWorker(model, slots, max_len, DTYPES[dtype], device)
+        self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
 
     def ready(self) -> None:
         """Returns once the constructor (model load) has run; raises what it raised."""
@@ -121,14 +125,16 @@ class DraftActor:
         """[Vh] int64: the ids the draft's head keeps (q is zero elsewhere); None: all."""
         return self.worker.model.head_vocab
 
-    def reads_features(self) -> bool:
-        return self.worker.reads_features
+    def feed(self) -> DraftFeed:
+        """The proposer's host side, which the coordinator runs (it holds no state)."""
+        return self.worker.feed
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
     def propose(
         self, pending, pending_count, paths, depths, features, own, params, states
     ) -> Drafted:
-        """DraftWorker.propose with generators rebuilt from, and returned as, their states."""
+        """The proposer's propose, with generators rebuilt from, and returned as, their
+        states."""
         start = time.perf_counter()
         generators = [torch.Generator().set_state(state) for state in states]
         x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
@@ -199,14 +205,12 @@ class TargetShardActor:
         draft_pending: list[int],
     ) -> Iterator[list[torch.Tensor]]:
         """Rank 0, feature draft: prefill one padding group at a time. Yields, per group, what
-        the draft's prefill reads of it (workers.draft.split_features; it goes to the draft
-        actor by reference), then the pending tokens' features, for the coordinator."""
-        tails, lo = [], 0
-        for features in self.shard.worker.prefill_groups(*args):
-            hi = lo + len(features)
-            inputs, pending = split_features(features, draft_keep[lo:hi], draft_pending[lo:hi])
+        the draft's prefill reads of it (workers.feature_draft.split_groups; it goes to the
+        draft actor by reference), then the pending tokens' features, for the coordinator."""
+        tails = []
+        groups = self.shard.worker.prefill_groups(*args)
+        for _, _, inputs, pending in split_groups(groups, draft_keep, draft_pending):
             tails += pending
-            lo = hi
             yield inputs
         yield tails
 
@@ -332,11 +336,19 @@ class _Remote:
         seconds = [s for _, s in _gather(earlier)]
         return sum(seconds) / len(self.actors)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the engine leaves the inputs: on the host, for the wire (each actor moves
+        what it gets)."""
+        return torch.device("cpu")
+
     def move(self, src: int, dst: int) -> None:
         self._post("move", src, dst)
 
 
 class RemoteDraft(_Remote):
+    """The draft actor's proxy (a `Draft`: workers/protocols.py)."""
+
     def prefill(
         self,
         slot0: int,
@@ -354,12 +366,14 @@ class RemoteDraft(_Remote):
         return self.actors[0].propose.remote(*args, states)
 
     @functools.cached_property
-    def reads_features(self) -> bool:
-        """A feature draft (the same model after a restart)."""
-        return ray.get(self.actors[0].reads_features.remote())
+    def feed(self) -> DraftFeed:
+        """The actor's proposer's feed (the same model after a restart)."""
+        return ray.get(self.actors[0].feed.remote())
 
 
 class RemoteTarget(_Remote):
+    """The target shard actors' proxy (a `Target`: workers/protocols.py)."""
+
     _draft_vocab: torch.Tensor | None = None  # [Vh]: the draft head's ids (None: all)
     _send_features = False  # the draft reads the target's features
 
@@ -367,7 +381,7 @@ class RemoteTarget(_Remote):
         """Tell rank 0 which ids the draft's rows arrive on and whether the draft reads the
         target's features (at start and after a restart)."""
         self._draft_vocab = ray.get(draft.actors[0].head_vocab.remote())
-        self._send_features = draft.reads_features
+        self._send_features = draft.feed.reads_features
         ray.get(self.actors[0].use_draft.remote(self._draft_vocab, self._send_features))
 
     def restart(self) -> None:
@@ -388,7 +402,7 @@ class RemoteTarget(_Remote):
         keep: list[int],
         draft_keep: list[int],
         draft_pending: list[int],
-        to_draft: Callable[[int, int, ray.ObjectRef], None],
+        to_draft: DraftPrefill,  # gets a reference to each group's draft inputs
     ) -> list[torch.Tensor]:
         """Prefill for a feature draft. Rank 0 prefills one padding group at a time
         (workers.draft.padding_groups of the contexts' lengths, in order); as each is done,

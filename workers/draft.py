@@ -1,65 +1,53 @@
-"""Draft worker: samples K i.i.d. paths of γ tokens per request from the processed draft law.
+"""What the two draft proposers share: the KV cache, prefill, and the propose/commit loop.
+
+A draft worker is a *proposer*: a token draft (workers/token_draft.py) or a feature draft
+(EAGLE; workers/feature_draft.py), one per file, each a `DraftProposer` with its host-side
+`feed` (workers/protocols.py: what the engine feeds it and what it keeps). `build_proposer`
+gives a draft model the one it needs.
 
 Each request drafts its own K paths of its own γ tokens (0 and 0 for a plain request that only
 catches its cache up): the batch runs as [n, max K, max γ] tensors, but a request draws random
 numbers only for its own paths and depths.
 
-The cache holds each request's committed tokens except its *pending* ones (1 or 2 tokens not
-yet run through the draft). A proposal first runs the pending tokens (they become committed),
-then samples K tokens from the root row and extends the K paths for γ - 1 more forwards; the
-paths' own keys/values live in a per-step suffix (the shared prefix is never copied), and
-`commit` moves the accepted path's entries into the cache.
+The cache holds each request's committed tokens except its *pending* ones (not yet run through
+the draft). A proposal first runs the pending tokens (they become committed), then samples K
+tokens from the root row and extends the K paths for γ - 1 more forwards; the paths' own
+keys/values live in a per-step suffix (the shared prefix is never copied), and `commit` moves
+the accepted path's entries into the cache. The proposers differ in what each forward reads
+beside its token (`_pending_features`, `_next_features`) and in what `commit` keeps beside
+the path's entries (`_keep_path_state`).
 
-A *feature draft* (EAGLE; ``Llama.feature_fc``) reads at each position its token and the
-target's feature (final-norm hidden state) one position back. Its pending tokens are then all
-the tokens the target has run since the draft last ran (the step's emitted tokens), each with
-the target's feature before it; deeper draft tokens read the draft's own output in place of the
-target's feature, so their cache entries are provisional and `commit` usually keeps none of them
-(the accepted ones come back as pending tokens with the target's true features).
-
-A feature draft's law therefore depends on the step that drafts: the same prefix is scored with
-the draft's own features when it lies past the step's root, with the target's after a rerun.
-Greedy block verification and SpecTr-GBV* write records against the law of the step that
-drafted (docs/verification.md, "Carried records with a feature draft"), so while a request
-carries a live record its draft keeps that law: `commit` keeps the accepted path's entries
-(`keep`) and the draft's own feature at the path's end, and the next `propose` feeds that
-feature to the request's one pending token (`own`) instead of the target's.
+The prefill helpers at the end serve both workers (the target's too: workers/target.py).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import torch
 
 from workers.llama import KVCache, Llama
+from workers.protocols import DraftFeed
 from workers.sampling import SamplingParams, process, sample
 
 
-class DraftWorker:
+class DraftProposer(ABC):
+    """A draft model with its KV cache: propose K paths of γ tokens per request, commit one."""
+
+    feed: DraftFeed  # the proposer's kind, host side (set by each subclass)
+
     def __init__(
         self, model: Llama, max_batch: int, max_len: int, dtype=torch.float32, device="cpu"
     ):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
-        # Feature draft: [n, K, γ, E], the draft's own feature after each depth of the step's
-        # paths (depth 0: the root's), and per slot [slots, E] the one a kept path ended on.
-        self._own_paths: torch.Tensor | None = None
-        self.own_features = None
-        if self.reads_features:
-            width = model.spec.hidden_size
-            self.own_features = torch.zeros(max_batch, width, dtype=dtype, device=device)
 
     @property
     def device(self) -> torch.device:
         """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
         return self.cache.lengths.device
-
-    @property
-    def reads_features(self) -> bool:
-        """A feature draft: prefill and propose need the target's features."""
-        return self.model.feature_fc is not None
 
     def prefill(
         self,
@@ -74,8 +62,24 @@ class DraftWorker:
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)
-        if self.own_features is not None:
-            self.own_features[dst] = self.own_features[src]
+
+    @abstractmethod
+    def _pending_features(
+        self,
+        features: torch.Tensor | None,  # [n, P, E] on the device, or None
+        own: torch.Tensor | None,  # [n] bool, or None
+        pending_count: torch.Tensor,  # [n] int64 on the device
+    ) -> torch.Tensor | None:
+        """What the pending tokens' forward reads beside them: [n, 1, P, E], or None."""
+
+    @abstractmethod
+    def _next_features(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """What the next depth reads beside its token, given this depth's output [n, K, 1, E]
+        (depth 0: the root's, the same for every path); None: nothing."""
+
+    @abstractmethod
+    def _keep_path_state(self, rows: torch.Tensor, path: torch.Tensor, keep: torch.Tensor) -> None:
+        """What the proposer keeps of the accepted paths beside their cache entries."""
 
     @torch.inference_mode()
     def propose(
@@ -97,7 +101,7 @@ class DraftWorker:
         A reduced head (head_vocab) gives a row zero probability outside its ids, so rows are
         processed and sampled on the head's Vh ids (temperature, top-k, top-p and the draw
         depend only on the tokens with finite logits) and widened to V once, at the end."""
-        n, P = pending.shape
+        n = pending.shape[0]
         k, gamma = max(paths), max(depths)
         head_vocab = self.model.head_vocab
 
@@ -106,12 +110,45 @@ class DraftWorker:
             picked = sample(rows, generators, drawn)
             return picked if head_vocab is None else head_vocab[picked]
 
+        root = self._run_pending(pending, pending_count, pending_features, own)  # [n, E]
+        # a feature draft's output at the root stands in for the target's there
+        feats = self._next_features(root[:, None, None].expand(n, k, 1, -1))
+        q_root = process(self.model.head_logits(root)[:, None], params)  # [n, 1, Vh]
+        rows = [q_root.expand(n, k, -1)]
+        tokens = [draw(rows[0], 0)]  # [n, K]
+        base = self.cache.lengths[:n]
+        ks, vs = [], []
+        ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=self.device)
+        for i in range(1, gamma):
+            suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
+            pos = (base + i - 1)[:, None, None].expand(n, k, 1)
+            _, nk, nv, hidden = self.model(
+                tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats, head=False
+            )
+            feats = self._next_features(hidden)
+            ks.append(nk)
+            vs.append(nv)
+            rows.append(process(self.model.head_logits(hidden[:, :, 0]), params))
+            tokens.append(draw(rows[-1], i))
+        self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
+        q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
+        return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
+
+    def _run_pending(
+        self,
+        pending: torch.Tensor,  # [n, P] int64, padded
+        pending_count: torch.Tensor,  # [n] int64 in [1, P]
+        features: torch.Tensor | None,  # [n, P, E]
+        own: torch.Tensor | None,  # [n] bool
+    ) -> torch.Tensor:
+        """Run and commit the pending tokens; returns the last one's hidden state [n, E]."""
+        n, P = pending.shape
         dev = self.device
         counted = pending_count  # where it arrived: on the host, the cache keeps its lengths there
         pending = pending.to(dev, non_blocking=True)
         pending_count = pending_count.to(dev, non_blocking=True)
-        if pending_features is not None:
-            pending_features = pending_features.to(dev, non_blocking=True)
+        if features is not None:
+            features = features.to(dev, non_blocking=True)
         lengths = self.cache.lengths[:n].clone()
         steps = torch.arange(P, device=dev)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
@@ -119,60 +156,21 @@ class DraftWorker:
             (steps[None, :] < pending_count[:, None, None])
             | torch.eye(P, dtype=torch.bool, device=dev)
         )
-        feats = None if pending_features is None else pending_features[:, None]
-        if own is not None and feats is not None:  # the own feature goes to the last pending
-            last = steps[None, :] == (pending_count - 1)[:, None]  # [n, P]
-            own = own.to(dev, non_blocking=True)
-            mine = (last & own[:, None])[:, None, :, None]  # [n, 1, P, 1]
-            kept = self.own_features[:n, None, None].to(feats.dtype)  # [n, 1, 1, E]
-            feats = torch.where(mine, kept, feats)
         _, new_k, new_v, hidden = self.model(
             pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
-            features=feats, head=False,
+            features=self._pending_features(features, own, pending_count), head=False,
         )  # fmt: skip
         self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), counted)
-        rows_n = torch.arange(n, device=dev)
-        root = hidden[rows_n, 0, pending_count - 1]  # [n, E]: the last pending token's
-        feats = None  # a feature draft's output at the root stands in for the target's there
-        if self.reads_features:
-            feats = root[:, None, None].expand(n, k, 1, -1)
-        q_root = process(self.model.head_logits(root)[:, None], params)  # [n, 1, Vh]
-        rows = [q_root.expand(n, k, -1)]
-        tokens = [draw(rows[0], 0)]  # [n, K]
-        base = self.cache.lengths[:n]
-        ks, vs = [], []
-        own_paths = [feats] if self.reads_features else []  # [n, K, 1, E] a depth
-        ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=dev)
-        for i in range(1, gamma):
-            suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
-            pos = (base + i - 1)[:, None, None].expand(n, k, 1)
-            _, nk, nv, hidden = self.model(
-                tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats, head=False
-            )
-            feats = hidden  # the next depth's input (read by a feature draft only)
-            if self.reads_features:
-                own_paths.append(hidden)
-            ks.append(nk)
-            vs.append(nv)
-            rows.append(process(self.model.head_logits(hidden[:, :, 0]), params))
-            tokens.append(draw(rows[-1], i))
-        self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
-        self._own_paths = torch.cat(own_paths, dim=2) if own_paths else None
-        q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
-        return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
+        return hidden[torch.arange(n, device=dev), 0, pending_count - 1]
 
     def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
         """Append the first keep[i] draft tokens of each request's accepted path, of those that
-        were run (at most γ - 1): a token draft keeps its accepted ones (keep = τ). A feature
-        draft keeps a path only while the request carries a live record (keep = τ, else 0: see
-        the module's docstring), and then also the own feature at the path's depth keep[i]."""
+        were run (at most γ - 1), and what the proposer keeps beside them (`feed.kept` says
+        how many each keeps)."""
         n, dev = path.shape[0], self.device
         path = path.to(dev, non_blocking=True)
         rows = torch.arange(n, device=dev)
-        if self._own_paths is not None:
-            depth = keep.clamp_max(self._own_paths.shape[2] - 1).to(dev, non_blocking=True)
-            self.own_features[:n] = self._own_paths[rows, path, depth]
-            self._own_paths = None
+        self._keep_path_state(rows, path, keep)
         if self._suffix is None:
             return
         sk, sv = self._suffix
@@ -188,23 +186,6 @@ class DraftWorker:
 # (HumanEval chat prompts: 100-400 tokens), and one padded batch of them computed up to 2x the
 # tokens; on CPU a batch of one costs no more per token than a batch of eight.
 PREFILL_PADDING = 0.25
-
-
-def split_features(
-    features: list[torch.Tensor],  # [T_i, E] each: the target's features of what it prefilled
-    keep: list[int],  # [n]: tokens the draft's slot keeps (0: a fresh slot)
-    pending: list[int],  # [n]: tokens the draft has yet to run (its next propose runs them)
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A feature draft's position t reads the target's feature at t - 1 (zero at t = 0).
-    Returns what the draft's prefill reads ([T_i - pending_i, E], one more row on a fresh
-    slot) and the pending tokens' features ([pending_i, E]), which its next propose reads."""
-    inputs, tails = [], []
-    for f, kept, p in zip(features, keep, pending, strict=True):
-        if kept == 0:  # position 0 reads a zero feature
-            f = torch.cat([f.new_zeros(1, f.shape[-1]), f])
-        inputs.append(f[: len(f) - p])
-        tails.append(f[len(f) - p :])
-    return inputs, tails
 
 
 def padding_groups(lengths: list[int], slack: float = PREFILL_PADDING) -> list[tuple[int, int]]:

@@ -5,7 +5,7 @@ The cache holds each request's committed tokens except the last emitted one (the
 and returns the processed target rows gathered per path; `commit` keeps the root and the
 accepted path's entries, so the cache equals a fresh prefill of the accepted sequence.
 `prefill` and `commit` return the features (final-norm hidden states) of the positions they
-add to the cache: what a feature draft (workers/draft.py) reads next.
+add to the cache: what a feature draft (workers/feature_draft.py) reads next.
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from collections.abc import Iterator
 import torch
 
 from workers.draft import prefill, prefill_groups
+from workers.feature_draft import feed_draft
 from workers.llama import KVCache, Llama
+from workers.protocols import DraftPrefill
 from workers.sampling import SamplingParams, process
 from workers.tree import DraftTree, gather_rows
 
 
 class TargetWorker:
+    """The target in this process (workers/protocols.py: a LocalTarget)."""
+
     def __init__(
         self, model: Llama, max_batch: int, max_len: int, dtype=torch.float32, device="cpu"
     ):
@@ -44,6 +48,20 @@ class TargetWorker:
     ) -> Iterator[list[torch.Tensor]]:
         """`prefill`, yielding each padding group's features as soon as it is cached."""
         return prefill_groups(self.model, self.cache, slot0, contexts, keep)
+
+    def prefill_features(
+        self,
+        slot0: int,
+        contexts: list[torch.Tensor],
+        keep: list[int],
+        draft_keep: list[int],
+        draft_pending: list[int],
+        to_draft: DraftPrefill,
+    ) -> list[torch.Tensor]:
+        """Prefill for a feature draft: each padding group's draft inputs go to `to_draft` once
+        the group is cached. Returns the pending tokens' features [pending_i, E]."""
+        groups = self.prefill_groups(slot0, contexts, keep)
+        return feed_draft(groups, draft_keep, draft_pending, to_draft)
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move(src, dst)

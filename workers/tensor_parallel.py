@@ -45,8 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.draft import padding_groups
+from workers.feature_draft import feed_draft
 from workers.llama import LlamaSpec
 from workers.models import DTYPES, load_model
+from workers.protocols import DraftPrefill
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker, path_rows
 from workers.tree import DraftTree
@@ -296,7 +299,8 @@ class _Workers:
 
 
 class TensorParallelTarget:
-    """Drop-in for :class:`TargetWorker` with the target split over `world` ranks.
+    """Drop-in for :class:`TargetWorker` with the target split over `world` ranks (a
+    LocalTarget: workers/protocols.py).
 
     Rank 0 runs here; ranks 1..world-1 are spawned processes that load `path` themselves.
     Use as a context manager or call :meth:`close`. Any failure inside an op shuts the whole
@@ -428,6 +432,21 @@ class TensorParallelTarget:
         if any(c.shape[0] + s > self.max_len for c, s in zip(contexts, keep, strict=True)):
             raise ValueError(f"a context exceeds max_len={self.max_len}")
         return self._call("prefill", slot0, list(contexts), keep, collective=True)
+
+    def prefill_features(
+        self,
+        slot0: int,
+        contexts: list[torch.Tensor],
+        keep: list[int],
+        draft_keep: list[int],
+        draft_pending: list[int],
+        to_draft: DraftPrefill,
+    ) -> list[torch.Tensor]:
+        """Prefill for a feature draft (TargetWorker.prefill_features): the ranks prefill every
+        context in one op, then each padding group's draft inputs go to `to_draft`."""
+        features = self.prefill(slot0, contexts, keep)
+        groups = (features[lo:hi] for lo, hi in padding_groups([len(c) for c in contexts]))
+        return feed_draft(groups, draft_keep, draft_pending, to_draft)
 
     def move(self, src: int, dst: int) -> None:
         self._call("move", src, dst, collective=False)

@@ -1,0 +1,96 @@
+"""The shape of the house: what a newcomer can rely on without reading everything.
+
+- The repository stands alone: nothing in it reads outside it (its tests' reference data and
+  its documentation live in it).
+- The packages form no cycle, and the verification library (pure math on tensors) imports
+  nothing of the service or the workers: both of them import it.
+- No function is over 80 lines outside scripts/ and the compiled kernel modules (whose loops
+  are long because the math is sequential and every call is a launch).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("service", "workers", "verification", "loadtest", "protos")
+LONGEST_FUNCTION = 80
+
+
+def tracked(suffix: str) -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", f"*{suffix}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [ROOT / name for name in out if (ROOT / name).is_file()]
+
+
+def python_files() -> list[Path]:
+    return [p for p in tracked(".py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+
+
+def package_imports() -> dict[str, set[str]]:
+    """package -> the other top-level packages its modules import (at any depth)."""
+    graph: dict[str, set[str]] = {name: set() for name in PACKAGES}
+    for path in python_files():
+        package = path.relative_to(ROOT).parts[0]
+        if package not in graph:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            graph[package] |= {n.split(".")[0] for n in names} & set(PACKAGES) - {package}
+    return graph
+
+
+def test_nothing_reads_outside_the_repository():
+    outside = ("../shared", "shared/spec", "shared/seeds")
+    hits = [
+        f"{path.relative_to(ROOT)}: {text!r}"
+        for path in tracked("")
+        if path.suffix in {".py", ".sh", ".toml", ".md", ".yaml", ".yml", ".cfg"}
+        and path.name != "test_house.py"
+        for text in outside
+        if text in path.read_text(errors="replace")
+    ]
+    assert not hits, "the repository must stand alone:\n" + "\n".join(hits)
+    assert (ROOT / "tests" / "reference" / "reference_instances.json").is_file()
+    assert (ROOT / "docs" / "verification.md").is_file()
+
+
+def test_the_packages_form_no_cycle():
+    graph = package_imports()
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+            for nxt in graph[start]
+        )
+
+    cycles = [name for name in graph if reaches(name, name)]
+    assert not cycles, f"package import cycle through {cycles}: {graph}"
+
+
+def test_the_verification_library_imports_neither_the_service_nor_the_workers():
+    graph = package_imports()
+    assert not graph["verification"] & {"service", "workers", "loadtest"}, graph
+    assert "verification" in graph["service"] and "verification" in graph["workers"], graph
+
+
+def test_no_function_is_over_80_lines_outside_scripts_and_kernels():
+    long = []
+    for path in python_files():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "scripts" or "kernels" in path.stem:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)
