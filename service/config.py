@@ -67,7 +67,11 @@ class ReplicaConfig(BaseModel):
     max_batch: int = Field(8, ge=1)  # requests per decode step
     max_queued: int = Field(32, ge=0)  # waiting beyond max_batch before RESOURCE_EXHAUSTED
     max_len: int = Field(1024, ge=8)  # capped at the models' context
-    max_sessions: int = Field(16, ge=0)  # parked session KV caches per replica
+    # KV slots per replica for parked sessions and cached prefixes (one LRU order)
+    max_sessions: int = Field(16, ge=0)
+    # Requests without a session reuse the longest parked prefix of their principal's earlier
+    # requests and park their own KV (automatic prefix caching); False: sessions only.
+    prefix_caching: bool = True
     max_new_tokens: int = Field(512, ge=1)  # per-request limit
     max_k: int = Field(4, ge=1)
     max_gamma: int = Field(16, ge=1)

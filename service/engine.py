@@ -33,6 +33,12 @@ Sessions: a request with a ``session_id`` parks its KV entries in one of ``max_s
 cache slots when it finishes (least recently parked evicted first). The session's next request
 (its prompt = the history + new tokens) takes the slot back and prefills only the tokens past the
 longest cached prefix that still matches; KV of tokens generated past a stop is dropped.
+
+Automatic prefix caching: a request without a session but with a ``cache_scope`` (the caller's
+principal) parks its KV in the same spare slots, and a later request of the same scope takes
+the parked entry whose tokens share the longest prefix with its prompt (a stateless client that
+sends the whole conversation each turn reuses the last turn's KV). One LRU order evicts both
+kinds; one scope's entries never serve another's.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import itertools
 import os
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -398,12 +404,26 @@ class _Active:
 
 @dataclass
 class _Parked:
-    """A finished session's KV, kept in a spare slot for its next request."""
+    """A finished request's KV, kept in a spare slot for its session's next request or, with a
+    cache scope, for any request of that scope that shares a prefix with it."""
 
     slot: int
-    tokens: list[int]  # the session's history; the caches hold KV of its first *_len tokens
+    tokens: list[int]  # the request's history; the caches hold KV of its first *_len tokens
     draft_len: int
     target_len: int
+    scope: str | None = None  # a cached prefix's scope; None: a session's (taken by its id)
+
+
+# A parked prefix is taken only for at least this many shared tokens: fewer save less prefill
+# than moving the slot costs, and would evict the entry for another request's sake.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 class SpeculativeEngine:
@@ -418,6 +438,7 @@ class SpeculativeEngine:
         vocab_size: int,
         max_sessions: int = 0,
         policy: AutoPolicy | None = None,
+        prefix_caching: bool = True,
     ):
         self.executor = executor
         self.draft: Draft = executor.draft
@@ -425,6 +446,7 @@ class SpeculativeEngine:
         # what this kind of draft is fed and keeps (workers/protocols.py)
         self.feed = self.draft.feed
         self.policy = policy or AutoPolicy()
+        self.prefix_caching = prefix_caching  # requests' cache_scope honoured (module doc)
         self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
         self.active: list[_Active] = []  # slot i of both caches belongs to active[i]
@@ -493,14 +515,10 @@ class SpeculativeEngine:
         keep_draft, keep_target = [], []
         for slot, a in enumerate(new, start=slot0):
             kd = kt = 0
-            parked = self.parked.pop(a.req.session_id, None) if a.req.session_id else None
+            parked = self._take_parked(a.req)
             if parked is not None:
                 prompt = a.req.prompt_ids
-                pairs = zip(parked.tokens, prompt, strict=False)
-                same = next(
-                    (i for i, (x, y) in enumerate(pairs) if x != y),
-                    min(len(parked.tokens), len(prompt)),
-                )
+                same = shared_prefix(parked.tokens, prompt)
                 usable = min(same, len(prompt) - 1)  # the last prompt token stays pending
                 kd, kt = min(parked.draft_len, usable), min(parked.target_len, usable)
                 self.draft.move(parked.slot, slot)
@@ -536,28 +554,55 @@ class SpeculativeEngine:
             a.draft_features = features
         return sum(len(c) for c in contexts)
 
+    def _take_parked(self, req: GenerationRequest) -> _Parked | None:
+        """The parked KV `req` continues from, out of the parked set: its session's, or the
+        entry of its cache scope that shares the longest prefix with its prompt (at least
+        MIN_SHARED_PREFIX tokens)."""
+        if req.session_id:
+            return self.parked.pop(req.session_id, None)
+        if req.cache_scope is None or not self.prefix_caching:
+            return None
+        best, longest = None, MIN_SHARED_PREFIX - 1
+        for key, parked in self.parked.items():
+            if parked.scope == req.cache_scope:
+                same = shared_prefix(parked.tokens, req.prompt_ids)
+                best, longest = (key, same) if same > longest else (best, longest)
+        return self.parked.pop(best) if best is not None else None
+
     def _park(self, index: int) -> None:
-        """Keep active[index]'s KV in a spare slot under its session id."""
+        """Keep active[index]'s KV in a spare slot: under its session id, or as a cached
+        prefix of its scope (which replaces the scope's entries that its history extends)."""
         a = self.active[index]
-        old = self.parked.pop(a.req.session_id, None)
-        if old is not None:
-            self.free_slots.append(old.slot)
+        key = a.req.session_id or (a.req.cache_scope, a.request_id)
+        history = [*a.req.prompt_ids, *a.output]
+        stale = [key] if key in self.parked else []
+        if not a.req.session_id:
+            stale = [
+                k
+                for k, p in self.parked.items()
+                if p.scope == a.req.cache_scope
+                and shared_prefix(p.tokens, history) == len(p.tokens)
+            ]
+        for k in stale:
+            self.free_slots.append(self.parked.pop(k).slot)
         if not self.free_slots:
             self.free_slots.append(self.parked.popitem(last=False)[1].slot)
         slot = self.free_slots.pop()
-        history = [*a.req.prompt_ids, *a.output]
         total = len(a.req.prompt_ids) + a.emitted  # what the caches hold, minus pending tokens
         self.draft.move(index, slot)
         self.target.move(index, slot)
-        self.parked[a.req.session_id] = _Parked(
+        self.parked[key] = _Parked(
             slot,
             history,
             draft_len=min(total - len(a.draft_pending), len(history)),
             target_len=min(total - 1, len(history)),
+            scope=None if a.req.session_id else a.req.cache_scope,
         )
 
     def _retire(self, index: int, park: bool = True) -> None:
-        if park and self.active[index].req.session_id and self.max_sessions:
+        req = self.active[index].req
+        cached = req.cache_scope is not None and self.prefix_caching
+        if park and self.max_sessions and (req.session_id or cached):
             self._park(index)
         last = len(self.active) - 1
         if index != last:
@@ -762,6 +807,7 @@ def build_engine(
     max_sessions: int = 0,
     auto_arms: list[str] | None = None,
     packed: bool | None = None,
+    prefix_caching: bool = True,
 ):
     """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
@@ -781,6 +827,12 @@ def build_engine(
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
-        LocalExecutor(draft, target), max_batch, max_len, t.spec.vocab_size, max_sessions, policy
+        LocalExecutor(draft, target),
+        max_batch,
+        max_len,
+        t.spec.vocab_size,
+        max_sessions,
+        policy,
+        prefix_caching,
     )
     return engine, tokenizer

@@ -407,6 +407,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
             ids,
             history=history,
             session_key=key or None,
+            cache_scope=call.principal,  # one principal's prefixes never serve another's
             deadline=time.time() + remaining if remaining is not None else None,
             # drawn here, so that a retry on another replica redraws the same
             drawn_seed=secrets.randbits(63),

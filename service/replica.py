@@ -97,7 +97,13 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     target.use_draft(draft)
     policy = AutoPolicy(cfg.auto_arms)
     engine = SpeculativeEngine(
-        RayExecutor(draft, target), cfg.max_batch, max_len, vocab_size, cfg.max_sessions, policy
+        RayExecutor(draft, target),
+        cfg.max_batch,
+        max_len,
+        vocab_size,
+        cfg.max_sessions,
+        policy,
+        cfg.prefix_caching,
     )
     info = dict(
         draft_model=os.path.basename(cfg.draft_dir.rstrip("/")),

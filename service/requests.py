@@ -111,6 +111,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # EOS included unless the client ignores it
     stop: tuple[str, ...] = ()  # stop strings: the gateway's detokenizer cuts them
     session_id: str | None = None  # park the KV under this key when finished (max_sessions > 0)
+    # Without a session: whose cached prefixes this request may reuse and leave its own KV to
+    # (the caller's principal; automatic prefix caching); None: neither.
+    cache_scope: str | None = None
     deadline: float | None = None  # time.time() seconds; None: none
 
 
@@ -276,6 +279,7 @@ class RequestValidator:
         prompt_ids: list[int],
         history: Sequence[int] = (),
         session_key: str | None = None,
+        cache_scope: str | None = None,
         deadline: float | None = None,
         drawn_seed: int | None = None,
     ) -> GenerationRequest:
@@ -316,6 +320,7 @@ class RequestValidator:
             stop_token_ids=self._stop_token_ids(params),
             stop=self._stop_strings(params),
             session_id=session_key,
+            cache_scope=None if session_key else cache_scope,
             deadline=deadline,
         )
 
@@ -435,6 +440,7 @@ def make_request(
     seed: int | None = None,
     stop_token_ids: Sequence[int] = (),
     session_id: str | None = None,
+    cache_scope: str | None = None,
 ) -> GenerationRequest:
     """A checked request from token ids, for an engine driven directly (tests, scripts,
     ``blockspec generate --local``): the validator's, against `limits` (an engine's own:
@@ -454,4 +460,5 @@ def make_request(
         session_id=session_id or "",
     )
     validator = RequestValidator(limits)
-    return validator.request(params, validator.prompt_ids(params), session_key=session_id)
+    ids = validator.prompt_ids(params)
+    return validator.request(params, ids, session_key=session_id, cache_scope=cache_scope)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -72,6 +74,19 @@ def test_an_http_session_continues_and_reports_cached_tokens(service, client, re
         extra = dict(session_id=session) if session else dict(new_session=True)
         answer = chat(client, sent, **extra)
         session = answer.model_extra["blockspec"]["session_id"]
+        cached = answer.usage.prompt_tokens_details.cached_tokens
+        if i:
+            assert cached >= 0.9 * previous, (i, cached, previous)
+        history.append(dict(role="assistant", content=answer.choices[0].message.content))
+        previous = answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_a_stateless_client_reuses_the_longest_cached_prefix(service, client):
+    history: list[dict] = [dict(role="system", content=f"Conversation {time.time_ns()}.")]
+    previous = 0
+    for i, question in enumerate(QUESTIONS):
+        history.append(dict(role="user", content=question))
+        answer = chat(client, history)
         cached = answer.usage.prompt_tokens_details.cached_tokens
         if i:
             assert cached >= 0.9 * previous, (i, cached, previous)
