@@ -98,6 +98,14 @@ class GatewayMetrics:
             registry=registry,
         )
         self.in_flight = Gauge("blockspec_in_flight", "Requests being served", registry=registry)
+        # Every answer of the HTTP API, refusals before the request path (unparsable bodies,
+        # unknown fields, models or routes, tokens) included: by route template and status.
+        self.http = Counter(
+            "blockspec_http_requests",
+            "HTTP API answers by route and status",
+            ("route", "status"),
+            registry=registry,
+        )
 
     def finished(self, method: str, stats: RequestStats, tokens: int) -> None:
         self.output_tokens.labels(method).inc(tokens)
@@ -110,11 +118,18 @@ class GatewayMetrics:
 
 class Refusal(Exception):
     """How a request ends when it does not end OK: its gRPC code and message, and for
-    INVALID_ARGUMENT the request field at fault (the HTTP API names it as OpenAI's param)."""
+    INVALID_ARGUMENT the request field at fault and the kind of fault (the HTTP API's OpenAI
+    ``param`` and ``code``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
-        super().__init__(code, message, field)
-        self.code, self.message, self.field = code, message, field
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        reason: str | None = None,
+    ):
+        super().__init__(code, message, field, reason)
+        self.code, self.message, self.field, self.reason = code, message, field, reason
 
     @property
     def details(self) -> str:
@@ -131,7 +146,7 @@ def refusal_of(exc: BaseException) -> Refusal:
     if isinstance(exc, Refusal):
         return exc
     if isinstance(exc, InvalidArgument):
-        return Refusal(grpc.StatusCode.INVALID_ARGUMENT, cause.message, cause.field)
+        return Refusal(grpc.StatusCode.INVALID_ARGUMENT, cause.message, cause.field, cause.code)
     if isinstance(exc, Overloaded | BackPressureError):
         return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}")
     if isinstance(exc, DeadlineExceeded):
