@@ -437,3 +437,35 @@ async def test_bodies_are_parsed_as_strictly_as_openai_parses_them(body, chat, s
     assert error["type"] == "invalid_request_error" and error["message"]
     if isinstance(body, dict) and "frobnicate" in body:
         assert error["message"] == "Unrecognized request argument supplied: frobnicate"
+
+
+def test_the_docs_list_every_extra_field_refused_field_and_limit():
+    """docs/openai_api.md is the API's reference: it must keep up with the code."""
+    from pathlib import Path
+
+    from service.config import ReplicaConfig
+    from service.http_api import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, EXTENSIONS
+    from service.requests import (
+        CHARS_PER_POSITION,
+        CHAT_ROLES,
+        MAX_STOP_CHARS,
+        MAX_STOP_STRINGS,
+        MAX_STOP_TOKEN_IDS,
+        MAX_TEMPERATURE,
+    )
+
+    doc = (Path(__file__).resolve().parents[1] / "docs/openai_api.md").read_text()
+    for name in EXTENSIONS:
+        assert f"| `{name}` |" in doc, name
+    for name in (*CHAT_UNSUPPORTED, *COMPLETION_UNSUPPORTED):
+        assert f"`{name}`" in doc, name
+    assert ", ".join(f"`{role}`" for role in CHAT_ROLES) in doc
+    assert f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters" in doc
+    assert f"at most {MAX_STOP_TOKEN_IDS}" in doc
+    assert f"at most {CHARS_PER_POSITION} characters per context position" in doc
+    assert f"0 to {MAX_TEMPERATURE:g} (OpenAI's" in doc
+    replica = ReplicaConfig()
+    assert f"{replica.max_new_tokens} by default" in doc
+    assert f"`default_max_new_tokens` ({replica.default_max_new_tokens} by default)" in doc
+    assert f"{replica.max_len} by default" in doc
+    assert f"{replica.max_k} / {replica.max_gamma} by default" in doc
