@@ -61,7 +61,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., method: _Optional[str] = ..., gamma: _Optional[int] = ..., k: _Optional[int] = ..., session_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., new_session: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens", "mean_batch_size", "step_ms", "steps_by_config")
+    __slots__ = ("target_calls", "accepted_tokens", "tokens_per_call", "accepted_per_position", "cached_prompt_tokens", "mean_batch_size", "step_ms", "steps_by_config", "method", "k", "gamma")
     class StepsByConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,9 @@ class SpeculationStats(_message.Message):
     MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     STEPS_BY_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
     target_calls: int
     accepted_tokens: int
     tokens_per_call: float
@@ -85,7 +88,10 @@ class SpeculationStats(_message.Message):
     mean_batch_size: float
     step_ms: StepBreakdown
     steps_by_config: _containers.ScalarMap[str, int]
-    def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., step_ms: _Optional[_Union[StepBreakdown, _Mapping]] = ..., steps_by_config: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    method: str
+    k: int
+    gamma: int
+    def __init__(self, target_calls: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tokens_per_call: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., step_ms: _Optional[_Union[StepBreakdown, _Mapping]] = ..., steps_by_config: _Optional[_Mapping[str, int]] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., gamma: _Optional[int] = ...) -> None: ...
 
 class StepBreakdown(_message.Message):
     __slots__ = ("draft", "tree", "target", "transfer", "verify", "overhead", "prefill")
@@ -154,23 +160,33 @@ class MethodInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., single_path: _Optional[bool] = ..., description: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_new_tokens", "max_k", "max_gamma", "max_context", "max_batch", "max_queued")
+    __slots__ = ("max_new_tokens", "max_k", "max_gamma", "max_context", "max_batch", "max_queued", "max_temperature", "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_prompt_chars")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     max_k: int
     max_gamma: int
     max_context: int
     max_batch: int
     max_queued: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., max_k: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queued: _Optional[int] = ...) -> None: ...
+    max_temperature: float
+    max_stop_strings: int
+    max_stop_chars: int
+    max_stop_token_ids: int
+    max_prompt_chars: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_k: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queued: _Optional[int] = ..., max_temperature: _Optional[float] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("draft_model", "target_model", "vocab_size", "methods", "limits", "default_method", "default_gamma", "tensor_parallel", "chat_template")
+    __slots__ = ("draft_model", "target_model", "vocab_size", "methods", "limits", "default_method", "default_gamma", "tensor_parallel", "chat_template", "default_max_new_tokens", "chat_roles")
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +196,8 @@ class InfoResponse(_message.Message):
     DEFAULT_GAMMA_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ROLES_FIELD_NUMBER: _ClassVar[int]
     draft_model: str
     target_model: str
     vocab_size: int
@@ -189,4 +207,6 @@ class InfoResponse(_message.Message):
     default_gamma: int
     tensor_parallel: int
     chat_template: str
-    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[MethodInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_method: _Optional[str] = ..., default_gamma: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., chat_template: _Optional[str] = ...) -> None: ...
+    default_max_new_tokens: int
+    chat_roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[MethodInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_method: _Optional[str] = ..., default_gamma: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., chat_template: _Optional[str] = ..., default_max_new_tokens: _Optional[int] = ..., chat_roles: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -48,6 +48,14 @@ class Gateway:
     async def models(self, request: Request):
         return self.http.list_models(request)
 
+    @http_app.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str):
+        return self.http.get_model(request, model_id)
+
+    @http_app.get("/v1/blockspec/info")
+    async def info(self, request: Request):
+        return await self.http.info(request)
+
     async def address(self) -> dict[str, Any]:
         return dict(port=self.server.port, metrics_port=self.server.metrics_port)
 

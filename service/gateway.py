@@ -41,7 +41,14 @@ from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
 from service.detokenizer import TextStream
 from service.engine import RequestStats, StepTimes
+from service.policy import AUTO
 from service.requests import (
+    CHARS_PER_POSITION,
+    CHAT_ROLES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     ChatTurn,
     FinishedEvent,
     GenerationRequest,
@@ -91,6 +98,14 @@ class GatewayMetrics:
             registry=registry,
         )
         self.in_flight = Gauge("blockspec_in_flight", "Requests being served", registry=registry)
+        # Every answer of the HTTP API, refusals before the request path (unparsable bodies,
+        # unknown fields, models or routes, tokens) included: by route template and status.
+        self.http = Counter(
+            "blockspec_http_requests",
+            "HTTP API answers by route and status",
+            ("route", "status"),
+            registry=registry,
+        )
 
     def finished(self, method: str, stats: RequestStats, tokens: int) -> None:
         self.output_tokens.labels(method).inc(tokens)
@@ -103,11 +118,18 @@ class GatewayMetrics:
 
 class Refusal(Exception):
     """How a request ends when it does not end OK: its gRPC code and message, and for
-    INVALID_ARGUMENT the request field at fault (the HTTP API names it as OpenAI's param)."""
+    INVALID_ARGUMENT the request field at fault and the kind of fault (the HTTP API's OpenAI
+    ``param`` and ``code``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
-        super().__init__(code, message, field)
-        self.code, self.message, self.field = code, message, field
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        reason: str | None = None,
+    ):
+        super().__init__(code, message, field, reason)
+        self.code, self.message, self.field, self.reason = code, message, field, reason
 
     @property
     def details(self) -> str:
@@ -124,7 +146,7 @@ def refusal_of(exc: BaseException) -> Refusal:
     if isinstance(exc, Refusal):
         return exc
     if isinstance(exc, InvalidArgument):
-        return Refusal(grpc.StatusCode.INVALID_ARGUMENT, cause.message, cause.field)
+        return Refusal(grpc.StatusCode.INVALID_ARGUMENT, cause.message, cause.field, cause.code)
     if isinstance(exc, Overloaded | BackPressureError):
         return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded, retry later: {text}")
     if isinstance(exc, DeadlineExceeded):
@@ -179,8 +201,11 @@ async def _refuse_undecodable(request, context) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
-def speculation_stats(stats: RequestStats, cached_tokens: int) -> pb.SpeculationStats:
-    """A finished request's stats, from the engine's own to the wire's."""
+def speculation_stats(
+    stats: RequestStats, cached_tokens: int, request: GenerationRequest
+) -> pb.SpeculationStats:
+    """A finished request's stats, from the engine's own to the wire's, with the configuration
+    it ran (the validator's, defaults filled in; auto's K and γ are its steps')."""
     calls = max(stats.target_calls, 1)
     step_ms = {name: 1e3 * getattr(stats.steps, name) / calls for name in StepTimes.PHASES}
     return pb.SpeculationStats(
@@ -192,21 +217,26 @@ def speculation_stats(stats: RequestStats, cached_tokens: int) -> pb.Speculation
         mean_batch_size=stats.mean_batch_size,
         step_ms=pb.StepBreakdown(**step_ms),
         steps_by_config=dict(stats.steps_by_config),
+        method=request.method,
+        k=0 if request.method == AUTO else request.k,
+        gamma=0 if request.method == AUTO else request.gamma,
     )
 
 
+# GenerateRequest's fields with explicit presence: unset is the deployment's default (None),
+# set is the value, 0 included (the validator judges it).
+OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "k")
+
+
 def request_params(request: pb.GenerateRequest) -> RequestParams:
-    """The validator's input from the wire request (proto3: 0 and "" mean the default)."""
-    optional = {name: getattr(request, name) for name in ("temperature", "top_p", "seed")}
+    """The validator's input from the wire request (unset optional fields and an empty method
+    mean the default)."""
+    optional = {name: getattr(request, name) for name in OPTIONAL_FIELDS}
     return RequestParams(
         prompt=request.prompt,
         prompt_token_ids=tuple(request.prompt_token_ids),
         messages=tuple(ChatTurn(m.role, m.content) for m in request.messages),
-        max_new_tokens=request.max_new_tokens or None,
         method=request.method or None,
-        k=request.k or None,
-        gamma=request.gamma or None,
-        top_k=request.top_k,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
         session_id=request.session_id,
@@ -277,11 +307,18 @@ class GenerationService(pb_grpc.GeneratorServicer):
                 max_context=i.max_context,
                 max_batch=i.max_batch,
                 max_queued=i.max_queued,
+                max_temperature=MAX_TEMPERATURE,
+                max_stop_strings=MAX_STOP_STRINGS,
+                max_stop_chars=MAX_STOP_CHARS,
+                max_stop_token_ids=MAX_STOP_TOKEN_IDS,
+                max_prompt_chars=CHARS_PER_POSITION * i.max_context,
             ),
             default_method=i.default_method,
             default_gamma=i.default_gamma,
             tensor_parallel=i.tensor_parallel,
             chat_template=_default_template(self.tokenizer.chat_template),
+            default_max_new_tokens=i.default_max_new_tokens,
+            chat_roles=CHAT_ROLES,
         )
 
     async def Generate(self, request, context) -> pb.GenerateResponse:
@@ -479,7 +516,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
         call.reply += tail
         if request.session_id:
             await self._save_session(session, request, output, final, call)
-        stats = final.stats and speculation_stats(final.stats, final.cached_tokens)
+        stats = final.stats and speculation_stats(final.stats, final.cached_tokens, request)
         yield pb.GenerateChunk(
             text=tail,
             finish_reason=FINISH[final.finish_reason],

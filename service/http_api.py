@@ -3,6 +3,8 @@
     POST /v1/chat/completions   messages through the target model's chat template
     POST /v1/completions        a prompt (text, or token ids)
     GET  /v1/models             the one model this deployment serves
+    GET  /v1/models/{id}        that model (404 model_not_found for any other id)
+    GET  /v1/blockspec/info     the gRPC Info: models, vocabulary, methods, limits, defaults
 
 Both POSTs stream as server-sent events with ``"stream": true`` (ending in ``data: [DONE]``)
 and report ``usage``. A request body is parsed into the validator's input
@@ -14,10 +16,15 @@ OpenAI's error schema (:data:`HTTP_STATUS`), the field at fault its ``param``.
 OpenAI fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` (or
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``stop``, ``seed``, ``stream``,
 ``stream_options.include_usage``, ``n`` = 1, ``user`` (ignored). Fields this service cannot
-honour (``n`` > 1, ``logprobs``, penalties, tools, ...) are refused by name, never ignored.
-blockspec's own knobs ride along as extra body fields (``method``, ``k``, ``gamma``, ``top_k``,
-``session_id``, ``new_session``, ``ignore_eos``, ``stop_token_ids``); the speculation stats
-come back under a ``blockspec`` key.
+honour (``n`` > 1, ``logprobs``, penalties, tools, ...) are refused by name, never ignored;
+so is a field OpenAI does not have either ("Unrecognized request argument supplied: ...", as
+OpenAI answers). blockspec's own knobs ride along as extra body fields (:data:`EXTENSIONS`);
+the speculation stats come back under a ``blockspec`` key.
+
+As strict as OpenAI's API, in OpenAI's error schema: types and unknown fields are this module's
+to refuse (the parser's job), every bound is the validator's (service/requests.py, one place for
+both wires), unknown routes and methods answer OpenAI's 404 / 405 bodies, and every answer is
+counted by route and status (``blockspec_http_requests_total``).
 """
 
 from __future__ import annotations
@@ -26,13 +33,15 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from protos import blockspec_pb2 as pb
 from service.gateway import Refusal
@@ -53,62 +62,144 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 # Wire fields that OpenAI names otherwise: error messages name the field the client sent.
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
-# OpenAI fields with no meaning here: accepted only at their default (value), else refused.
+# OpenAI fields with no meaning here, per endpoint: accepted only at their default (value, or
+# empty), else refused by name. Any other field OpenAI does not have is refused as unknown.
 UNSUPPORTED: dict[str, Any] = {
-    "best_of": 1,
-    "echo": False,
     "frequency_penalty": 0,
     "presence_penalty": 0,
     "logit_bias": None,
     "logprobs": None,
-    "top_logprobs": None,
-    "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "response_format": None,
 }
+CHAT_UNSUPPORTED: dict[str, Any] = {
+    **UNSUPPORTED,
+    "top_logprobs": None,
+    "tools": None,
+    "tool_choice": "none",
+    "parallel_tool_calls": None,
+    "functions": None,
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "modalities": ["text"],
+    "audio": None,
+    "prediction": None,
+    "store": False,
+    "metadata": None,
+    "service_tier": "auto",
+    "reasoning_effort": None,
+    "web_search_options": None,
+}
+COMPLETION_UNSUPPORTED: dict[str, Any] = {
+    **UNSUPPORTED,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+}
+# blockspec's own body fields (protos/blockspec.proto), accepted beside OpenAI's.
+EXTENSIONS = (
+    "method",
+    "k",
+    "gamma",
+    "top_k",
+    "session_id",
+    "new_session",
+    "ignore_eos",
+    "stop_token_ids",
+)
 
 http_app = FastAPI(title="blockspec", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 class ApiError(Exception):
-    """An HTTP error in OpenAI's schema."""
+    """An HTTP error in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.kind, self.message, self.param = status, kind, message, param
+        self.status, self.kind, self.message = status, kind, message
+        self.param, self.code = param, code
 
     @staticmethod
-    def from_refusal(refusal: Refusal) -> ApiError:
+    def from_refusal(refusal: Refusal, chat: bool = False) -> ApiError:
         """The gateway's refusal, its field (if any) under the name the client sent."""
         status, kind = HTTP_STATUS.get(refusal.code, (500, "server_error"))
         if refusal.field is None:
             return ApiError(status, kind, refusal.message)
-        param = OPENAI_NAMES.get(refusal.field, refusal.field)
-        return ApiError(status, kind, f"{param}: {refusal.message}", param)
+        names = dict(OPENAI_NAMES, prompt="messages") if chat else OPENAI_NAMES
+        param = names.get(refusal.field, refusal.field)
+        return ApiError(status, kind, f"{param}: {refusal.message}", param, refusal.reason)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": None}}  # fmt: skip
+                          "code": self.code}}  # fmt: skip
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, "invalid_request_error", f"{param}: {message}", param)
+def invalid(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
+    text = f"{param}: {message}" if param else message
+    return ApiError(400, "invalid_request_error", text, param, code)
 
 
-class TextPart(BaseModel):
+def model_not_found(model: str) -> ApiError:
+    """OpenAI's answer for a model it does not serve (404, ``model_not_found``)."""
+    message = f"The model `{model}` does not exist or you do not have access to it."
+    return ApiError(404, "invalid_request_error", message, None, "model_not_found")
+
+
+def _param(loc: tuple) -> str:
+    """A pydantic error location as OpenAI writes a param: messages[0].content."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _client_loc(loc: tuple) -> tuple:
+    """A pydantic error location without the union members' type tags (str, list[int], ...),
+    which are no names the client sent."""
+    tags = ("str", "int", "float", "bool", "none")
+    return tuple(p for p in loc if not (isinstance(p, str) and (p in tags or "[" in p)))
+
+
+def parse_error(err: ValidationError) -> ApiError:
+    """A body's first type error, as OpenAI words it (missing, wrong type, wrong value)."""
+    errors = [dict(e, loc=_client_loc(e["loc"])) for e in err.errors()]
+    # A union (str | list[...]) fails once per member: the deepest failure is the telling one.
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+                key=lambda e: len(e["loc"]))  # fmt: skip
+    param = _param(first["loc"])
+    if first["type"] == "missing":
+        return invalid(param, "missing required parameter", "missing_required_parameter")
+    if first["type"] == "extra_forbidden":
+        return invalid(param, "unknown parameter", "unknown_parameter")
+    if first["type"].endswith(("_type", "_parsing")):
+        return invalid(param, f"invalid type: {first['msg']}", "invalid_type")
+    return invalid(param, first["msg"])
+
+
+class _Strict(BaseModel):
+    """Strict types (no "5" for 5, no true for 1), no field beyond the declared ones."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    role: str
+class Message(_Strict):
+    role: str  # the validator checks it (service/requests.py CHAT_ROLES)
     content: str | list[TextPart] | None = None
+    name: str | None = None  # OpenAI's participant name: accepted, not rendered
+    tool_call_id: str | None = None  # a tool message's: accepted, not rendered
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -116,15 +207,18 @@ class Message(BaseModel):
         return self.content or ""
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    """Fields both endpoints share; unknown fields are ignored (clients add their own). Only
-    types are checked here: the bounds are the validator's (service/requests.py)."""
+    """Fields both endpoints share. Only types and names are checked here: the bounds are the
+    validator's (service/requests.py). Extra fields are kept to be judged by name: OpenAI's
+    that this service cannot honour (:attr:`unsupported`) are refused unless at their default,
+    any other is unknown and refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
+    unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED
 
     model: str
     max_tokens: int | None = None
@@ -147,15 +241,17 @@ class _Body(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name not in self.unsupported:
+                raise invalid(None, f"Unrecognized request argument supplied: {name}", None)
+            if value is None or value is False or value == [] or value == self.unsupported[name]:
+                continue
+            raise invalid(name, f"{value!r} is not supported by this service", "unsupported_value")
+        if self.n < 1:
+            raise invalid("n", f"{self.n} must be >= 1", "integer_below_min_value")
         if self.n != 1:
-            raise invalid("n", "only n = 1 is supported (one completion per request)")
-        for name, default in UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name)
-            if value is None or value is False or value == default or value == []:
-                continue
-            if name == "response_format" and value == {"type": "text"}:
-                continue
-            raise invalid(name, f"{value!r} is not supported by this service")
+            message = "only n = 1 is supported (one completion per request)"
+            raise invalid("n", message, "unsupported_value")
 
     def params(self, **prompt) -> RequestParams:
         """The validator's input: this body's fields under the wire contract's names."""
@@ -179,6 +275,7 @@ class _Body(BaseModel):
 
 
 class ChatBody(_Body):
+    unsupported: ClassVar[dict[str, Any]] = CHAT_UNSUPPORTED
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
@@ -189,6 +286,7 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
+    unsupported: ClassVar[dict[str, Any]] = COMPLETION_UNSUPPORTED
     prompt: str | list[str] | list[int]
 
     def request(self) -> RequestParams:
@@ -251,15 +349,20 @@ def _stats(chunk: pb.GenerateChunk, call) -> dict:
 
 
 class OpenAIFrontend:
-    """The three endpoints over a gateway's GenerationService (service.gateway)."""
+    """The endpoints over a gateway's GenerationService (service.gateway)."""
 
     def __init__(self, service, model_id: str):
+        global _metrics
         self.service, self.model_id = service, model_id
         self.created = int(time.time())
+        # Counted by this process's HTTP app (CountAnswers), in the gateway's registry.
+        _metrics = getattr(service, "metrics", None)
+
+    def model_object(self) -> dict:
+        return dict(id=self.model_id, object="model", created=self.created, owned_by="blockspec")
 
     def models(self) -> dict:
-        model = dict(id=self.model_id, object="model", created=self.created, owned_by="blockspec")
-        return dict(object="list", data=[model])
+        return dict(object="list", data=[self.model_object()])
 
     def authorize(self, request: Request) -> None:
         """The gateway's token check (no token 401, an unknown one 403)."""
@@ -276,6 +379,29 @@ class OpenAIFrontend:
         except ApiError as err:
             return err.response()
         return self.models()
+
+    def get_model(self, request: Request, model_id: str):
+        """GET /v1/models/{id}: OpenAI's model object, or 404 model_not_found."""
+        try:
+            self.authorize(request)
+            if model_id != self.model_id:
+                raise model_not_found(model_id)
+        except ApiError as err:
+            return err.response()
+        return self.model_object()
+
+    async def info(self, request: Request):
+        """GET /v1/blockspec/info: the gRPC Info (service.gateway), field for field, with the
+        model id this API serves it under and the body fields it takes beside OpenAI's."""
+        try:
+            self.authorize(request)
+        except ApiError as err:
+            return err.response()
+        reply = await self.service.Info(pb.InfoRequest(), None)
+        facts = MessageToDict(
+            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        return dict(facts, model=self.model_id, extra_body_fields=list(EXTENSIONS))
 
     async def complete(self, request: Request, chat: bool):
         try:
@@ -295,18 +421,20 @@ class OpenAIFrontend:
             first = await anext(chunks)  # errors before any output keep their HTTP status
             streaming = True
         except Refusal as refusal:
-            return ApiError.from_refusal(refusal).response()
+            return ApiError.from_refusal(refusal, chat).response()
         finally:
             if not streaming:
                 context.done()
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._events(answer, first, chunks, context, usage),
+            self._events(answer, first, chunks, context, usage, chat),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def _events(self, answer, first, chunks, context, usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self, answer, first, chunks, context, usage: bool, chat: bool
+    ) -> AsyncIterator[str]:
         async def all_chunks():
             yield first
             async for chunk in chunks:  # to its end: the gateway then counts the request OK
@@ -321,32 +449,28 @@ class OpenAIFrontend:
             if usage:
                 yield _sse(answer.usage_event())
         except Refusal as refusal:  # after the first chunk: the status line is long gone
-            yield _sse(ApiError.from_refusal(refusal).body())
+            yield _sse(ApiError.from_refusal(refusal, chat).body())
         finally:
             context.done()  # a client that went away lands here too: its slot is freed
         yield "data: [DONE]\n\n"
 
     async def _parse(self, request: Request, kind: type[_Body]):
+        """The body, parsed and type-checked (the parser's refusals: not JSON, a wrong type,
+        an unknown or unsupported field, another model), and the validator's input."""
         try:
             raw = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, "invalid_request_error", f"body: not JSON ({err})") from None
+            message = f"We could not parse the JSON body of your request: {err}"
+            raise invalid(None, message, None) from None
         if not isinstance(raw, dict):
-            raise ApiError(400, "invalid_request_error", "body: a JSON object is expected")
+            raise invalid(None, "The body of your request must be a JSON object.", None)
         try:
             body = kind.model_validate(raw)
         except ValidationError as err:
-            first = err.errors()[0]
-            param = ".".join(str(part) for part in first["loc"]) or "body"
-            raise invalid(param, first["msg"]) from None
-        if body.model != self.model_id:
-            raise ApiError(
-                404,
-                "not_found_error",
-                f"model: {body.model!r} is not served here; GET /v1/models lists {self.model_id!r}",
-                "model",
-            )
+            raise parse_error(err) from None
         body.refuse_unsupported()
+        if body.model != self.model_id:
+            raise model_not_found(body.model)
         return body, body.request()
 
 
@@ -420,3 +544,60 @@ class _Answer:
 
 def _sse(event: dict) -> str:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+# ------------------------------------------------------------------ OpenAI's answers, counted
+_metrics = None  # the gateway's GatewayMetrics in this process (set by OpenAIFrontend)
+
+
+@http_app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Routing's own errors (no such route, a route without this method) in OpenAI's words,
+    instead of FastAPI's ``{"detail": ...}``."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"Unknown request URL: {where}. Please check the URL for typos."
+        err = ApiError(404, "invalid_request_error", message, None, "unknown_url")
+    elif exc.status_code == 405:
+        err = ApiError(405, "invalid_request_error", f"Invalid method for URL ({where})")
+    else:
+        err = ApiError(exc.status_code, "invalid_request_error", str(exc.detail))
+    return err.response()
+
+
+@http_app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own request checks (422 by default): OpenAI's 400."""
+    first = (exc.errors() or [{}])[0]
+    loc = tuple(p for p in first.get("loc", ()) if p not in ("body", "path", "query"))
+    return invalid(_param(loc), first.get("msg", "invalid request")).response()
+
+
+class CountAnswers:
+    """ASGI middleware: every HTTP answer in ``blockspec_http_requests_total`` by route template
+    (``unmatched`` for no route) and status, the refusals no request path saw included. Plain
+    ASGI, not BaseHTTPMiddleware, so streams and client disconnects pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or _metrics is None:
+            return await self.app(scope, receive, send)
+        status = [500]  # an exception before the answer started: the server's error
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            # The router records the route it matched (fully, or all but the method) in the
+            # scope it was handed: this one.
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            _metrics.http.labels(route, str(status[0])).inc()
+
+
+http_app.add_middleware(CountAnswers)

@@ -35,11 +35,12 @@ if TYPE_CHECKING:  # the engine imports this module
 
 class InvalidArgument(ValueError):
     """A request field the caller got wrong (gRPC INVALID_ARGUMENT, HTTP 400): `field` names it
-    (the wire contract's name), `message` says what is wrong with it."""
+    (the wire contract's name), `message` says what is wrong with it, `code` which kind of wrong
+    it is, in OpenAI's words (the HTTP API's error ``code``)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)  # both in args: Ray pickles the exception by them
-        self.field, self.message = field, message
+    def __init__(self, field: str, message: str, code: str = "invalid_value"):
+        super().__init__(field, message, code)  # all in args: Ray pickles the exception by them
+        self.field, self.message, self.code = field, message, code
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
@@ -195,6 +196,10 @@ class ReplicaStats:
 CHARS_PER_POSITION = 32  # more text per context position cannot fit: refused untokenized
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_STOP_TOKEN_IDS = 64
+# OpenAI's bounds, held by every wire (one contract): temperature in [0, 2], and the roles a
+# chat message may have.
+MAX_TEMPERATURE = 2.0
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 def context_needed(prompt_tokens: int, max_new_tokens: int, method: str, gamma: int) -> int:
@@ -207,9 +212,10 @@ def context_needed(prompt_tokens: int, max_new_tokens: int, method: str, gamma: 
 
 def _check_range(name: str, value: int, most: int | None) -> None:
     if most is None and value < 1:
-        raise InvalidArgument(name, f"{value} must be >= 1")
+        raise InvalidArgument(name, f"{value} must be >= 1", "integer_below_min_value")
     if most is not None and not 1 <= value <= most:
-        raise InvalidArgument(name, f"{value} out of range [1, {most}]")
+        code = "integer_below_min_value" if value < 1 else "integer_above_max_value"
+        raise InvalidArgument(name, f"{value} out of range [1, {most}]", code)
 
 
 def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -231,6 +237,7 @@ class RequestValidator:
         template, ending in the assistant's generation prompt), after the size checks that
         come before any work."""
         self._check_sizes(params)
+        _check_roles(params.messages)
         given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(params, f)]
         if len(given) > 1:
             raise InvalidArgument(given[0], "set one of prompt, prompt_token_ids, messages")
@@ -300,10 +307,7 @@ class RequestValidator:
         _check_ids("prompt_token_ids", prompt_ids, limits.vocab_size)
         method, k, gamma = self._speculation(params)
         max_new = _default(params.max_new_tokens, limits.default_max_new_tokens)
-        if not 1 <= max_new <= limits.max_new_tokens:
-            raise InvalidArgument(
-                "max_new_tokens", f"{max_new} out of range [1, {limits.max_new_tokens}]"
-            )
+        _check_range("max_new_tokens", max_new, limits.max_new_tokens)
         sampling = _sampling(params)
         seed = _default(params.seed, drawn_seed)
         if seed is not None and not 0 <= seed < 1 << 64:
@@ -343,18 +347,20 @@ class RequestValidator:
             )
         if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
             raise InvalidArgument(
-                "stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
+                "stop",
+                f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters",
+                "array_above_max_length",
             )
         if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+            raise InvalidArgument(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", "array_above_max_length"
+            )
 
     def _render(self, messages: tuple[ChatTurn, ...]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise InvalidArgument(
                 "messages", "the target model has no chat template; send a prompt"
             )
-        if any(not m.role for m in messages):
-            raise InvalidArgument("messages", "every message needs a role")
         try:
             return render_chat(
                 self.tokenizer, [{"role": m.role, "content": m.content} for m in messages]
@@ -364,7 +370,8 @@ class RequestValidator:
 
     def _speculation(self, params: RequestParams) -> tuple[str, int, int]:
         """(method, K, γ) with the defaults filled in; plain decoding runs with K = γ = 1 and
-        auto chooses K and γ itself (service/policy.py), so their k and gamma are ignored."""
+        auto chooses K and γ itself (service/policy.py), so their k and gamma are ignored (but
+        an explicit k or gamma below 1 is a mistake whatever the method)."""
         limits = self.limits
         method = params.method or limits.default_method
         k = _default(params.k, 1)
@@ -374,6 +381,9 @@ class RequestValidator:
                 "method",
                 f"unknown {method!r}; expected none, auto or one of {', '.join(VERIFIERS)}",
             )
+        for name in ("k", "gamma"):
+            if getattr(params, name) is not None:
+                _check_range(name, getattr(params, name), None)
         if method == PLAIN:
             return method, 1, 1
         if method == AUTO:
@@ -396,6 +406,7 @@ class RequestValidator:
                 "prompt",
                 f"{prompt_tokens} tokens{where} + max_new_tokens {max_new_tokens} + γ "
                 f"exceed the model context ({most})",
+                "context_length_exceeded",
             )
 
     def _stop_token_ids(self, params: RequestParams) -> tuple[int, ...]:
@@ -416,16 +427,35 @@ def _default(value, default):
     return default if value is None else value
 
 
+def _check_roles(messages: tuple[ChatTurn, ...]) -> None:
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role",
+                f"{m.role!r} is not a role; expected one of {', '.join(CHAT_ROLES)}",
+            )
+
+
 def _sampling(params: RequestParams) -> SamplingParams:
     temperature = _default(params.temperature, 1.0)
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise InvalidArgument("temperature", f"must be finite and >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        code = "decimal_above_max_value" if temperature > MAX_TEMPERATURE else "invalid_value"
+        if temperature < 0:
+            code = "decimal_below_min_value"
+        raise InvalidArgument(
+            "temperature", f"must lie in [0, {MAX_TEMPERATURE:g}], got {temperature}", code
+        )
     top_k = _default(params.top_k, 0)
     if top_k < 0:
-        raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {top_k}")
+        raise InvalidArgument(
+            "top_k", f"must be >= 0 (0 = off), got {top_k}", "integer_below_min_value"
+        )
     top_p = _default(params.top_p, 1.0)
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise InvalidArgument("top_p", f"must lie in (0, 1], got {top_p}")
+        code = "decimal_above_max_value" if top_p > 1 else "invalid_value"
+        if top_p <= 0:
+            code = "decimal_below_min_value"
+        raise InvalidArgument("top_p", f"must lie in (0, 1], got {top_p}", code)
     return SamplingParams(temperature, top_k, top_p)
 
 

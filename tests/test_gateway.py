@@ -4,6 +4,7 @@ character, stop strings cut text and token ids exactly), and the gRPC code of ea
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import grpc
@@ -11,10 +12,11 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 from transformers import AutoTokenizer
 
+from protos import blockspec_pb2 as pb
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
 from service.detokenizer import TextStream
-from service.gateway import refusal_of
-from service.requests import InvalidArgument
+from service.gateway import refusal_of, request_params
+from service.requests import InvalidArgument, Limits, RequestValidator
 from service.sessions import StoreUnavailableError
 from workers.models import TINY_TARGET
 
@@ -97,3 +99,66 @@ def test_errors_map_to_grpc_codes(error, code):
     assert refusal.code == code
     assert str(error) in refusal.details  # the cause reaches the client
     assert refusal.field == ("k" if code == CODE.INVALID_ARGUMENT else None)
+
+
+LIMITS = Limits(
+    vocab_size=100,
+    max_context=64,
+    max_new_tokens=32,
+    max_k=4,
+    max_gamma=6,
+    default_method="block",
+    default_gamma=4,
+    default_max_new_tokens=16,
+)
+
+
+def _checked(**fields):
+    params = request_params(pb.GenerateRequest(prompt_token_ids=[1, 2], **fields))
+    validator = RequestValidator(LIMITS)
+    return validator.request(params, validator.prompt_ids(params))
+
+
+def test_unset_fields_are_the_defaults_and_a_set_zero_is_a_value():
+    """proto3 explicit presence: unset means the deployment's default, a set 0 is checked like
+    any value (and refused naming the field), not read as "the default"."""
+    r = _checked()
+    assert (r.method, r.k, r.gamma, r.max_new_tokens) == ("block", 1, 4, 16)
+    assert r.sampling.top_k == 0 and r.sampling.temperature == 1.0
+    r = _checked(method="gbv", k=3, gamma=2, max_new_tokens=5, top_k=7, temperature=0)
+    assert (r.method, r.k, r.gamma, r.max_new_tokens) == ("gbv", 3, 2, 5)
+    assert (r.sampling.top_k, r.sampling.temperature) == (7, 0)
+    assert _checked(top_k=0).sampling.top_k == 0  # 0 = off, Hugging Face's meaning: allowed
+    for field, value, code in [
+        ("k", 0, "integer_below_min_value"),
+        ("gamma", 0, "integer_below_min_value"),
+        ("max_new_tokens", 0, "integer_below_min_value"),
+        ("k", 5, "integer_above_max_value"),
+        ("temperature", 2.5, "decimal_above_max_value"),
+        ("top_k", -1, "integer_below_min_value"),
+    ]:
+        with pytest.raises(InvalidArgument) as err:
+            _checked(method="gbv", **{field: value})
+        assert (err.value.field, err.value.code) == (field, code), err.value
+    for method in ("auto", "none"):  # their k and gamma are ignored, but a 0 is a mistake
+        with pytest.raises(InvalidArgument) as err:
+            _checked(method=method, gamma=0)
+        assert err.value.field == "gamma"
+        assert _checked(method=method, k=3, gamma=2).method == method
+
+
+def test_chat_roles_are_openais():
+    params = request_params(
+        pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi"),
+                                     pb.ChatMessage(role="robot", content="x")])
+    )  # fmt: skip
+    with pytest.raises(InvalidArgument) as err:
+        RequestValidator(LIMITS).prompt_ids(params)
+    assert err.value.field == "messages[1].role" and "'robot'" in err.value.message
+
+
+def test_an_invalid_argument_survives_pickling_with_its_code():
+    err = pickle.loads(
+        pickle.dumps(InvalidArgument("k", "0 must be >= 1", "integer_below_min_value"))
+    )
+    assert (err.field, err.message, err.code) == ("k", "0 must be >= 1", "integer_below_min_value")

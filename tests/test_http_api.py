@@ -18,7 +18,7 @@ from protos import blockspec_pb2 as pb
 from service.auth import BearerAuth
 from service.gateway import Refusal
 from service.http_api import ApiError, OpenAIFrontend
-from tests.test_service import poll_gateway_metrics, stats, wait_idle
+from tests.test_service import poll_gateway_metrics, scrape, stats, wait_idle
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
 
@@ -102,31 +102,172 @@ def test_prompt_as_token_ids(service, client, model):
 
 
 @pytest.mark.parametrize(
-    ("fields", "param", "status"),
+    ("fields", "param", "code"),
     [
-        (dict(max_tokens=0), "max_tokens", 400),  # given, so not the default (unlike gRPC's 0)
-        (dict(max_tokens=100_000), "max_tokens", 400),  # the shared limit (max_new_tokens)
-        (dict(extra_body=dict(gamma=999)), "gamma", 400),
-        (dict(extra_body=dict(method="nope")), "method", 400),
-        (dict(extra_body=dict(method="token", k=3)), "k", 400),
-        (dict(temperature=-1), "temperature", 400),
-        (dict(n=2), "n", 400),
-        (dict(logprobs=2), "logprobs", 400),
-        (dict(presence_penalty=0.5), "presence_penalty", 400),
-        (dict(echo=True), "echo", 400),
-        (dict(seed=-4), "seed", 400),
-        (dict(prompt=""), "prompt", 400),
-        (dict(model="gpt-4o"), "model", 404),
+        (dict(max_tokens=0), "max_tokens", "integer_below_min_value"),
+        (dict(max_tokens=100_000), "max_tokens", "integer_above_max_value"),  # max_new_tokens
+        (dict(extra_body=dict(gamma=999)), "gamma", "integer_above_max_value"),
+        (dict(extra_body=dict(k=0)), "k", "integer_below_min_value"),
+        (dict(extra_body=dict(method="nope")), "method", "invalid_value"),
+        (dict(extra_body=dict(method="token", k=3)), "k", "invalid_value"),
+        (dict(temperature=-1), "temperature", "decimal_below_min_value"),
+        (dict(temperature=2.5), "temperature", "decimal_above_max_value"),  # OpenAI's [0, 2]
+        (dict(top_p=1.5), "top_p", "decimal_above_max_value"),
+        (dict(n=2), "n", "unsupported_value"),
+        (dict(n=0), "n", "integer_below_min_value"),
+        (dict(logprobs=2), "logprobs", "unsupported_value"),
+        (dict(presence_penalty=0.5), "presence_penalty", "unsupported_value"),
+        (dict(echo=True), "echo", "unsupported_value"),
+        (dict(seed=-4), "seed", "invalid_value"),
+        (dict(prompt=""), "prompt", "invalid_value"),
+        (dict(prompt="x " * 400), "prompt", "context_length_exceeded"),
+        (dict(stop=["a"] * 17), "stop", "array_above_max_length"),
+        (dict(extra_body=dict(max_tokens="5")), "max_tokens", "invalid_type"),  # no coercion
+        (dict(extra_body=dict(seed=True)), "seed", "invalid_type"),
     ],
 )
-def test_bad_fields_get_an_openai_error_naming_the_field(client, model, fields, param, status):
+def test_bad_fields_get_an_openai_error_naming_the_field(client, model, fields, param, code):
     kwargs = dict(model=model, prompt="hello", max_tokens=4) | fields
-    with pytest.raises(openai.APIStatusError) as err:
+    with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**kwargs)
-    assert err.value.status_code == status
     body = err.value.body
     assert body["param"] == param and body["message"].startswith(param), body
-    assert body["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert body["type"] == "invalid_request_error" and body["code"] == code, body
+
+
+def test_unknown_fields_and_models_are_refused_as_openai_refuses_them(client, model):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="x", extra_body=dict(frobnicate=1))
+    assert err.value.body == {
+        "message": "Unrecognized request argument supplied: frobnicate",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    with pytest.raises(openai.BadRequestError) as err:  # a chat field is unknown here
+        client.completions.create(model=model, prompt="x", extra_body=dict(messages=[]))
+    assert err.value.body["message"] == "Unrecognized request argument supplied: messages"
+    for call in (
+        lambda m: client.completions.create(model=m, prompt="x", max_tokens=2),
+        lambda m: client.chat.completions.create(model=m, messages=MESSAGES, max_tokens=2),
+        lambda m: client.models.retrieve(m),
+    ):
+        with pytest.raises(openai.NotFoundError) as err:
+            call("gpt-4o")
+        assert err.value.body == {
+            "message": "The model `gpt-4o` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+    # blockspec's own fields stay accepted (docs/openai_api.md lists them).
+    out = client.completions.create(
+        model=model,
+        prompt="x",
+        max_tokens=3,
+        extra_body=dict(method="gbv", k=2, gamma=2, top_k=5, ignore_eos=True, new_session=True,
+                        stop_token_ids=[1]),
+    )  # fmt: skip
+    extension = out.model_extra["blockspec"]
+    assert (extension["method"], extension["k"], extension["gamma"]) == ("gbv", 2, 2)
+    assert extension["session_id"]
+
+
+def test_chat_roles_and_message_types_are_openais(client, model):
+    for messages, param, code in [
+        ([{"role": "robot", "content": "x"}], "messages[0].role", "invalid_value"),
+        ([MESSAGES[0], {"role": "", "content": "x"}], "messages[1].role", "invalid_value"),
+        ([{"role": "user", "content": 5}], "messages[0].content", "invalid_type"),
+        (
+            [{"role": "user", "content": "x", "colour": 1}],
+            "messages[0].colour",
+            "unknown_parameter",
+        ),
+        ([{"content": "x"}], "messages[0].role", "missing_required_parameter"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+        body = err.value.body
+        assert (body["param"], body["code"], body["type"]) == (
+            param, code, "invalid_request_error"
+        ), body  # fmt: skip
+    system = {"role": "developer", "content": "Be brief."}
+    out = client.chat.completions.create(model=model, messages=[system, *MESSAGES], max_tokens=2)
+    assert out.choices[0].message.role == "assistant"
+
+
+def http_metrics(service) -> dict[str, float]:
+    port = service["address"]["metrics_port"]
+    return scrape(f"http://127.0.0.1:{port}/metrics", keep=("route", "status"))
+
+
+def http_call(service, method: str, path: str, payload: bytes | None = None):
+    """(status, JSON body) of one raw HTTP call."""
+    req = urllib.request.Request(
+        service["http"] + path,
+        data=payload,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_unknown_routes_and_methods_answer_in_openais_schema_and_are_counted(service):
+    counted = {
+        'blockspec_http_requests_total{route="unmatched",status="404"}': 2,
+        'blockspec_http_requests_total{route="/v1/chat/completions",status="405"}': 1,
+        'blockspec_http_requests_total{route="/v1/completions",status="400"}': 2,
+        'blockspec_http_requests_total{route="/v1/models",status="200"}': 1,
+    }
+    before = http_metrics(service)
+    status, body = http_call(service, "GET", "/v1/frobnicate")
+    assert status == 404 and "detail" not in body, body
+    assert body["error"] == {
+        "message": "Unknown request URL: GET /v1/frobnicate. Please check the URL for typos.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "unknown_url",
+    }
+    status, body = http_call(service, "POST", "/completions", b"{}")  # no /v1
+    assert status == 404 and body["error"]["code"] == "unknown_url"
+    status, body = http_call(service, "GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"] == "Invalid method for URL (GET /v1/chat/completions)"
+    # Refused before blockspec's own checks: still counted.
+    assert http_call(service, "POST", "/v1/completions", b"{not json")[0] == 400
+    assert http_call(service, "POST", "/v1/completions", b'{"frobnicate": 1}')[0] == 400
+    assert http_call(service, "GET", "/v1/models")[0] == 200
+    deadline = time.monotonic() + 20  # counted once each answer has gone out
+    while True:
+        after = http_metrics(service)
+        grown = {name: after.get(name, 0) - before.get(name, 0) for name in counted}
+        if grown == counted or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grown == counted, (before, after)
+
+
+def test_model_and_info_routes_say_what_grpc_info_says(service, client, model):
+    retrieved = client.models.retrieve(model)
+    assert (retrieved.id, retrieved.object, retrieved.owned_by) == (model, "model", "blockspec")
+    status, info = http_call(service, "GET", "/v1/blockspec/info")
+    assert status == 200
+    ref = service["stub"].Info(pb.InfoRequest())
+    assert info["model"] == model == ref.target_model
+    assert info["vocab_size"] == ref.vocab_size
+    assert [m["name"] for m in info["methods"]] == [m.name for m in ref.methods]
+    assert info["limits"]["max_context"] == ref.limits.max_context
+    assert info["limits"]["max_new_tokens"] == ref.limits.max_new_tokens
+    assert info["limits"]["max_temperature"] == 2
+    assert info["default_method"] == ref.default_method
+    assert info["default_gamma"] == ref.default_gamma
+    assert info["default_max_new_tokens"] == ref.default_max_new_tokens
+    assert info["chat_template"] == ref.chat_template
+    assert set(info["extra_body_fields"]) >= {"method", "k", "gamma", "session_id"}
 
 
 def test_malformed_bodies_are_refused_and_the_server_stays_up(service, client, model):
@@ -143,7 +284,7 @@ def test_malformed_bodies_are_refused_and_the_server_stays_up(service, client, m
         assert error["type"] == "invalid_request_error" and error["message"]
     with pytest.raises(openai.BadRequestError) as err:  # no chat template rendering: roles
         client.chat.completions.create(model=model, messages=[{"role": "", "content": "x"}])
-    assert err.value.body["param"] == "messages"
+    assert err.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as err:  # a stream refused before it starts
         client.completions.create(model=model, prompt="x", stream=True, extra_body=dict(gamma=999))
     assert err.value.body["param"] == "gamma"
@@ -190,8 +331,13 @@ def test_a_cancelled_stream_frees_its_slot(service, client, model):
 def test_gateway_codes_map_to_http_statuses(code, status):
     err = ApiError.from_refusal(Refusal(code, "overloaded, retry later: the gateway holds 40"))
     assert err.status == status and err.param is None
-    named = ApiError.from_refusal(Refusal(code, "at most 512", field="max_new_tokens"))
+    named = ApiError.from_refusal(Refusal(code, "at most 512", "max_new_tokens", "too_big"))
     assert named.param == "max_tokens" and named.message == "max_tokens: at most 512"
+    assert named.body()["error"]["code"] == "too_big"
+    # The context check names the prompt: a chat's prompt is its messages.
+    context = Refusal(code, "exceeds", "prompt", "context_length_exceeded")
+    assert ApiError.from_refusal(context, chat=True).param == "messages"
+    assert ApiError.from_refusal(context).param == "prompt"
 
 
 class _GenerationService:
@@ -246,3 +392,80 @@ def test_chunks_arrive_as_they_are_produced(client, model):
     arrivals = [time.monotonic() - start for _ in stream]
     assert len(arrivals) > 5
     assert arrivals[0] < 0.5 * arrivals[-1], arrivals
+
+
+async def post(frontend: OpenAIFrontend, body, chat: bool = False):
+    """A POST on `frontend` without the proxy, `body` JSON (or raw bytes): (status, error)."""
+    request = _request({}, None if isinstance(body, bytes) else body)
+    if isinstance(body, bytes):
+        request._body = body
+    response = await frontend.complete(request, chat)
+    return response.status_code, json.loads(response.body)["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "status", "param", "code"),
+    [
+        ({"model": "target", "prompt": "x", "frobnicate": 1}, False, 400, None, None),
+        ({"model": "target", "prompt": "x", "max_completion_tokens": 2}, False, 400, None, None),
+        ({"model": "target", "prompt": "x", "best_of": 2}, False, 400, "best_of",
+         "unsupported_value"),
+        ({"model": "target", "messages": [{"role": "user", "content": "x"}], "echo": True},
+         True, 400, None, None),  # a completions field is unknown to chat
+        ({"model": "target", "prompt": "x", "max_tokens": "5"}, False, 400, "max_tokens",
+         "invalid_type"),
+        ({"model": "target", "prompt": "x", "temperature": "hot"}, False, 400, "temperature",
+         "invalid_type"),
+        ({"prompt": "x"}, False, 400, "model", "missing_required_parameter"),
+        ({"model": "target", "prompt": "x", "n": 3}, False, 400, "n", "unsupported_value"),
+        ({"model": "target", "prompt": "x", "stream_options": {"include_usage": 1}}, False, 400,
+         "stream_options.include_usage", "invalid_type"),
+        ({"model": "target", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         True, 400, "messages[0].content[0].type", "invalid_value"),
+        ({"model": "target", "messages": []}, True, 400, "messages", "invalid_value"),
+        ({"model": "other", "prompt": "x"}, False, 404, None, "model_not_found"),
+        (b"{not json", False, 400, None, None),
+        (b"[1]", False, 400, None, None),
+    ],
+)  # fmt: skip
+@pytest.mark.asyncio
+async def test_bodies_are_parsed_as_strictly_as_openai_parses_them(body, chat, status, param, code):
+    """The parser's refusals, before any request path: no GenerationService.open here."""
+    frontend = OpenAIFrontend(_GenerationService(BearerAuth({})), "target")
+    got_status, error = await post(frontend, body, chat)
+    assert (got_status, error["param"], error["code"]) == (status, param, code), error
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if isinstance(body, dict) and "frobnicate" in body:
+        assert error["message"] == "Unrecognized request argument supplied: frobnicate"
+
+
+def test_the_docs_list_every_extra_field_refused_field_and_limit():
+    """docs/openai_api.md is the API's reference: it must keep up with the code."""
+    from pathlib import Path
+
+    from service.config import ReplicaConfig
+    from service.http_api import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, EXTENSIONS
+    from service.requests import (
+        CHARS_PER_POSITION,
+        CHAT_ROLES,
+        MAX_STOP_CHARS,
+        MAX_STOP_STRINGS,
+        MAX_STOP_TOKEN_IDS,
+        MAX_TEMPERATURE,
+    )
+
+    doc = (Path(__file__).resolve().parents[1] / "docs/openai_api.md").read_text()
+    for name in EXTENSIONS:
+        assert f"| `{name}` |" in doc, name
+    for name in (*CHAT_UNSUPPORTED, *COMPLETION_UNSUPPORTED):
+        assert f"`{name}`" in doc, name
+    assert ", ".join(f"`{role}`" for role in CHAT_ROLES) in doc
+    assert f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters" in doc
+    assert f"at most {MAX_STOP_TOKEN_IDS}" in doc
+    assert f"at most {CHARS_PER_POSITION} characters per context position" in doc
+    assert f"0 to {MAX_TEMPERATURE:g} (OpenAI's" in doc
+    replica = ReplicaConfig()
+    assert f"{replica.max_new_tokens} by default" in doc
+    assert f"`default_max_new_tokens` ({replica.default_max_new_tokens} by default)" in doc
+    assert f"{replica.max_len} by default" in doc
+    assert f"{replica.max_k} / {replica.max_gamma} by default" in doc

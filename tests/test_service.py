@@ -226,7 +226,7 @@ def test_auto_requests_say_what_ran_and_share_steps_with_fixed_methods(service):
     jobs = [
         pb.GenerateRequest(prompt=f"def g{i}(x):", max_new_tokens=24, method=method, k=k,
                            gamma=gamma, ignore_eos=True)
-        for i, (method, k, gamma) in enumerate([("auto", 0, 0)] * 4 + [("gbv", 2, 3)] * 2)
+        for i, (method, k, gamma) in enumerate([("auto", None, None)] * 4 + [("gbv", 2, 3)] * 2)
     ]  # fmt: skip
     with ThreadPoolExecutor(len(jobs)) as pool:
         replies = list(pool.map(lambda r: service["stub"].Generate(r, timeout=120), jobs))
@@ -234,10 +234,13 @@ def test_auto_requests_say_what_ran_and_share_steps_with_fixed_methods(service):
         assert len(reply.token_ids) == 24
         ran = dict(reply.stats.steps_by_config)
         assert sum(ran.values()) == reply.stats.target_calls
+        assert reply.stats.method == job.method  # the configuration that ran, reported
         if job.method == "auto":
             assert set(ran) <= arms, ran
+            assert (reply.stats.k, reply.stats.gamma) == (0, 0)  # chosen per step: see ran
         else:
             assert ran == {"gbv/2/3": reply.stats.target_calls}
+            assert (reply.stats.k, reply.stats.gamma) == (2, 3)
     assert max(r.stats.mean_batch_size for r in replies) > 1
 
 
@@ -305,6 +308,14 @@ BAD = [
     (dict(prompt="x", gamma=-1), "gamma"),
     (dict(prompt="x", max_new_tokens=100000), "max_new_tokens"),
     (dict(prompt="x", max_new_tokens=-3), "max_new_tokens"),
+    # Explicit presence: a 0 that is set is a value, refused, not the default.
+    (dict(prompt="x", max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt="x", k=0), "k"),
+    (dict(prompt="x", gamma=0), "gamma"),
+    (dict(prompt="x", method="auto", k=0), "k"),  # ignored by auto, but still a mistake
+    (dict(prompt="x", method="none", gamma=-2), "gamma"),
+    (dict(prompt="x", temperature=2.5), "temperature"),  # OpenAI's bound, on every wire
+    (dict(messages=[pb.ChatMessage(role="robot", content="x")]), "messages[0].role"),
     (dict(prompt="x", temperature=-1.0), "temperature"),
     (dict(prompt="x", temperature=float("nan")), "temperature"),
     (dict(prompt="x", top_p=0.0), "top_p"),
@@ -316,7 +327,7 @@ BAD = [
     (dict(prompt="x", stop=["a"] * 17), "stop"),
     (dict(prompt="x", stop=["a" * 257]), "stop"),
     (dict(prompt="x", stop_token_ids=[1] * 65), "stop_token_ids"),
-    (dict(messages=[pb.ChatMessage(role="", content="x")]), "messages"),  # a turn with no role
+    (dict(messages=[pb.ChatMessage(role="", content="x")]), "messages[0].role"),  # no role
     (dict(prompt="x", messages=[pb.ChatMessage(role="user", content="x")]), "prompt"),
 ]
 
@@ -331,6 +342,31 @@ def test_bad_requests_get_invalid_argument_naming_the_field(service, fields, nam
         assert err.value.details().startswith(name), err.value.details()
     ok = service["stub"].Generate(pb.GenerateRequest(prompt="x", max_new_tokens=2))
     assert len(ok.token_ids) >= 1
+
+
+def test_unset_fields_take_the_defaults_and_stats_say_what_ran(service):
+    """Unset k, gamma and max_new_tokens are the deployment's defaults (Info), and the stats
+    report the configuration the validator filled in; top_k 0 stays "off"."""
+    info = service["stub"].Info(pb.InfoRequest())
+    reply = service["stub"].Generate(pb.GenerateRequest(prompt="x = ", ignore_eos=True))
+    assert len(reply.token_ids) == info.default_max_new_tokens > 0
+    assert reply.stats.method == info.default_method
+    assert (reply.stats.k, reply.stats.gamma) == (1, info.default_gamma)
+    assert dict(reply.stats.steps_by_config) == {
+        f"{info.default_method}/1/{info.default_gamma}": reply.stats.target_calls
+    }
+    explicit = pb.GenerateRequest(
+        prompt="x = ", max_new_tokens=3, method="gbv", k=2, gamma=2, top_k=0, ignore_eos=True
+    )
+    reply = service["stub"].Generate(explicit)
+    assert len(reply.token_ids) == 3
+    assert (reply.stats.method, reply.stats.k, reply.stats.gamma) == ("gbv", 2, 2)
+    plain = service["stub"].Generate(
+        pb.GenerateRequest(prompt="x", max_new_tokens=2, method="none")
+    )
+    assert (plain.stats.method, plain.stats.k, plain.stats.gamma) == ("none", 1, 1)
+    assert info.limits.max_temperature == 2 and info.limits.max_stop_strings == 16
+    assert "developer" in info.chat_roles
 
 
 @pytest.mark.parametrize("payload", [b"\xff", b"\x0a\x05ab", b"\x0a" + b"\xff" * 10])
