@@ -1,0 +1,48 @@
+"""`blockspec generate` against the real service (the `service` fixture:
+Ray, the tiny pair, the gRPC gateway): stdout is the generated text only, the stats line is
+the server's and errors are `error: CODE: message`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from protos import blockspec_pb2 as pb
+from service.cli import main
+
+pytestmark = pytest.mark.xdist_group("ray")
+
+STATS = re.compile(
+    r"^\[(?P<ran>[^\]]+)\] (?P<tokens>\d+) tokens in [\d.]+s \([\d.]+ tok/s\), "
+    r"first token [\d.]+s, [\d.]+ tokens/call \(\d+ calls\), (?P<cached>\d+) cached prompt "
+    r"tokens, finish=(?P<finish>length|stop), replica=\S+",
+    re.MULTILINE,
+)
+ERROR = re.compile(r"^error: ", re.MULTILINE)  # the client's (stderr also has Ray's log lines)
+
+
+def _address(service) -> str:
+    return f"127.0.0.1:{service['address']['port']}"
+
+
+def test_generate_prints_the_completion_and_the_servers_stats(service, capsys):
+    argv = ["generate", "def f(x):", "--address", _address(service), "--seed", "1"]
+    main([*argv, "--max-new-tokens", "12", "--temperature", "0", "--method", "gbv"])
+    out, err = capsys.readouterr()
+    ref = service["stub"].Generate(
+        pb.GenerateRequest(
+            prompt="def f(x):", max_new_tokens=12, temperature=0, seed=1, method="gbv"
+        )
+    )
+    assert out == ref.text + ("" if ref.text.endswith("\n") else "\n")  # no prompt echo
+    stats = STATS.search(err)
+    assert stats, err
+    assert stats["ran"] == "gbv K=1 γ=4" and int(stats["tokens"]) == len(ref.token_ids)
+
+
+def test_generate_refusal_is_an_error_line(service, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "x", "--address", _address(service), "--method", "block", "--k", "3"])
+    assert str(exit_.value.code).startswith("error: INVALID_ARGUMENT: k: ")
+    assert capsys.readouterr().out == ""
