@@ -7,6 +7,7 @@
 - `serve`: the distributed service (Ray actors, Ray Serve replicas, gRPC gateway) on a local
   Ray cluster on 127.0.0.1, or on the cluster at RAY_ADDRESS / --ray-address.
 - `generate --address HOST:PORT`: stream a completion from a running service.
+- `chat --address HOST:PORT`: an interactive conversation in one server-side session.
 
 This module imports only argparse and the standard library at the top: each command imports
 what it needs when it runs (the client, service/client.py, needs grpc and the protos; serve,
@@ -209,7 +210,7 @@ SERVER_DEFAULT = "default: the server's"
 
 
 def _client_flags(p: argparse.ArgumentParser, local: bool) -> None:
-    """Connection, sampling and method flags of the client."""
+    """Connection, sampling and method flags: what generate and chat share."""
     if not local:
         p.add_argument("--address", required=True, help="HOST:PORT of a running service")
     p.add_argument(
@@ -274,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--threads", type=int, default=1, help="torch threads per process")
     loc.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
 
+    c = sub.add_parser(
+        "chat",
+        help="talk with a running service (one session: it keeps the history)",
+        description="An interactive chat: each line you type is a user turn; the reply streams "
+        "back. The server keeps the conversation (a session) and its KV cache. Commands: "
+        "/new, /stats, /help, /exit (or Ctrl-D).",
+        **fmt,
+    )
+    c.add_argument("--system", help="system prompt of each new conversation (default: none)")
+    _client_flags(c, local=False)
+
     s = sub.add_parser(
         "serve",
         help="run the service (Ray Serve + gRPC) until Ctrl-C",
@@ -328,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
             serve_forever(args)
         except ValueError as err:  # a model pair that cannot be served
             raise SystemExit(f"error: {err}") from None
+    elif args.command == "chat":
+        from service import client
+
+        raise SystemExit(client.chat(args))
     elif args.address:
         from service import client
 

@@ -1,4 +1,4 @@
-"""The gRPC client behind `blockspec generate --address`.
+"""The gRPC client behind `blockspec generate --address` and `blockspec chat`.
 
 Thin on purpose: it imports grpc, the generated protos and the standard library only (no torch,
 transformers, ray or numpy, none of which a client needs), so a call starts sending within a
@@ -11,6 +11,7 @@ stats line of each reply and errors, as ``error: CODE: message``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -25,6 +26,13 @@ from service.auth import bearer, client_channel
 # Sampling and method fields a request may set; None (the flag's default) leaves the field
 # unset: the server's default then applies (Info tells which).
 REQUEST_FIELDS = ("max_new_tokens", "method", "k", "gamma", "temperature", "top_k", "top_p")
+
+CHAT_HELP = """commands:
+  /new     start a new conversation (the --system prompt is kept)
+  /stats   show or hide the stats line after each reply
+  /help    this list
+  /exit    leave (also /quit, Ctrl-D)
+Ctrl-C stops a reply as it streams; at the prompt it leaves."""
 
 
 class ClientError(Exception):
@@ -188,3 +196,77 @@ class _Tee:
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+def _read_line(prompt: str) -> str | None:
+    """The next input line (None at end of input)."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def chat(args) -> int:
+    """`blockspec chat`: a conversation in one server-side session. The first turn starts it
+    (new_session, the --system prompt and the user's message); each later turn sends the
+    session id and the next user message; the server keeps the history and its KV cache."""
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    interactive = sys.stdin.isatty()
+    prompt = "> " if interactive else ""
+    show_stats = args.stats
+    session = ""  # the server's id once the first turn has been answered
+    if interactive:
+        print(f"blockspec chat with {args.address}; /help for commands", file=sys.stderr)
+    with Client(args.address, args.tls_ca, args.token) as client:
+        while True:
+            try:
+                line = _read_line(prompt)
+            except KeyboardInterrupt:
+                line = None
+            if line is None:  # Ctrl-D / end of the script
+                if interactive:
+                    print(file=sys.stderr)
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                command = text.split()[0].lower()
+                if command in ("/exit", "/quit"):
+                    return 0
+                if command == "/new":
+                    session = ""
+                    print("(new conversation)", file=sys.stderr, flush=True)
+                elif command == "/stats":
+                    show_stats = not show_stats
+                    print(f"(stats {'on' if show_stats else 'off'})", file=sys.stderr, flush=True)
+                elif command == "/help":
+                    print(CHAT_HELP, file=sys.stderr, flush=True)
+                else:
+                    print(f"error: unknown command {command} (/help)", file=sys.stderr, flush=True)
+                continue
+            messages = [pb.ChatMessage(role="user", content=text)]
+            if not session and args.system:
+                messages.insert(0, pb.ChatMessage(role="system", content=args.system))
+            request = pb.GenerateRequest(
+                messages=messages,
+                session_id=session,
+                new_session=not session,
+                **request_fields(args),
+            )
+            written: list[str] = []
+            try:
+                reply = client.stream(request, args.timeout, out=_Tee(sys.stdout, written))
+            except ClientError as err:
+                _end_line("".join(written))
+                print(err, file=sys.stderr, flush=True)
+                continue
+            except KeyboardInterrupt:
+                _end_line("".join(written))
+                print("(stopped)", file=sys.stderr, flush=True)
+                continue
+            _end_line(reply.text)
+            session = reply.session_id or session
+            if show_stats:
+                print(stats_line(reply), file=sys.stderr, flush=True)

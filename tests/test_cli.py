@@ -1,12 +1,13 @@
 """The `blockspec` command line as a client, against a fake gRPC Generator (no Ray, no model):
 help shows defaults, stdout carries the generated text only, errors read `error: CODE: message`
-with a nonzero exit status, the stats line says what ran, and the client imports no torch/ray/
-transformers. tests/test_cli_live.py runs it against
-the real service."""
+with a nonzero exit status, the stats line says what ran, the client imports no torch/ray/
+transformers, and `blockspec chat` keeps one session. tests/test_cli_live.py runs the client
+against the real service."""
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(action.choices)
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "demo", "methods"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "demo", "methods"])
 def test_help_shows_every_options_default(command, capsys):
     parser = _subparsers(build_parser())[command]
     formatter = parser._get_formatter()
@@ -87,7 +88,7 @@ def test_help_shows_every_options_default(command, capsys):
         main([command, "--help"])
     assert exit_.value.code == 0
     usage = capsys.readouterr().out
-    if command == "generate":
+    if command in ("generate", "chat"):
         assert "deadline per reply, seconds (default: 600.0)" in usage
         assert "(default: on)" in usage  # --stats
     if command == "serve":
@@ -164,17 +165,20 @@ print(json.dumps(mods), file=sys.stderr)
 
 
 def test_the_client_imports_no_torch_ray_or_transformers():
-    """`blockspec --help` and `generate` (help, a call, an error) run without torch,
+    """`blockspec --help`, `generate` (help, a call, an error) and `chat` run without torch,
     Ray, transformers or numpy: a client starts in a fraction of a second."""
     argvs = [
         ["--help"],
         ["generate", "--help"],
+        ["chat", "--help"],
         ["generate", "x", "--address", "127.0.0.1:1", "--timeout", "5"],
+        ["chat", "--address", "127.0.0.1:1", "--timeout", "5"],
     ]
     code = IMPORTS.format(argvs=argvs, heavy=HEAVY, light=LIGHT_SERVICE)
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
+        input="hello\n/exit\n",
         capture_output=True,
         text=True,
         timeout=60,
@@ -182,7 +186,56 @@ def test_the_client_imports_no_torch_ray_or_transformers():
     assert done.returncode == 0, done.stderr
     *lines, modules = done.stderr.strip().splitlines()
     assert json.loads(modules) == []
-    assert "error: UNAVAILABLE: " in "\n".join(lines)  # the call went out, and failed
+    assert "error: UNAVAILABLE: " in "\n".join(lines)  # both calls went out, and failed
+
+
+def chat(fake, script: str, *flags: str, monkeypatch, capsys) -> tuple[str, str, int]:
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--address", fake.address, *flags])
+    out, err = capsys.readouterr()
+    return out, err, exit_.value.code
+
+
+def test_chat_keeps_one_session_across_turns(fake, monkeypatch, capsys):
+    script = "hi there\n\n  second turn  \n/exit\nnever sent\n"
+    out, err, code = chat(fake, script, "--system", "be brief", monkeypatch=monkeypatch,
+                          capsys=capsys)  # fmt: skip
+    assert code == 0
+    assert out == "Hello, world!\nHello, world!\n"
+    first, second = fake.requests
+    # The first turn starts a session with the system prompt and the user's message ...
+    assert first.new_session and not first.session_id
+    assert [(m.role, m.content) for m in first.messages] == [
+        ("system", "be brief"),
+        ("user", "hi there"),
+    ]
+    # ... later turns send its id and the next user message only.
+    assert second.session_id == "s1" and not second.new_session
+    assert [(m.role, m.content) for m in second.messages] == [("user", "second turn")]
+    assert err.count("[block K=1 γ=4] 4 tokens in") == 2
+    assert "session=s1" in err
+
+
+def test_chat_commands(fake, monkeypatch, capsys):
+    script = "one\n/stats\ntwo\n/new\nthree\n/stats\n/help\n/bogus\nfour\n"  # then EOF
+    out, err, code = chat(fake, script, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0  # end of input leaves
+    assert out == "Hello, world!\n" * 4
+    one, two, three, four = fake.requests
+    assert one.new_session and two.session_id == "s1"
+    assert three.new_session and four.session_id == "s2"  # /new started another
+    assert err.count("tokens in") == 2  # /stats turned the line off for two and three
+    assert "(stats off)" in err and "(stats on)" in err and "/exit" in err  # /help
+    assert "error: unknown command /bogus" in err
+
+
+def test_chat_survives_an_error(fake, monkeypatch, capsys):
+    fake.error = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    _, err, code = chat(fake, "one\ntwo\n/exit\n", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and len(fake.requests) == 2
+    assert err.count("error: RESOURCE_EXHAUSTED: queue full") == 2
+    assert fake.requests[1].new_session  # no session was started: the next turn starts one
 
 
 def test_client_error_reads_code_and_message():
