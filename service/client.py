@@ -137,9 +137,9 @@ def config_ran(steps_by_config) -> str:
 def stats_line(reply: Reply) -> str:
     """`[what ran] N tokens in S s (T tok/s), first token F s, E tokens/call, ...`."""
     rate = reply.tokens / reply.seconds if reply.seconds > 0 else 0.0
-    first = "-" if reply.first_token_s is None else f"{reply.first_token_s:.2f}s"
     parts = [f"{reply.tokens} tokens in {reply.seconds:.2f}s ({rate:.1f} tok/s)"]
-    parts.append(f"first token {first}")
+    if reply.first_token_s is not None:  # unknown without a stream (generate --local)
+        parts.append(f"first token {reply.first_token_s:.2f}s")
     stats = reply.stats
     head = ""
     if stats is not None:

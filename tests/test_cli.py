@@ -129,7 +129,8 @@ def test_stats_line_numbers():
     assert "first token 0.12s" in line and "finish=stop" in line
     assert config_ran({"block/1/4": 5}) == "block K=1 γ=4"
     # A reply cut by a stop string carries no stats: the line says what the client knows.
-    assert stats_line(Reply(tokens=3, seconds=1.0, finish="stop")).startswith("3 tokens in")
+    line = stats_line(Reply(tokens=3, seconds=1.0, finish="stop"))
+    assert line == "3 tokens in 1.00s (3.0 tok/s), finish=stop"
 
 
 def test_errors_go_to_stderr_as_code_and_message(fake, capsys):
