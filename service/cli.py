@@ -7,22 +7,20 @@
 - `serve`: the distributed service (Ray actors, Ray Serve replicas, gRPC gateway) on a local
   Ray cluster on 127.0.0.1, or on the cluster at RAY_ADDRESS / --ray-address.
 - `generate --address HOST:PORT`: stream a completion from a running service.
+- `chat --address HOST:PORT`: an interactive conversation in one server-side session.
+
+This module imports only argparse and the standard library at the top: each command imports
+what it needs when it runs (the client, service/client.py, needs grpc and the protos; serve,
+demo and generate --local need torch, Ray, transformers), so `blockspec --help` and the client
+commands start fast. tests/test_cli.py checks it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from fractions import Fraction
-
-import torch
-from rich.console import Console
-from rich.table import Table
-
-from service.policy import AUTO
-from service.verification import VERIFIERS, verify
 
 # Spec §12, toy instance (γ = 2, V = 2, context independent): exact E[τ] per method and K.
 TOY_TARGET = (1 / 3, 2 / 3)
@@ -45,6 +43,12 @@ def _exact(text: str) -> float:
 
 
 def demo(trials: int, seed: int) -> None:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from service.verification import verify
+
     console = Console()
     gamma, gen = 2, torch.Generator().manual_seed(seed)
     table = Table(title=f"toy instance (spec §12), γ = {gamma}, {trials:,} trials per cell")
@@ -65,15 +69,12 @@ def demo(trials: int, seed: int) -> None:
     console.print(table)
 
 
-def config_label(args, steps_by_config: dict[str, int]) -> str:
-    """What ran: the fixed configuration asked for, or auto's steps per configuration."""
-    if args.method == AUTO:
-        ran = sorted(steps_by_config.items(), key=lambda kv: -kv[1])
-        return "auto: " + ", ".join(f"{config} ×{n}" for config, n in ran)
-    return f"{args.method} K={args.k} γ={args.gamma}"
-
-
 def generate_local(args) -> None:
+    import torch
+
+    from protos import blockspec_pb2 as pb
+    from service.client import Reply, stats_line
+    from service.detokenizer import TextStream
     from service.engine import build_engine
     from service.requests import ChatTurn, RequestParams, RequestValidator
     from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -96,22 +97,32 @@ def generate_local(args) -> None:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        stop=tuple(args.stop or ()),
     )
     validator = RequestValidator(engine.limits, tokenizer)  # the service's checks, and EOS
     req = validator.request(params, validator.prompt_ids(params))
     start = time.perf_counter()
     (result,) = engine.generate([req])
     seconds = time.perf_counter() - start
-    answer = tokenizer.decode(result.token_ids, skip_special_tokens=args.chat)
-    print(answer if args.chat else args.prompt + answer)
-    stats = result.stats
-    print(
-        f"[{config_label(args, stats.steps_by_config)}] "
-        f"{len(result.token_ids)} tokens in {seconds:.2f}s, "
-        f"{stats.target_calls} target calls, {stats.tokens_per_call:.2f} tokens/call, "
-        f"finish={result.finish_reason}",
-        file=sys.stderr,
-    )
+    text = TextStream(tokenizer, list(req.stop))  # the service's text: stop strings, no
+    answer, ids = text.feed(list(result.token_ids))  # cut characters
+    answer += text.flush()
+    print(answer, end="" if answer.endswith("\n") else "\n", flush=True)
+    if args.stats:
+        stats = result.stats
+        reply = Reply(
+            text=answer,
+            tokens=len(ids),
+            seconds=seconds,
+            finish="stop" if text.stopped else result.finish_reason,
+            stats=pb.SpeculationStats(
+                target_calls=stats.target_calls,
+                accepted_tokens=stats.accepted,
+                tokens_per_call=stats.tokens_per_call,
+                steps_by_config=dict(stats.steps_by_config),
+            ),
+        )
+        print(stats_line(reply), file=sys.stderr, flush=True)
 
 
 def serve_settings(args):
@@ -173,58 +184,81 @@ def serve_forever(args) -> None:
     serve.shutdown()
 
 
-def generate_remote(args) -> None:
-    import grpc
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default: `(default: X)` after its help unless the help
+    names it already (options the server fills in say so there); None shows as none."""
 
-    from protos import blockspec_pb2 as pb
-    from protos import blockspec_pb2_grpc as pb_grpc
-    from service.auth import bearer, client_channel
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        if not action.option_strings or action.required or "default" in help:
+            return help
+        if default is argparse.SUPPRESS:
+            return help
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        elif default is None:
+            shown = "none"
+        elif isinstance(default, list):
+            shown = " ".join(map(str, default)) or "none"
+        else:
+            shown = "%(default)s"
+        return f"{help} (default: {shown})"
 
-    req = pb.GenerateRequest(
-        prompt="" if args.chat else args.prompt,
-        messages=[pb.ChatMessage(role="user", content=args.prompt)] if args.chat else [],
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        method=args.method,
-        k=args.k,
-        gamma=args.gamma,
-        session_id=args.session or "",
-        stop=args.stop or [],
+
+SERVER_DEFAULT = "default: the server's"
+
+
+def _client_flags(p: argparse.ArgumentParser, local: bool) -> None:
+    """Connection, sampling and method flags: what generate and chat share."""
+    if not local:
+        p.add_argument("--address", required=True, help="HOST:PORT of a running service")
+    p.add_argument(
+        "--tls-ca",
+        help="PEM CA that signed the server's certificate: use TLS (default: plaintext)",
     )
-    if args.seed is not None:
-        req.seed = args.seed
-    start = time.perf_counter()
-    with client_channel(args.address, args.tls_ca) as channel:
-        stub = pb_grpc.GeneratorStub(channel)
-        try:
-            if not args.chat:
-                print(args.prompt, end="", flush=True)
-            token = args.token or os.environ.get("BLOCKSPEC_TOKEN")
-            for chunk in stub.GenerateStream(req, timeout=args.timeout, metadata=bearer(token)):
-                print(chunk.text, end="", flush=True)
-                last = chunk
-        except grpc.RpcError as err:
-            raise SystemExit(f"\nblockspec generate: {err.code().name}: {err.details()}") from None
-    print(flush=True)
-    stats = last.stats
-    print(
-        f"[{config_label(args, stats.steps_by_config)}] {time.perf_counter() - start:.2f}s, "
-        f"{stats.target_calls} target calls, {stats.tokens_per_call:.2f} tokens/call, "
-        f"finish={pb.FinishReason.Name(last.finish_reason)}, replica={last.replica}",
-        file=sys.stderr,
+    p.add_argument("--token", help="bearer token (default: $BLOCKSPEC_TOKEN)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline per reply, seconds")
+    p.add_argument(
+        "--stats",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="print the stats line on stderr after each reply",
     )
+    s = p.add_argument_group(
+        "sampling and speculation",
+        "Unset flags are not sent: the server's defaults apply (Info lists them; "
+        "`blockspec serve` ships method block, γ 4, 128 new tokens).",
+    )
+    s.add_argument("--method", help=f"verification method, none or auto ({SERVER_DEFAULT})")
+    s.add_argument("--k", type=int, help="draft paths K (default: 1)")
+    s.add_argument("--gamma", type=int, help=f"draft length γ ({SERVER_DEFAULT})")
+    s.add_argument("--temperature", type=float, help="0 = greedy (default: 1.0)")
+    s.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
+    s.add_argument("--top-p", type=float, help="nucleus sampling (default: 1.0 = off)")
+    s.add_argument("--seed", type=int, help="reproducible output (default: random)")
+    s.add_argument("--max-new-tokens", type=int, help=f"output length cap ({SERVER_DEFAULT})")
+    s.add_argument("--stop", action="append", help="stop string, repeatable (default: none)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="blockspec", description="Lossless speculative decoding")
-    sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("methods", help="list the verification methods")
-    d = sub.add_parser("demo", help="run every verifier on the spec's toy instance")
-    d.add_argument("--trials", type=int, default=200_000)
-    d.add_argument("--seed", type=int, default=0)
-    g = sub.add_parser("generate", help="generate a completion")
+def build_parser() -> argparse.ArgumentParser:
+    fmt = dict(formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="blockspec", description="Lossless speculative decoding", **fmt
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("methods", help="list the verification methods", **fmt)
+    d = sub.add_parser("demo", help="run every verifier on the spec's toy instance", **fmt)
+    d.add_argument("--trials", type=int, default=200_000, help="draws per cell")
+    d.add_argument("--seed", type=int, default=0, help="random seed")
+
+    g = sub.add_parser(
+        "generate",
+        help="generate one completion (from a service, or in-process with --local)",
+        description="Stream one completion to stdout (the generated text only); the stats "
+        "line and errors (`error: CODE: message`, nonzero exit status) go to stderr.",
+        **fmt,
+    )
     g.add_argument("prompt")
     g.add_argument(
         "--chat", action="store_true", help="send the prompt as a user turn (chat template)"
@@ -232,45 +266,70 @@ def main(argv: list[str] | None = None) -> None:
     where = g.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run the engine in-process")
     where.add_argument("--address", help="HOST:PORT of a running service (blockspec serve)")
-    g.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
-    g.add_argument("--token", help="bearer token (default: $BLOCKSPEC_TOKEN)")
     g.add_argument("--session", help="session id: continue (or start) a conversation")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
-    g.add_argument("--method", default="block", help="verification method, none or auto")
-    s = sub.add_parser("serve", help="run the service (Ray Serve + gRPC) until Ctrl-C")
-    s.add_argument("--host", help="gRPC/metrics listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
-    s.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (8000; 0 = off)")
-    s.add_argument("--metrics-port", type=int, help="Prometheus port (default 9464; 0 = off)")
+    _client_flags(g, local=True)
+    loc = g.add_argument_group("--local only")
+    loc.add_argument("--max-len", type=int, default=1024, help="cache positions")
+    loc.add_argument("--draft", help="draft model directory (default: the default pair's)")
+    loc.add_argument("--target", help="target model directory (default: the default pair's)")
+    loc.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    loc.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
+
+    c = sub.add_parser(
+        "chat",
+        help="talk with a running service (one session: it keeps the history)",
+        description="An interactive chat: each line you type is a user turn; the reply streams "
+        "back. The server keeps the conversation (a session) and its KV cache. Commands: "
+        "/new, /stats, /help, /exit (or Ctrl-D).",
+        **fmt,
+    )
+    c.add_argument("--system", help="system prompt of each new conversation (default: none)")
+    _client_flags(c, local=False)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the service (Ray Serve + gRPC) until Ctrl-C",
+        description="Flags override BLOCKSPEC_* environment variables, which override the "
+        "config file (BLOCKSPEC_CONFIG); the defaults shown are the built-in ones.",
+        **fmt,
+    )
+    s.add_argument("--host", help="gRPC/metrics listen address (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, help="gRPC port (default: 50051; 0 = any free port)")
+    s.add_argument(
+        "--http-port", type=int, help="OpenAI-compatible HTTP port (default: 8000; 0 = off)"
+    )
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (default: 9464; 0 = off)")
     s.add_argument("--redis-url", help="session store (default: embedded, single node)")
     s.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
-    s.add_argument("--tls-cert-file", help="PEM certificate: serve gRPC over TLS")
-    s.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
-    s.add_argument("--tls-client-ca-file", help="PEM CA: require client certificates (mTLS)")
-    s.add_argument("--auth-tokens-file", help="'principal token' lines: require bearer tokens")
-    s.add_argument("--replicas", help="N or MIN-MAX replicas (autoscaled between)")
-    s.add_argument("--tp", type=int, help="tensor-parallel target shards per replica")
-    s.add_argument("--max-batch", type=int, help="requests per decode step per replica")
+    s.add_argument("--tls-cert-file", help="PEM certificate: serve gRPC over TLS (default: off)")
+    s.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file (default: none)")
+    s.add_argument(
+        "--tls-client-ca-file", help="PEM CA: require client certificates, mTLS (default: off)"
+    )
+    s.add_argument(
+        "--auth-tokens-file",
+        help="'principal token' lines: require bearer tokens (default: no tokens)",
+    )
+    s.add_argument("--replicas", help="N or MIN-MAX replicas, autoscaled between (default: 1)")
+    s.add_argument("--tp", type=int, help="tensor-parallel target shards per replica (default: 1)")
+    s.add_argument(
+        "--max-batch", type=int, help="requests per decode step per replica (default: 8)"
+    )
     s.add_argument("--draft", help="draft model directory (default: the default pair's)")
     s.add_argument("--target", help="target model directory (default: the default pair's)")
     s.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="weights (default float32)"
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights (default: float32)",
     )
-    g.add_argument("--k", type=int, default=1)
-    g.add_argument("--gamma", type=int, default=4)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-len", type=int, default=1024)
-    g.add_argument("--draft", help="draft model directory, with --local (default pair)")
-    g.add_argument("--target", help="target model directory, with --local (default pair)")
-    g.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.command == "methods":
+        from service.verification import VERIFIERS
+
         for v in VERIFIERS.values():
             paths = "K = 1" if v.single_path else "K >= 1"
             print(f"{v.name:13s} {paths:7s} {v.description}")
@@ -280,14 +339,21 @@ def main(argv: list[str] | None = None) -> None:
         try:
             serve_forever(args)
         except ValueError as err:  # a model pair that cannot be served
-            raise SystemExit(f"blockspec serve: {err}") from None
+            raise SystemExit(f"error: {err}") from None
+    elif args.command == "chat":
+        from service import client
+
+        raise SystemExit(client.chat(args))
     elif args.address:
-        generate_remote(args)
+        from service import client
+
+        client.generate(args)
     else:
         try:
             generate_local(args)
-        except ValueError as err:
-            raise SystemExit(f"blockspec generate: {err}") from None
+        except ValueError as err:  # InvalidArgument names its field; a bad pair does not
+            code = "INVALID_ARGUMENT: " if hasattr(err, "field") else ""
+            raise SystemExit(f"error: {code}{err}") from None
 
 
 if __name__ == "__main__":

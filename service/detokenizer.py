@@ -11,6 +11,10 @@ class TextStream:
     """Incremental detokenization with stop strings: emitted text is final (never a broken
     character, never the start of a stop string that later completes).
 
+    A token boundary inside a multi-byte UTF-8 character (byte-level BPE splits emoji and CJK
+    into byte tokens) decodes to U+FFFD until the next tokens complete the character: that
+    text is held back until then, and dropped at the end if they never come (:meth:`flush`).
+
     Each feed decodes only the new tokens, with the previous feed's tokens as left context
     (tokenizers whose pieces depend on their neighbours decode as they would in one piece), so
     a stream costs O(n) decoding, not O(n²) (vLLM's incremental detokenizer does the same).
@@ -72,10 +76,15 @@ class TextStream:
         return delta, ids
 
     def flush(self) -> str:
-        """Text held back at the end (an incomplete character stays as U+FFFD)."""
+        """Text held back at the end. A character the stream ended inside (the output length
+        ran out between its bytes) is dropped, not shown as U+FFFD: its tokens stay in the
+        token ids, but no text ends on a cut character (vLLM's detokenizer does the same)."""
         if self.stopped:
             return ""
-        self.text += self._tail()
+        tail = self._tail()
+        # self.text never ends inside a character (feed sets it only then), so any trailing
+        # U+FFFDs here are the pending tokens' incomplete sequence.
+        self.text += tail.rstrip("\ufffd")
         self.prefix = self.read = len(self.ids)
         delta, self.sent = self.text[self.sent :], len(self.text)
         return delta

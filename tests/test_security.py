@@ -175,7 +175,9 @@ def test_the_cli_speaks_tls_with_a_token(secure, pki, capsys, monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_TOKEN", TOKENS["bob"])
     argv = ["generate", "def f(x):", "--address", secure.address, "--tls-ca", str(pki / "ca.pem")]
     cli_main([*argv, "--max-new-tokens", "4", "--seed", "1"])
-    assert capsys.readouterr().out.startswith("def f(x):")
+    out, err = capsys.readouterr()
+    assert out and "def f(x):" not in out  # the completion only, no prompt echo
+    assert " 4 tokens in " in err  # the stats line
 
 
 def test_serving_beyond_loopback_without_tls_and_tokens_warns(caplog):
