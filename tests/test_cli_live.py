@@ -64,11 +64,6 @@ def test_chat_first_turn_starts_a_session_then_exit(service, monkeypatch, capsys
     assert out.endswith("\n") and out.count("\n") >= 1
 
 
-@pytest.mark.xfail(
-    reason="server side: a session's later turn as messages (the conversations change); "
-    "until it lands the gateway answers INVALID_ARGUMENT 'this session already has turns'",
-    strict=False,
-)
 def test_chat_second_turn_continues_the_session(service, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("Say hi.\nAnd again.\n"))  # then EOF
     with pytest.raises(SystemExit) as exit_:
