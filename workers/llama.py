@@ -144,6 +144,23 @@ class LlamaSpec:
         medium = ~(wavelen < context / high) & ~(wavelen > context / low)
         return torch.where(medium, smoothed, scaled)
 
+    def check_divisible(self, world: int) -> None:
+        """Raise ValueError unless `world` ranks can share heads, kv heads and the MLP evenly
+        (tensor parallelism: see ``CheckpointShard``)."""
+        if world < 1:
+            raise ValueError(f"tensor parallelism needs at least 1 rank, got {world}")
+        sizes = {
+            "attention heads": self.num_heads,
+            "kv heads": self.num_kv_heads,
+            "intermediate size": self.intermediate_size,
+        }
+        bad = [f"{name} ({size})" for name, size in sizes.items() if size % world]
+        if bad:
+            raise ValueError(
+                f"cannot split the model over {world} ranks: {', '.join(bad)} not divisible by "
+                f"{world}"
+            )
+
 
 def _refuse_sliding_window(cfg) -> None:
     """Sliding-window attention is not implemented. HF lets a query at position p see keys
@@ -577,8 +594,7 @@ class Llama(nn.Module):
         packed: bool | None = None,  # oneDNN-packed projections (Linear); None: packs_weights
     ):
         super().__init__()
-        if spec.num_heads % world or spec.num_kv_heads % world or spec.intermediate_size % world:
-            raise ValueError(f"heads/kv_heads/intermediate size must divide by {world} ranks")
+        spec.check_divisible(world)
         shard = CheckpointShard(state, rank, world, group, packed)
         self.spec, self.kv_heads = spec, spec.num_kv_heads // world
         embed = state["model.embed_tokens.weight"]
