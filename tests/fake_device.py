@@ -447,22 +447,10 @@ def to_fake_model(model):
     (weights packed for oneDNN cannot move: build the model with ``packed=False``)."""
     from workers.llama import Linear
 
-    def move(value):
-        if isinstance(value, torch.Tensor):
-            return to_fake(value)
-        if isinstance(value, Linear):
-            if value.packed:
-                raise ValueError("a packed weight cannot move to the fake device")
-            return Linear(
-                to_fake(value.weight), None if value.bias is None else to_fake(value.bias)
-            )
-        if isinstance(value, dict):
-            return {k: move(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [move(v) for v in value]
-        return value
-
-    fake = copy.copy(model)
-    for name, value in vars(model).items():
-        setattr(fake, name, move(value))
+    if any(isinstance(m, Linear) and m.packed for m in model.modules()):
+        raise ValueError("a packed weight cannot move to the fake device")
+    fake = copy.deepcopy(model)
+    for module in fake.modules():  # every weight of the model is a buffer (see Llama)
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, to_fake(buffer))
     return fake

@@ -169,8 +169,7 @@ def test_tree_batch_logits_equal_hugging_face(family):
 
 
 def linears(model: Llama) -> list[workers.llama.Linear]:
-    per_layer = [layer[key] for layer in model.layers for key in ("qkv", "o", "gate_up", "down")]
-    return [model.lm_head, *per_layer] + ([model.feature_fc] if model.feature_fc else [])
+    return [m for m in model.modules() if isinstance(m, workers.llama.Linear)]
 
 
 def test_onednn_packed_weights_give_dense_logits(family):

@@ -7,11 +7,16 @@ committing an arbitrary subset of new KV entries (the accepted path). This modul
 that and nothing more; weights come from ``AutoModelForCausalLM.from_pretrained`` (see
 ``workers/models.py``) and tests pin its logits to the HF model's.
 
-Attention of new tokens is split in two parts, softmaxed jointly:
-- *prefix*: the request's committed cache, shared by all of the request's rows ([B, 1, ...]
-  broadcast against [B, R, ...]: no copy per path);
-- *suffix*: the new tokens of each row (a draft path, or a flattened tree), with an explicit
-  boolean mask saying which new token sees which.
+The model reads top-down as nanoGPT's: ``Llama`` embeds the tokens, runs its
+``DecoderLayer``s (``RMSNorm``, ``Attention``, residual; ``RMSNorm``, ``MLP``, residual), a
+final ``RMSNorm`` and the head. ``CheckpointShard`` slices the checkpoint as each module is
+built. The attention proper is one function, ``tree_attention``: new tokens attend to two parts,
+softmaxed jointly:
+- *prefix*: the request's committed cache, shared by all of the request's rows (read in place:
+  no copy per row);
+- the new tokens of each row (a draft path, or a flattened tree), after the row's earlier
+  draft-path tokens if any (the forward's `suffix`), with an explicit boolean mask saying
+  which new token sees which.
 
 Tensor parallelism (Megatron style) shards heads and the MLP's inner dimension over the ranks
 of a ``torch.distributed`` group: q/k/v and gate/up are column-parallel, o and down are
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -137,6 +143,23 @@ class LlamaSpec:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < context / high) & ~(wavelen > context / low)
         return torch.where(medium, smoothed, scaled)
+
+    def check_divisible(self, world: int) -> None:
+        """Raise ValueError unless `world` ranks can share heads, kv heads and the MLP evenly
+        (tensor parallelism: see ``CheckpointShard``)."""
+        if world < 1:
+            raise ValueError(f"tensor parallelism needs at least 1 rank, got {world}")
+        sizes = {
+            "attention heads": self.num_heads,
+            "kv heads": self.num_kv_heads,
+            "intermediate size": self.intermediate_size,
+        }
+        bad = [f"{name} ({size})" for name, size in sizes.items() if size % world]
+        if bad:
+            raise ValueError(
+                f"cannot split the model over {world} ranks: {', '.join(bad)} not divisible by "
+                f"{world}"
+            )
 
 
 def _refuse_sliding_window(cfg) -> None:
@@ -274,59 +297,70 @@ class KVCache:
             self._host_lengths[dst] = self._host_lengths[src]
 
 
-def _rope_tables(
+# ------------------------------------------------------------------------------ building blocks
+def rope_tables(
     inv_freq: torch.Tensor,  # [D/2] float32
     positions: torch.Tensor,  # [...] int64
     dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [..., D] in dtype
+    """RoPE's cos/sin at every position, once a forward: every layer rotates by the same."""
     ang = positions.float()[..., None] * inv_freq  # [..., D/2]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,  # [..., D]
+    cos: torch.Tensor,  # [..., D], broadcast against x
+    sin: torch.Tensor,  # [..., D]
+) -> torch.Tensor:
+    """x rotated by its position, in HF's layout (the two halves of D are the pairs)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
-def _per_kv_head(x: torch.Tensor) -> torch.Tensor:
-    """[n, R, Hkv, g, T, X] -> [n, Hkv, R·g·T, X]: every row's grouped queries under a kv head."""
-    n, R, kv_heads, g, T, X = x.shape
-    return x.permute(0, 2, 1, 3, 4, 5).reshape(n, kv_heads, R * g * T, X)
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight over the last dimension, the statistics in float32 as HF's."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):  # weight [X]
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., X]
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
-def _per_row(x: torch.Tensor, R: int, g: int) -> torch.Tensor:
-    """The inverse view: [n, Hkv, R·g·T, X] -> [n, R, Hkv, g, T, X]."""
-    n, kv_heads, M, X = x.shape
-    return x.view(n, kv_heads, R, g, M // (R * g), X).permute(0, 2, 1, 3, 4, 5)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-class Linear:
+class Linear(nn.Module):
     """y = x @ weight.T + bias over the last dimension; weight [out, in], bias [out] or None.
 
-    Why a class: with ``packed`` the weight is reordered once into oneDNN's blocked layout
-    (``mkldnn._reorder_linear_weight``, the pre-packing torch.compile's CPU backend does) and
-    multiplied by oneDNN. On the project's AVX2 CPU, in float32, MKL's GEMM behind F.linear runs
-    a 2-9-row product at 1.5-3x the cost of one row although both read the same weights once;
-    oneDNN on the packed weight stays near the one-row cost (docs/benchmarks.md, "Packed
+    Why not ``nn.Linear``: with ``packed`` the weight is reordered once into oneDNN's blocked
+    layout (``mkldnn._reorder_linear_weight``, the pre-packing torch.compile's CPU backend does)
+    and multiplied by oneDNN. On the project's AVX2 CPU, in float32, MKL's GEMM behind F.linear
+    runs a 2-9-row product at 1.5-3x the cost of one row although both read the same weights
+    once; oneDNN on the packed weight stays near the one-row cost (docs/benchmarks.md, "Packed
     weights"). The packed tensor replaces the dense one: no extra memory. The products differ
-    from F.linear's in the last bits only (another summation order)."""
+    from F.linear's in the last bits only (another summation order).
+
+    The weights are buffers, not parameters: inference only, and fused/sharded at load, so
+    they are no checkpoint either (non-persistent: ``state_dict`` leaves them out)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed=False):
-        self.bias, self.packed = bias, packed
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight
+        super().__init__()
+        self.packed = packed
+        if packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
 
     @property
     def shape(self) -> torch.Size:  # [out, in]; a packed tensor keeps its logical shape
         return self.weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -349,17 +383,208 @@ def packs_weights(weight: torch.Tensor) -> bool:
     )
 
 
-class Llama:
+class RowParallel(nn.Module):
+    """A projection whose input features are split over the ranks: each rank multiplies its
+    shard, the all-reduce sums the parts, and the bias is added once (not once a rank)."""
+
+    def __init__(self, linear: Linear, bias: torch.Tensor | None, world: int, group):
+        super().__init__()
+        self.linear, self.world, self.group = linear, world, group
+        self.register_buffer("bias", bias, persistent=False)  # [out], unsharded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in / world] -> [..., out]
+        y = self.linear(x)
+        if self.world > 1:
+            dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class CheckpointShard:
+    """This rank's slices of a Hugging Face state dict (Megatron): a column-parallel projection
+    keeps its share of the output features (heads, MLP inner dimension), a row-parallel one its
+    share of the input features. With one rank the slices are whole."""
+
+    state: dict[str, torch.Tensor]  # HF parameter names -> tensors
+    rank: int = 0
+    world: int = 1
+    group: object = None  # torch.distributed group of the ranks (None: the default group)
+    packed: bool | None = None  # oneDNN-packed projections (Linear); None: packs_weights
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, packs_weights(weight) if self.packed is None else self.packed)
+
+    def _rows(self, w: torch.Tensor, per_rank: int) -> torch.Tensor:  # [out, ...] -> this rank's
+        return w[self.rank * per_rank : (self.rank + 1) * per_rank].contiguous()
+
+    def column_parallel(self, prefix: str, names: list[str], rows: list[int]) -> Linear:
+        """Column-parallel projections run as one matmul: this rank's `rows` of each named
+        weight and, when the checkpoint has them (Qwen2's q/k/v, Llama's attention_bias/
+        mlp_bias), the same entries of their biases, concatenated."""
+        parts = list(zip(names, rows, strict=True))
+        w = torch.cat([self._rows(self.state[f"{prefix}{m}.weight"], r) for m, r in parts])
+        if f"{prefix}{names[0]}.bias" not in self.state:
+            return self.linear(w)
+        bias = torch.cat([self._rows(self.state[f"{prefix}{m}.bias"], r) for m, r in parts])
+        return self.linear(w, bias)
+
+    def row_parallel(self, name: str, cols: int) -> RowParallel:
+        """This rank's `cols` input features of weight `name`; its bias stays whole."""
+        w = self.state[f"{name}.weight"]
+        w = w[:, self.rank * cols : (self.rank + 1) * cols].contiguous()
+        linear = self.linear(w)
+        return RowParallel(linear, self.state.get(f"{name}.bias"), self.world, self.group)
+
+
+# ------------------------------------------------------------------------------ tree attention
+@dataclass(frozen=True)
+class SeenKeys:
+    """What one layer's new tokens attend to besides each other, and which of it each sees."""
+
+    prefix_k: torch.Tensor  # [n, H_kv, P, D]: the committed cache, a strided view (no copy)
+    prefix_v: torch.Tensor  # [n, H_kv, P, D]
+    prefix_hidden: torch.Tensor  # [n, 1, 1, 1, 1, P] bool: past the request's committed length
+    suffix_k: torch.Tensor | None  # [n, R, H_kv, S, D]: the row's earlier (draft-path) tokens
+    suffix_v: torch.Tensor | None  # [n, R, H_kv, S, D]
+    new_hidden: torch.Tensor  # [n, R, 1, 1, T, S+T] bool: new token t does not see token s
+
+
+def _per_kv_head(x: torch.Tensor) -> torch.Tensor:
+    """[n, R, Hkv, g, T, X] -> [n, Hkv, R·g·T, X]: every row's grouped queries under a kv head."""
+    n, R, kv_heads, g, T, X = x.shape
+    return x.permute(0, 2, 1, 3, 4, 5).reshape(n, kv_heads, R * g * T, X)
+
+
+def _per_row(x: torch.Tensor, R: int, g: int) -> torch.Tensor:
+    """The inverse view: [n, Hkv, R·g·T, X] -> [n, R, Hkv, g, T, X]."""
+    n, kv_heads, M, X = x.shape
+    return x.view(n, kv_heads, R, g, M // (R * g), X).permute(0, 2, 1, 3, 4, 5)
+
+
+def tree_attention(
+    q: torch.Tensor,  # [n, R, H_kv, g, T, D]: new tokens' queries, grouped under their kv head
+    k: torch.Tensor,  # [n, R, H_kv, T, D]: new tokens' keys (RoPE applied)
+    v: torch.Tensor,  # [n, R, H_kv, T, D]
+    seen: SeenKeys,
+) -> torch.Tensor:  # [n, R, H_kv, g, T, D]
+    """Attention of each row's new tokens (a draft path, or a flattened draft tree) over the
+    request's cached prefix and the row's suffix and new tokens, masked, with one softmax over
+    both parts.
+
+    The prefix is shared by the request's R rows and read in place: against the queries of
+    every row and grouped head as the rows of one matrix per (request, kv head). Broadcast
+    over rows and heads instead, matmul copied the prefix R·g times a layer (14% of a batch-8
+    step on the default pair). The new part is small and per row: its keys are concatenated."""
+    _, R, _, group, _, d = q.shape
+    scale = d**-0.5
+    plen = seen.prefix_k.shape[2]
+    s_prefix = _per_row(_per_kv_head(q) @ seen.prefix_k.transpose(-1, -2), R, group) * scale
+    s_prefix = s_prefix.masked_fill(seen.prefix_hidden, -torch.inf)  # [n, R, Hkv, g, T, P]
+    keys, values = [k], [v]
+    if seen.suffix_k is not None:
+        keys.insert(0, seen.suffix_k)
+        values.insert(0, seen.suffix_v)
+    kk = torch.cat(keys, dim=3)[:, :, :, None]  # [n, R, Hkv, 1, S+T, D]
+    vv = torch.cat(values, dim=3)[:, :, :, None]
+    s_new = (q @ kk.transpose(-1, -2)) * scale  # [n, R, Hkv, g, T, S+T]
+    s_new = s_new.masked_fill(seen.new_hidden, -torch.inf)
+    probs = torch.cat([s_prefix, s_new], dim=-1).float().softmax(-1).to(q.dtype)
+    out_prefix = _per_row(_per_kv_head(probs[..., :plen]) @ seen.prefix_v, R, group)
+    return out_prefix + probs[..., plen:] @ vv
+
+
+# ------------------------------------------------------------------------------ the model
+class Attention(nn.Module):
+    """Grouped-query self-attention: fused q/k/v (column-parallel: this rank's heads), RoPE,
+    tree attention, o (row-parallel)."""
+
+    def __init__(self, spec: LlamaSpec, shard: CheckpointShard, prefix: str):
+        super().__init__()
+        d = self.head_dim = spec.head_dim
+        self.heads, self.kv_heads = spec.num_heads // shard.world, spec.num_kv_heads // shard.world
+        self.qkv = shard.column_parallel(
+            prefix, ["q_proj", "k_proj", "v_proj"], [self.heads * d] + [self.kv_heads * d] * 2
+        )
+        # Qwen3: RMSNorm over each q and k head. Per head_dim, the same for every head: whole on
+        # every rank.
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(shard.state[prefix + "q_norm.weight"], spec.rms_norm_eps)
+            self.k_norm = RMSNorm(shard.state[prefix + "k_norm.weight"], spec.rms_norm_eps)
+        self.o = shard.row_parallel(prefix + "o_proj", self.heads * d)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, R, T, E]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [n, R, 1, T, D]
+        seen: SeenKeys,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (output [n, R, T, E], the new tokens' k and v [n, R, H_kv, T, D])."""
+        n, R, T, _ = x.shape
+        d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
+        q, k, v = self.qkv(x).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q = q.view(n, R, T, heads, d)
+        k = k.view(n, R, T, kv_heads, d)
+        if self.q_norm is not None:  # each head normalized on its own, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(2, 3), *rope)  # [n, R, H, T, D]
+        k = apply_rope(k.transpose(2, 3), *rope)  # [n, R, Hkv, T, D]
+        v = v.view(n, R, T, kv_heads, d).transpose(2, 3)
+        grouped = q.view(n, R, kv_heads, heads // kv_heads, T, d)  # GQA: under their kv head
+        out = tree_attention(grouped, k, v, seen)
+        out = out.reshape(n, R, heads, T, d).transpose(2, 3).reshape(n, R, T, -1)
+        return self.o(out), k, v
+
+
+class MLP(nn.Module):
+    """SwiGLU: fused gate/up (column-parallel: this rank's inner features), down (row-parallel)."""
+
+    def __init__(self, spec: LlamaSpec, shard: CheckpointShard, prefix: str):
+        super().__init__()
+        inner = spec.intermediate_size // shard.world
+        self.gate_up = shard.column_parallel(prefix, ["gate_proj", "up_proj"], [inner, inner])
+        self.down = shard.row_parallel(prefix + "down_proj", inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., E] -> [..., E]
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h + attention(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, spec: LlamaSpec, shard: CheckpointShard, prefix: str):
+        super().__init__()
+        eps = spec.rms_norm_eps
+        self.attn_norm = RMSNorm(shard.state[prefix + "input_layernorm.weight"], eps)
+        self.attn = Attention(spec, shard, prefix + "self_attn.")
+        self.mlp_norm = RMSNorm(shard.state[prefix + "post_attention_layernorm.weight"], eps)
+        self.mlp = MLP(spec, shard, prefix + "mlp.")
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [n, R, T, E]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [n, R, 1, T, D]
+        seen: SeenKeys,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (h [n, R, T, E], the new tokens' k and v [n, R, H_kv, T, D])."""
+        attended, k, v = self.attn(self.attn_norm(h), rope, seen)
+        h = h + attended
+        h = h + self.mlp(self.mlp_norm(h))
+        return h, k, v
+
+
+class Llama(nn.Module):
     """Causal LM forward over (shared prefix cache, per-row new tokens with a mask).
 
-    Not an ``nn.Module``: it holds inference-only weight tensors (fused and sharded at load),
-    not parameters, so nothing here would be registered, moved or saved by Module machinery.
-    Call it like one: ``model(tokens, positions, cache, mask)``."""
+    Built from a checkpoint's tensors, not trained: every weight is a non-persistent buffer
+    (fused and sharded at load), which Module machinery may move but neither trains nor saves.
+    ``model(tokens, positions, cache, mask)``; see ``forward``."""
 
     def __init__(
         self,
         spec: LlamaSpec,
-        state: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],  # HF parameter names -> tensors
         rank: int = 0,
         world: int = 1,
         group=None,
@@ -368,76 +593,29 @@ class Llama:
         feature_fc: torch.Tensor | None = None,  # [E, 2E]: a feature draft's input projection
         packed: bool | None = None,  # oneDNN-packed projections (Linear); None: packs_weights
     ):
-        if spec.num_heads % world or spec.num_kv_heads % world or spec.intermediate_size % world:
-            raise ValueError(f"heads/kv_heads/intermediate size must divide by {world} ranks")
-        self.spec, self.group, self.world = spec, group, world
-        self.heads, self.kv_heads = spec.num_heads // world, spec.num_kv_heads // world
-        d = spec.head_dim
-        self.embed = state["model.embed_tokens.weight"]
-
-        def linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(w, bias, packs_weights(w) if packed is None else packed)
-
-        def col(w: torch.Tensor, rows_per_rank: int) -> torch.Tensor:  # split output features
-            return w[rank * rows_per_rank : (rank + 1) * rows_per_rank].contiguous()
-
-        def row(w: torch.Tensor, cols_per_rank: int) -> torch.Tensor:  # split input features
-            return w[:, rank * cols_per_rank : (rank + 1) * cols_per_rank].contiguous()
-
-        def fused(prefix: str, names: list[str], rows: list[int]):
-            """Column-parallel projections run as one matmul: this rank's weight rows and, when
-            the checkpoint has them (Qwen2's q/k/v, Llama's attention_bias/mlp_bias), the same
-            entries of their biases, concatenated."""
-            parts = list(zip(names, rows, strict=True))
-            w = torch.cat([col(state[f"{prefix}{m}.weight"], r) for m, r in parts])
-            if f"{prefix}{names[0]}.bias" not in state:
-                return linear(w)
-            return linear(w, torch.cat([col(state[f"{prefix}{m}.bias"], r) for m, r in parts]))
-
-        inter = spec.intermediate_size // world
-        self.norm = state["model.norm.weight"]
-        self.inv_freq = spec.inv_freq().to(self.embed.device)  # [D/2] float32, once
-        lm_head = state.get("lm_head.weight", self.embed)  # absent: tied to the embeddings
-        self.head_vocab = None
+        super().__init__()
+        spec.check_divisible(world)
+        shard = CheckpointShard(state, rank, world, group, packed)
+        self.spec, self.kv_heads = spec, spec.num_kv_heads // world
+        embed = state["model.embed_tokens.weight"]
+        self.register_buffer("embed", embed, persistent=False)  # [V, E]
+        self.norm = RMSNorm(state["model.norm.weight"], spec.rms_norm_eps)
+        inv_freq = spec.inv_freq().to(embed.device)  # [D/2] float32, once
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        lm_head = state.get("lm_head.weight", embed)  # absent: tied to the embeddings
+        self.register_buffer("head_vocab", None, persistent=False)
         if head_vocab is not None:  # keep only those rows, gathered once
-            self.head_vocab = head_vocab.to(device=self.embed.device, dtype=torch.int64)
+            self.head_vocab = head_vocab.to(device=embed.device, dtype=torch.int64)
             lm_head = lm_head[self.head_vocab].contiguous()
         # [V or Vh, E]. Tied and packed, the head is a second copy of the embeddings (F.embedding
         # reads the dense one): V·E more floats, 113 MB for SmolLM2 in float32.
-        self.lm_head = linear(lm_head)
+        self.lm_head = shard.linear(lm_head)
         # A feature draft (EAGLE) reads, at each position, its token's embedding and the
         # target's feature one position back: h = fc([feature; embedding]).
-        self.feature_fc = None if feature_fc is None else linear(feature_fc)
-        self.layers = []
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            attn = p + "self_attn."
-            self.layers.append(
-                dict(
-                    attn_norm=state[p + "input_layernorm.weight"],
-                    qkv=fused(
-                        attn,
-                        ["q_proj", "k_proj", "v_proj"],
-                        [self.heads * d] + [self.kv_heads * d] * 2,
-                    ),
-                    # Per head_dim, the same for every head: replicated on every rank.
-                    q_norm=state[attn + "q_norm.weight"] if spec.qk_norm else None,
-                    k_norm=state[attn + "k_norm.weight"] if spec.qk_norm else None,
-                    o=linear(row(state[attn + "o_proj.weight"], self.heads * d)),
-                    o_bias=state.get(attn + "o_proj.bias"),  # unsharded: added after the sum
-                    mlp_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=fused(p + "mlp.", ["gate_proj", "up_proj"], [inter, inter]),
-                    down=linear(row(state[p + "mlp.down_proj.weight"], inter)),
-                    down_bias=state.get(p + "mlp.down_proj.bias"),
-                )
-            )
-
-    def _row_parallel(self, x: torch.Tensor, w: Linear, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ w.T summed over the ranks' input shards, then the bias (once, not once a rank)."""
-        y = w(x)
-        if self.world > 1:
-            dist.all_reduce(y, group=self.group)
-        return y if bias is None else y + bias
+        self.feature_fc = None if feature_fc is None else shard.linear(feature_fc)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, shard, f"model.layers.{i}.") for i in range(spec.num_layers)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -455,70 +633,66 @@ class Llama:
         """Returns (logits [n, R, T, V] float32 or None, new k, new v [L, n, R, H_kv, T, D],
         features [n, R, T, E]: the final-norm hidden states the head reads, which a feature
         draft takes as input)."""
-        spec, d = self.spec, self.spec.head_dim
-        n, R, T = tokens.shape
-        h = F.embedding(tokens, self.embed)  # [n, R, T, E]
-        if self.feature_fc is not None:
-            if features is None:
-                raise ValueError("a feature draft needs the target's features")
-            h = self.feature_fc(torch.cat([features.to(h.dtype), h], dim=-1))
-        cos, sin = _rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        lengths = cache.lengths[slot0 : slot0 + n]
-        plen = cache.prefix_length(slot0, n)  # off the CPU: from the host, where known
-        prefix_valid = (
-            torch.arange(plen, device=tokens.device)[None, :] < lengths[:, None]
-        )  # [n, P]
-        group = self.heads // self.kv_heads
+        h = self._inputs(tokens, features)  # [n, R, T, E]
+        cos, sin = rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
+        rope = cos[:, :, None], sin[:, :, None]  # the same for every head
+        seen = self._seen_keys(tokens, cache, slot0, mask, suffix)
         new_k, new_v = [], []
-        for li, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer["attn_norm"], spec.rms_norm_eps)
-            qkv = layer["qkv"](x)
-            q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-            q = q.view(n, R, T, self.heads, d)
-            k = k.view(n, R, T, self.kv_heads, d)
-            if spec.qk_norm:  # Qwen3: each head's q and k normalized on their own, before RoPE
-                q = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
-                k = _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
-            q = _rotate(q.transpose(2, 3), cos, sin)  # [n, R, H, T, D]
-            k = _rotate(k.transpose(2, 3), cos, sin)  # [n, R, Hkv, T, D]
-            v = v.view(n, R, T, self.kv_heads, d).transpose(2, 3)
+        for layer, layer_seen in zip(self.layers, seen, strict=True):
+            h, k, v = layer(h, rope, layer_seen)
             new_k.append(k)
             new_v.append(v)
-            qg = q.view(n, R, self.kv_heads, group, T, d)  # GQA: heads grouped under their kv head
-            scale = d**-0.5
-            # Shared prefix, read in place: [n, Hkv, P, D] strided views of the cache, against
-            # the queries of every row and grouped head as the rows of one matrix per (request,
-            # kv head). Broadcast over rows and heads instead, matmul copied the prefix R·g
-            # times a layer (14% of a batch-8 step on the default pair).
-            pk = cache.k[li, slot0 : slot0 + n, :, :plen]
-            pv = cache.v[li, slot0 : slot0 + n, :, :plen]
-            s_prefix = _per_row(_per_kv_head(qg) @ pk.transpose(-1, -2), R, group) * scale
-            # s_prefix: [n, R, Hkv, g, T, P]
-            s_prefix = s_prefix.masked_fill(~prefix_valid[:, None, None, None, None, :], -torch.inf)
-            keys, values, masks = [k], [v], [mask]
-            if suffix is not None:
-                sk, sv = suffix[0][li], suffix[1][li]  # [n, R, Hkv, S, D]
-                keys.insert(0, sk)
-                values.insert(0, sv)
-                masks.insert(
-                    0, torch.ones(n, R, T, sk.shape[3], dtype=torch.bool, device=tokens.device)
-                )
-            kk = torch.cat(keys, dim=3)[:, :, :, None]  # [n, R, Hkv, 1, S+T, D]
-            vv = torch.cat(values, dim=3)[:, :, :, None]
-            s_new = (qg @ kk.transpose(-1, -2)) * scale  # [n, R, Hkv, g, T, S+T]
-            s_new = s_new.masked_fill(~torch.cat(masks, dim=-1)[:, :, None, None], -torch.inf)
-            probs = torch.cat([s_prefix, s_new], dim=-1).float().softmax(-1).to(q.dtype)
-            out_prefix = _per_row(_per_kv_head(probs[..., :plen]) @ pv, R, group)
-            out = out_prefix + probs[..., plen:] @ vv  # [n, R, Hkv, g, T, D]
-            out = out.reshape(n, R, self.heads, T, d).transpose(2, 3).reshape(n, R, T, -1)
-            h = h + self._row_parallel(out, layer["o"], layer["o_bias"])
-            x = _rms_norm(h, layer["mlp_norm"], spec.rms_norm_eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = h + self._row_parallel(F.silu(gate) * up, layer["down"], layer["down_bias"])
-        hidden = _rms_norm(h, self.norm, spec.rms_norm_eps)
+        hidden = self.norm(h)
         logits = self.to_vocab(self.head_logits(hidden), -torch.inf) if head else None
         return logits, torch.stack(new_k), torch.stack(new_v), hidden
+
+    def _inputs(
+        self,
+        tokens: torch.Tensor,  # [n, R, T] int64
+        features: torch.Tensor | None,  # [n, R, T, E]
+    ) -> torch.Tensor:  # [n, R, T, E]
+        """The first layer's input: the tokens' embeddings, through fc for a feature draft."""
+        h = F.embedding(tokens, self.embed)
+        if self.feature_fc is None:
+            return h
+        if features is None:
+            raise ValueError("a feature draft needs the target's features")
+        return self.feature_fc(torch.cat([features.to(h.dtype), h], dim=-1))
+
+    def _seen_keys(
+        self,
+        tokens: torch.Tensor,  # [n, R, T] int64
+        cache: KVCache,
+        slot0: int,
+        mask: torch.Tensor,  # [n, R, T, T] bool (without a suffix: broadcastable to it)
+        suffix: tuple[torch.Tensor, torch.Tensor] | None,  # [L, n, R, H_kv, S, D] k, v
+    ) -> list[SeenKeys]:
+        """Per layer, what the new tokens attend to besides each other: the slots' committed
+        prefix, up to the longest one (the others' tails hidden), and the suffix, which every
+        new token sees."""
+        n, R, T = tokens.shape
+        lengths = cache.lengths[slot0 : slot0 + n]
+        plen = cache.prefix_length(slot0, n)  # off the CPU: from the host, where known
+        device = tokens.device
+        prefix_valid = torch.arange(plen, device=device)[None, :] < lengths[:, None]  # [n, P]
+        visible = [mask]
+        if suffix is not None:
+            S = suffix[0].shape[4]
+            visible.insert(0, torch.ones(n, R, T, S, dtype=torch.bool, device=device))
+        prefix_hidden = ~prefix_valid[:, None, None, None, None, :]
+        new_hidden = ~torch.cat(visible, dim=-1)[:, :, None, None]
+        window = slice(slot0, slot0 + n)
+        return [
+            SeenKeys(
+                prefix_k=cache.k[i, window, :, :plen],
+                prefix_v=cache.v[i, window, :, :plen],
+                prefix_hidden=prefix_hidden,
+                suffix_k=None if suffix is None else suffix[0][i],
+                suffix_v=None if suffix is None else suffix[1][i],
+                new_hidden=new_hidden,
+            )
+            for i in range(self.spec.num_layers)
+        ]
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., E] final-norm hidden states -> float32 logits [..., Vh] on the head's own ids
@@ -532,5 +706,3 @@ class Llama:
             return rows
         full = rows.new_full((*rows.shape[:-1], self.spec.vocab_size), fill)
         return full.index_copy_(-1, self.head_vocab, rows)
-
-    __call__ = forward

@@ -2,11 +2,11 @@
 
 Rank 0 lives in the calling process and drives; ranks 1..N-1 are spawned worker processes. Every
 rank holds a Megatron shard of the target (``Llama(spec, state, rank, world)``: its heads and
-its slice of the MLP) and a KV cache of its own kv heads, wrapped in an ordinary
-:class:`TargetWorker`. The ranks run the same worker ops in lockstep: rank 0 sends each op and
-its arguments to every worker, then runs it itself; the all-reduces inside the forward pass
-keep the ranks together. Only rank 0's results are used (every rank computes full logits,
-since lm_head is not sharded).
+its slice of the MLP, cut by ``workers.llama.CheckpointShard``) and a KV cache of its own kv
+heads, wrapped in an ordinary :class:`TargetWorker`. The ranks run the same worker ops in
+lockstep: rank 0 sends each op and its arguments to every worker, then runs it itself; the
+all-reduces inside the forward pass keep the ranks together. Only rank 0's results are used
+(every rank computes full logits, since lm_head is not sharded).
 
 The parts know nothing about processes, so a rank can live in a spawned process or in a Ray
 actor (workers/actors.py): :func:`join_group` (rendezvous), :class:`TargetShard` (load one
@@ -60,22 +60,6 @@ Command = tuple[str, tuple]
 
 
 # ------------------------------------------------------------------------------ per rank
-def check_divisible(spec: LlamaSpec, world: int) -> None:
-    """Raise ValueError unless `world` ranks can share heads, kv heads and the MLP evenly."""
-    if world < 1:
-        raise ValueError(f"tensor parallelism needs at least 1 rank, got {world}")
-    sizes = {
-        "attention heads": spec.num_heads,
-        "kv heads": spec.num_kv_heads,
-        "intermediate size": spec.intermediate_size,
-    }
-    bad = [f"{name} ({size})" for name, size in sizes.items() if size % world]
-    if bad:
-        raise ValueError(
-            f"cannot split the model over {world} ranks: {', '.join(bad)} not divisible by {world}"
-        )
-
-
 def rank_device(device: str | torch.device, rank: int) -> torch.device:
     """CPU ranks share the CPU; CUDA rank r uses GPU r (one GPU per rank) unless the device
     names its GPU (a Ray actor sees only its own GPU, as cuda:0)."""
@@ -173,8 +157,7 @@ class TargetShard:
         self.rank, self.world = rank, world
         self.device = rank_device(device, rank)
         loaded = load_model(path, dtype, str(self.device))
-        check_divisible(loaded.spec, world)
-        model = loaded.build(rank, world)
+        model = loaded.build(rank, world)  # ValueError when the heads or the MLP do not split
         del loaded  # the shard keeps its slices only (plus the unsharded embeddings/lm_head)
         self.worker = TargetWorker(model, max_batch, max_len, DTYPES[dtype], self.device)
 
@@ -328,7 +311,7 @@ class TensorParallelTarget:
         path = str(path)
         # Refuse a bad split before spawning anything (the config alone tells).
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        check_divisible(LlamaSpec.from_hf_config(cfg), world)
+        LlamaSpec.from_hf_config(cfg).check_divisible(world)
         if world > 1 and dist.is_initialized():
             raise RuntimeError(
                 "this process already belongs to a torch.distributed group: "
