@@ -262,8 +262,8 @@ def verify_on_host(
 def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
     """How verify_step takes a group's rows: consecutive rows as a slice, so that a batch of
     one kind (the usual case) is verified in place. Indexing with a tensor copies the rows: at
-    batch 8, K = 4, γ = 8 and V = 49152 that was ~100 MB and 12 ms a step on a 2-core VM, as
-    long as the SpecTr-GBV* call itself (the verifiers never write to their inputs)."""
+    batch 8, K = 4, γ = 8 and V = 49152 that is ~100 MB a step, as much memory traffic as the
+    verifier's own call (the verifiers never write to their inputs)."""
     if idx == list(range(idx[0], idx[-1] + 1)):
         return slice(idx[0], idx[-1] + 1)
     return torch.tensor(idx).to(device, non_blocking=True)

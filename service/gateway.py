@@ -1,7 +1,7 @@
 """The gRPC gateway: the public API (protos/blockspec.proto) in front of the replica deployment.
 
 Why our own `grpc.aio` server instead of Serve's gRPC proxy: the proxy rewrites application
-status codes to INTERNAL (ray-project/ray#58851) and cost ~7–10 ms per unary call here; the
+status codes to INTERNAL (ray-project/ray#58851) and add a hop per unary call; the
 contract below needs exact codes. The gateway reaches replicas through a Serve
 `DeploymentHandle`, so Serve's routing and autoscaling (on ongoing requests) stay in charge.
 

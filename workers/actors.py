@@ -55,8 +55,9 @@ from workers.tree import build_tree
 
 DRAFT_OPS = ("prefill", "move", "commit")
 # Draft rows larger than this go through the object store (one copy in, zero-copy reads on the
-# same node); smaller ones travel inline with the call's reply. Measured on a 2-core VM, actor
-# to actor: 128 KiB inline 2.9 ms vs store 3.6 ms; 1 MiB 6.1 vs 3.7; 6 MiB 22.9 vs 5.0.
+# same node); smaller ones travel inline with the call's reply. Inline is faster for small
+# payloads and the store for large ones; the crossover lies between 128 KiB and 1 MiB
+# (docs/service_benchmark.md).
 STORE_BYTES = 256 << 10
 
 
@@ -94,8 +95,8 @@ def _actor_device(device: str) -> str:
 
 # STEP_CALLS: the methods called on every decode step (propose, speculate, and the posted
 # prefill/move/commit ops) record no Ray task events. The GCS keeps up to 100,000 of them by
-# default, and at ~20 calls/s they were its whole growth: +0.25 MB/s, 52 -> 281 MB over a
-# 16-minute soak (scripts/chaos.py). Loading, readiness and restart calls keep theirs.
+# default, and at tens of calls a second they were its whole growth over a soak
+# (docs/reliability.md). Loading, readiness and restart calls keep theirs.
 
 
 @ray.remote

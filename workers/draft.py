@@ -183,8 +183,8 @@ class DraftProposer(ABC):
 
 # Contexts prefilled together are padded to the longest; consecutive ones run as one batch
 # while that padding stays within this share of their real tokens. Joining prompts differ
-# (HumanEval chat prompts: 100-400 tokens), and one padded batch of them computed up to 2x the
-# tokens; on CPU a batch of one costs no more per token than a batch of eight.
+# (HumanEval chat prompts: 100-400 tokens), and one padded batch of them can compute twice their
+# real tokens, while on CPU batching saves little per token.
 PREFILL_PADDING = 0.25
 
 

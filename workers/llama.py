@@ -339,8 +339,8 @@ class Linear(nn.Module):
 
     Why not ``nn.Linear``: with ``packed`` the weight is reordered once into oneDNN's blocked
     layout (``mkldnn._reorder_linear_weight``, the pre-packing torch.compile's CPU backend does)
-    and multiplied by oneDNN. On the project's AVX2 CPU, in float32, MKL's GEMM behind F.linear
-    runs a 2-9-row product at 1.5-3x the cost of one row although both read the same weights
+    and multiplied by oneDNN. In float32 on a CPU without AMX, MKL's GEMM behind F.linear runs a
+    2-9-row product well above the cost of one row although both read the same weights
     once; oneDNN on the packed weight stays near the one-row cost (docs/benchmarks.md, "Packed
     weights"). The packed tensor replaces the dense one: no extra memory. The products differ
     from F.linear's in the last bits only (another summation order).
@@ -366,9 +366,8 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-# oneDNN costs ~25 µs more per call than F.linear (1 row, 1 thread, on the AVX2 VM): more than
-# a weight under 1 MiB takes to stream from memory. The tiny pair, whose weights are mostly
-# smaller, ran its one-row forwards 11% slower with every weight packed.
+# oneDNN's fixed cost per call is more than a weight under 1 MiB takes to stream from memory,
+# so small weights stay on F.linear (docs/benchmarks.md, "Packed weights").
 PACK_MIN_ELEMENTS = 1 << 18
 
 
