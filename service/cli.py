@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from service.policy import AUTO
-from service.verification import VERIFIERS, verify
+from verification import VERIFIERS, verify
 
 # Spec §12, toy instance (γ = 2, V = 2, context independent): exact E[τ] per method and K.
 TOY_TARGET = (1 / 3, 2 / 3)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
-from service.verification import VERIFIERS, TargetModification, VerifyGraphs, verify
+from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.draft import DraftWorker, padding_groups, split_features
 from workers.sampling import SamplingParams, sample
 from workers.target import TargetWorker

@@ -29,7 +29,7 @@ from service.coordinator import Coordinator, Done, Emitted, Event, Failed
 from service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepTimes
 from service.policy import AUTO, PLAIN, AutoPolicy
 from service.requests import FinishedEvent, GenerateJob, SpeculationStats, TokensEvent
-from service.verification import VERIFIERS
+from verification import VERIFIERS
 from workers.sampling import SamplingParams
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)

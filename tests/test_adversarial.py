@@ -48,8 +48,8 @@ from harness import (
     sequence_codes,
 )
 
-from service.verification import METHODS, VERIFIERS, common, gbv, top_down, verify
-from service.verification import token as token_module
+from verification import METHODS, VERIFIERS, common, gbv, top_down, verify
+from verification import token as token_module
 
 V = 16
 GAMMA = 3

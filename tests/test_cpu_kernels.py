@@ -1,4 +1,4 @@
-"""The fused CPU passes of service/verification/cpu_kernels.py (numba) against torch ops.
+"""The fused CPU passes of verification/cpu_kernels.py (numba) against torch ops.
 
 The skew repeats the torch ops' float32 steps, so it is bit for bit the same wherever torch's
 CPU addcmul is one fused multiply-add (as its compiler builds it here), and within an ulp of
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.verification import block, cpu_kernels, gbv
+from verification import block, cpu_kernels, gbv
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -130,7 +130,7 @@ def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
     """SpecTr's ρ* and β(ρ*) from the kernel against top_down.kseq_rho_all's torch ops, for
     n = 2..5 candidates: the same prefix sums and probes; ρ* equal up to the last bits of
     (1 - β)^n, which torch's vectorised pow and the compiled one may round differently."""
-    from service.verification import top_down
+    from verification import top_down
 
     p, q = rows(vocab, seed=vocab + 7, ties=ties)
     nf = torch.arange(8).remainder(4).add(2).double()
@@ -147,7 +147,7 @@ def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
     """The kernel ranks only the ratios in [1, n) and sums the rest apart: rows whose ratios
     are exactly 1 (a probe at ρ = 1 counts them above it), exactly n (above every probe) or
     0, against the torch search over every token."""
-    from service.verification import top_down
+    from verification import top_down
 
     vocab = 4096
     q = torch.full((3, vocab), 1 / vocab)
@@ -169,7 +169,7 @@ def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
 def test_draft_support_equals_the_torch_ops(monkeypatch):
     """common.draft_support through the kernel against its torch ops: a sparse draft (the
     union of the rows' supports), a dense one, and one whose first row alone is sparse."""
-    from service.verification import common
+    from verification import common
 
     gen = torch.Generator().manual_seed(0)
     q = torch.rand(6, 1000, generator=gen)
@@ -288,9 +288,9 @@ def test_kseq_residual_draws_equal_the_torch_ops(vocab):
     """cpu_verifiers.kseq_residual_tokens against spectr_rule's residual as torch ops,
     y ~ (p - min(q, p/ρ)·scale)_+, for ρ from 1 to 3 and 40 uniforms a row; row 0 has p = q at
     ρ = scale = 1, nothing left: p is drawn instead."""
-    from service.verification import cpu_verifiers
-    from service.verification.common import positive_part_or
-    from workers.sampling import sample_from_weights
+    from verification import cpu_verifiers
+    from verification.common import positive_part_or
+    from verification.tensors import sample_from_weights
 
     p, q = rows(vocab, seed=vocab + 11, ties=False)
     p[0] = q[0]

@@ -1,4 +1,4 @@
-"""The whole-verifier loops of service/verification/cpu_verifiers.py (numba, float32 CPU rows)
+"""The whole-verifier loops of verification/cpu_verifiers.py (numba, float32 CPU rows)
 against the verifiers' torch ops: the same tokens, τ and paths on trees of every regime.
 
 The loops sum in float64 in their own order and take exp/log from libm, so a uniform within a
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.verification import block, cpu_kernels, gbv, traversal, verify
-from service.verification.modification import apply_records
+from verification import block, cpu_kernels, gbv, traversal, verify
+from verification.modification import apply_records
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 

@@ -38,7 +38,7 @@ import workers.actors as actors
 import workers.draft
 from service.engine import GenerationRequest, build_engine
 from service.policy import AUTO, PLAIN
-from service.verification import METHODS, VERIFIERS
+from verification import METHODS, VERIFIERS
 from workers.draft import DraftWorker
 from workers.llama import KVCache, LlamaSpec
 from workers.models import TINY_DRAFT, TINY_TARGET

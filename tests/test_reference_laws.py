@@ -19,7 +19,7 @@ import pytest
 import torch
 from harness import ALPHA, SPEC_NAMES, chi_square, load_reference, one_iteration, reference_models
 
-from service.verification import VERIFIERS, block, cpu_kernels, kernels, top_down
+from verification import VERIFIERS, block, cpu_kernels, kernels, top_down
 
 N = 200_000
 INSTANCES, NUMBERS = load_reference()

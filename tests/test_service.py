@@ -25,8 +25,8 @@ from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.engine import GenerationRequest, StepTimes, build_engine
 from service.sessions import RedisStore
-from service.verification import VERIFIERS
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
+from verification import VERIFIERS
 from workers.draft import padding_groups
 from workers.sampling import SamplingParams
 

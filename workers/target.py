@@ -14,10 +14,11 @@ from collections.abc import Iterator
 
 import torch
 
+from verification.tensors import gather_rows
 from workers.draft import prefill, prefill_groups
 from workers.llama import KVCache, Llama
 from workers.sampling import SamplingParams, process
-from workers.tree import DraftTree, gather_rows
+from workers.tree import DraftTree
 
 
 class TargetWorker:

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import sample_from_weights
-
 from . import cpu_kernels, cpu_verifiers, kernels
 from .block import block_verify_rows
 from .common import (
@@ -47,6 +45,7 @@ from .common import (
     over_batch_chunks,
     take_rows,
 )
+from .tensors import sample_from_weights
 
 
 def num_uniforms(k: int, gamma: int) -> int:

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import sample_from_weights
-from workers.tree import rows_at
-
 from . import cpu_kernels, cpu_verifiers, kernels
 from .common import (
     ROW_SUM_TOL,
@@ -44,6 +41,7 @@ from .modification import (
     residual_prob,
     residual_weights,
 )
+from .tensors import rows_at, sample_from_weights
 
 
 def num_uniforms(k: int, gamma: int) -> int:

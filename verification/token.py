@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import sample_from_weights
-
 from .common import emit, positive_part_or, take_rows
+from .tensors import sample_from_weights
 
 
 def num_uniforms(k: int, gamma: int) -> int:

@@ -6,8 +6,6 @@ from collections.abc import Callable
 
 import torch
 
-from workers.sampling import sample_from_weights
-
 from . import cpu_kernels, cpu_verifiers, kernels
 from .common import (
     ROW_SUM_TOL,
@@ -19,6 +17,7 @@ from .common import (
     positive_part_or,
     take_rows,
 )
+from .tensors import sample_from_weights
 
 
 def num_uniforms(k: int, gamma: int) -> int:

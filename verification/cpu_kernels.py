@@ -301,7 +301,7 @@ def _residual_mass(p, q, pi):
 
 @_jit
 def _draw(w, u):
-    """workers.sampling.sample_from_weights of one row w [V] >= 0: the first index whose
+    """tensors.sample_from_weights of one row w [V] >= 0: the first index whose
     float64 running sum (sequential, as torch's CPU cumsum) exceeds u·total, kept below the
     total."""
     total = 0.0

@@ -1,12 +1,12 @@
 """Lossless draft-verification algorithms, batched over requests.
 
-    from service.verification import verify, METHODS
+    from verification import verify, METHODS
     out = verify(method, draft_tokens, draft_probs, target_probs, generator=None)
 
 Shapes: ``draft_tokens`` int64 [B, K, γ] (K i.i.d. draft paths per request), ``draft_probs``
 [B, K, γ, V] (q(·| context, first i tokens of path k), the *processed* distribution each token
 was sampled from), ``target_probs`` [B, K, γ+1, V] (p(·| context, first i tokens of path k));
-rows of identical prefixes must be identical. See :mod:`service.verification.common` for the
+rows of identical prefixes must be identical. See :mod:`verification.common` for the
 vocabulary (accepted / recovered / bonus) and :class:`VerifyOutput` for the result.
 
 The math of every method is specified in ``docs/verification.md`` (section numbers are
@@ -143,7 +143,7 @@ def verify(
     validate: check values (NaN, negatives, row sums within ROW_SUM_TOL, q(drafted) > 0) at
     the cost of ~2 passes over the inputs; shapes, dtypes and token ranges are always checked.
     graphs: on CUDA, replay the method's kernels from a graph captured per shape bucket
-    (service/verification/graphs.py): the same tokens without the launch cost. None: eager.
+    (verification/graphs.py): the same tokens without the launch cost. None: eager.
     """
     spec = VERIFIERS.get(method)
     if spec is None:

@@ -13,13 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from workers.sampling import cumsum64, sample_from_weights
-from workers.tree import rows_at
-
 from . import cpu_kernels, cpu_verifiers, kernels
 from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
 from .modification import residual_mass, residual_prob, residual_weights
 from .sorting import ratio_key, sort_ascending
+from .tensors import cumsum64, rows_at, sample_from_weights
 from .token import accepted_length, recovered_token
 
 # (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])

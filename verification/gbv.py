@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import cumsum64
-
 from . import cpu_kernels, cpu_verifiers, kernels
 from .block import (
     block_tau,
@@ -51,6 +49,7 @@ from .common import (
     take_rows,
 )
 from .sorting import ascending_order, ratio_key
+from .tensors import cumsum64
 
 
 def num_uniforms(k: int, gamma: int) -> int:

@@ -1,5 +1,5 @@
-"""Shared vocabulary, input checks and randomness for every verifier (their sampling,
-:func:`workers.sampling.sample_from_weights`, is the workers' own).
+"""Shared vocabulary, input checks and randomness for every verifier (their sampling is
+:func:`verification.tensors.sample_from_weights`, which the workers share).
 
 Vocabulary (one iteration of speculative decoding, spec §0):
 
@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.tree import gather_rows
-
 from . import cpu_kernels
+from .tensors import gather_rows
 
 if TYPE_CHECKING:  # modification.py imports this module
     from .modification import TargetModification
