@@ -31,8 +31,9 @@ or that read data back (``tolist``, ``item``, ``__int__``...). It works under
 The code under test then takes its accelerator paths (``host_reads_are_free`` is False, the
 verifiers do their fixed-shape work, ``cumsum64`` scans in chunks), except two that need a
 real GPU and are switched off while the context is active: the verifiers' Triton kernels
-(``verification.kernels.applies`` returns False, so the torch-ops path runs) and CUDA
-graphs (``VerifyGraphs.run`` calls the verifier eagerly).
+(``verification.kernels.available`` returns False, so ``choose_backend`` picks the
+``torch-device`` backend, the torch ops of an accelerator) and CUDA graphs
+(``VerifyGraphs.run`` calls the verifier eagerly).
 """
 
 from __future__ import annotations
@@ -415,7 +416,7 @@ class FakeCuda:
     def __enter__(self) -> FakeCuda:
         from verification import graphs, kernels
 
-        self._patch(kernels, "applies", lambda p, q: False)  # Triton kernels need a GPU
+        self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
         self._patch(graphs.VerifyGraphs, "run", lambda _self, _method, fn, *inputs: fn(*inputs))
         _ACTIVE.append(self)
         for mode in self._modes:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from verification import block, cpu_kernels, gbv
+from verification import Backend, block, choose_backend, cpu_kernels, gbv
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -116,17 +116,17 @@ def test_mass_below_a_drafted_token_of_ratio_0_over_0():
     assert got[0] > 0.9
 
 
-def test_gbv_takes_the_kernels_only_for_float32_cpu_rows():
+def test_the_kernels_run_only_for_float32_cpu_rows():
     q = torch.rand(2, 3)
-    assert cpu_kernels.applies(q, q)
-    assert not cpu_kernels.applies(q, q.double())
-    assert not cpu_kernels.applies(q.bfloat16())
-    assert not cpu_kernels.applies(q.t())  # V must be contiguous
+    assert choose_backend(q, q) is Backend.NUMBA
+    assert choose_backend(q, q.double()) is Backend.TORCH_HOST
+    assert choose_backend(q.bfloat16(), q.bfloat16()) is Backend.TORCH_HOST
+    assert choose_backend(q.t(), q.t()) is Backend.TORCH_HOST  # V must be contiguous
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("ties", [False, True])
-def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
+def test_kseq_rho_equals_the_torch_search(vocab, ties):
     """SpecTr's ρ* and β(ρ*) from the kernel against top_down.kseq_rho_all's torch ops, for
     n = 2..5 candidates: the same prefix sums and probes; ρ* equal up to the last bits of
     (1 - β)^n, which torch's vectorised pow and the compiled one may round differently."""
@@ -135,15 +135,14 @@ def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
     p, q = rows(vocab, seed=vocab + 7, ties=ties)
     nf = torch.arange(8).remainder(4).add(2).double()
     rho, beta = cpu_kernels.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf)
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf, Backend.TORCH_HOST)
     torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert (rho > 1).any() and (rho >= 1).all() and (rho <= nf).all()
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
+def test_kseq_rho_with_ratios_at_the_search_bounds(n):
     """The kernel ranks only the ratios in [1, n) and sums the rest apart: rows whose ratios
     are exactly 1 (a probe at ρ = 1 counts them above it), exactly n (above every probe) or
     0, against the torch search over every token."""
@@ -159,14 +158,13 @@ def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
     p = p / p.sum(-1, keepdim=True)
     nf = torch.full((3,), float(n), dtype=torch.float64)
     rho, beta = cpu_kernels.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf)
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf, Backend.TORCH_HOST)
     torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert (rho > 1).all()
 
 
-def test_draft_support_equals_the_torch_ops(monkeypatch):
+def test_draft_support_equals_the_torch_ops():
     """common.draft_support through the kernel against its torch ops: a sparse draft (the
     union of the rows' supports), a dense one, and one whose first row alone is sparse."""
     from verification import common
@@ -177,9 +175,8 @@ def test_draft_support_equals_the_torch_ops(monkeypatch):
     first_sparse = q.clone()
     first_sparse[0] = sparse[0]
     cases = [sparse, q, first_sparse, sparse.view(2, 3, 1000)]
-    got = [common.draft_support(t) for t in cases]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    want = [common.draft_support(t) for t in cases]
+    got = [common.draft_support(t, Backend.NUMBA) for t in cases]
+    want = [common.draft_support(t, Backend.TORCH_HOST) for t in cases]
     assert want[0] is not None and want[1] is None and want[2] is None
     for a, b in zip(got, want, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -193,7 +190,7 @@ def drafted_paths(vocab: int, n: int, gamma: int, k: int, seed: int):
     p = logits.softmax(-1)
     q = (logits + torch.randn(n, gamma, vocab, generator=gen) * 0.7).softmax(-1)
     x = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(n, gamma)
-    below_x, q_x, p_x = gbv._path_values(q, p, x)
+    below_x, q_x, p_x = gbv._path_values(q, p, x, Backend.TORCH_HOST)
     _, q_tilde_x = gbv._skew_at_path(below_x, q_x, k)
     return below_x, q_x, p_x, block.running_products(p_x, q_tilde_x, torch.float32)
 
@@ -245,7 +242,7 @@ def test_levels_failed_unranked_fail_the_exact_test(vocab, k):
     lam = torch.tensor(LEVEL_LAMBDAS, dtype=torch.float64)
     pi = torch.tensor(LEVEL_PRODUCTS)
     q_tilde = gbv.skewed_probs(q, gbv.mass_ranked_below(gbv.ranking_key(p, q), q), lam, k)
-    mass = block.residual_mass(p, q_tilde, pi)
+    mass = block.residual_mass(Backend.TORCH_HOST, p, q_tilde, pi)
     h = mass / (mass + 1 - pi)  # [8] float32, as the loop's test
     eta = torch.linspace(0, 1, 201)
     ids = np.arange(vocab)
@@ -276,7 +273,7 @@ def test_no_level_is_failed_unranked_where_its_test_cancels():
         pt, qt = torch.from_numpy(p)[None], torch.from_numpy(q)[None]
         lam_t = torch.tensor([lam], dtype=torch.float64)
         q_tilde = gbv.skewed_probs(qt, gbv.mass_ranked_below(gbv.ranking_key(pt, qt), qt), lam_t, k)
-        mass = block.residual_mass(pt, q_tilde, torch.tensor([pi]))
+        mass = block.residual_mass(Backend.TORCH_HOST, pt, q_tilde, torch.tensor([pi]))
         h = float(mass / (mass + 1 - torch.tensor(pi)))
         kappa, _, floor = cpu_kernels._dead_prefix(p, q, np.arange(vocab), lam, k, pi)
         for eta in np.linspace(0.8 * h, min(1.2 * h, 1), 200).astype(np.float32):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_verify_cost import inputs, same_tokens, take_accelerator_paths
-from verification import kernels, verify
+from tests.test_verify_cost import inputs, same_tokens
+from verification import Backend, kernels, verify
 
 DEVICE = None if kernels._triton() is None else "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton")
@@ -165,7 +165,7 @@ def kseq_case(dtype, gen, rows=64, vocab=1000, k=4):
     "dtype,block,programs",
     [(torch.float32, 128, None), (torch.float64, 64, 512), (torch.bfloat16, 256, 1)],
 )
-def test_kseq_token_is_spectrs_node_rule(dtype, block, programs, monkeypatch):
+def test_kseq_token_is_spectrs_node_rule(dtype, block, programs):
     """ρ*, β(ρ*) against kseq_rho_all's search, and the token against spectr_rule's torch ops
     (the tests and, where all are rejected, the residual's inverse-CDF draw) on the same
     uniforms: equal up to the last bits of ρ (the probes' rounding) and of the sums. Rows
@@ -177,13 +177,12 @@ def test_kseq_token_is_spectrs_node_rule(dtype, block, programs, monkeypatch):
     token, rho, beta = kernels.kseq_token(
         p, q, cand, is_cand, u, top_down.SEARCH_NARROW, block=block, programs=programs
     )
-    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
-    want_rho, want_beta = top_down.kseq_rho_all(p, q, is_cand.sum(-1).double())
+    plain = Backend.TORCH_DEVICE  # the torch ops of an accelerator, without the kernels
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, is_cand.sum(-1).double(), plain)
     torch.testing.assert_close(rho, want_rho, rtol=1e-8, atol=0)  # a few steps of the grid
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert rho[0] == 1 and (rho[is_cand.sum(-1) == 1] == 1).all()
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
-    want = top_down.spectr_rule(p, q, cand, is_cand, u)
+    want = top_down.spectr_rule(plain, p, q, cand, is_cand, u)
     rejected = ~(is_cand & (u[:, :-1] * rho[:, None] * q.gather(-1, cand) < p.gather(-1, cand)))
     assert rejected.all(-1).sum() >= 10  # the residual draw is exercised
     if dtype != torch.bfloat16:
@@ -206,8 +205,7 @@ def test_mass_ranked_below_token_is_gbvs_c_at_the_path(dtype, monkeypatch):
     x = cand[:, 0].view(4, 6)
     monkeypatch.setattr(kernels, "BLOCK", 256)
     got = kernels.mass_ranked_below_token(key, q, x)
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
-    want = gbv.drafted_mass_below(key, q, x).double()
+    want = gbv.drafted_mass_below(key, q, x, Backend.TORCH_DEVICE).double()
     assert got.shape == (4, 6) and got.dtype == torch.float64
     tol = 1e-6 if dtype != torch.bfloat16 else 1e-2  # torch sums bfloat16 products in bf16
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * 1e-3)
@@ -227,9 +225,7 @@ def test_rrs_token_is_specinfers_node_rule(dtype, block, monkeypatch):
     p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=32)
     monkeypatch.setattr(kernels, "BLOCK", block)
     token = kernels.rrs_token(p, q, cand, is_cand, u)
-    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
-    want = top_down.specinfer_rule(p, q, cand, is_cand, u)
+    want = top_down.specinfer_rule(Backend.TORCH_DEVICE, p, q, cand, is_cand, u)
     # a candidate's first test is TV's: where every one fails it, the draw is exercised
     p_0, q_0 = (x.float().gather(-1, cand[:, :1]).squeeze(-1) for x in (p, q))
     assert (u[:, 0] * q_0 >= p_0).sum() >= 10
@@ -336,7 +332,6 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
     against the same path with the torch ops, over two steps so that greedy BV's carried
     records go through them too. The masses differ by rounding only, so the tokens agree on
     these inputs, and the carried joints to ~1e-6."""
-    take_accelerator_paths(monkeypatch)
     calls = []
     for name in ("row_masses", "skewed_rows", "skewed_excess", "kseq_token", "rrs_token"):
         real = getattr(kernels, name)
@@ -347,13 +342,13 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
         )
     runs = {}
     for fused in (False, True):
-        # on CPU the interpreter runs them: every device passes where the rows fit
-        monkeypatch.setattr(kernels, "applies", kernels.fit if fused else lambda p, q: False)
+        # on CPU the interpreter runs the kernels: the triton backend on CPU tensors
+        backend = Backend.TRITON if fused else Backend.TORCH_DEVICE
         carry, runs[fused] = None, []
         for step, regime in enumerate(["realistic", "disjoint"]):
             tokens, q, p = inputs(regime, 6, k, 4, vocab=300, device=DEVICE)
             gen = torch.Generator(DEVICE).manual_seed(step)
-            out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
+            out = verify(method, tokens, q, p, gen, carry=carry, validate=False, backend=backend)
             carry = out.carry
             runs[fused].append(out)
     # the fused run went through the kernels: GBV's skew, SpecTr's and SpecInfer's node at

@@ -56,9 +56,9 @@ def _triton():
     return triton, tl
 
 
-def applies(p: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether the verifiers take the kernels for rows p, q: on CUDA, where they :func:`fit`."""
-    return p.device.type == "cuda" and fit(p, q)
+def available() -> bool:
+    """Whether Triton is installed: the ``triton`` backend's condition (backends.py)."""
+    return _triton() is not None
 
 
 def fit(p: torch.Tensor, q: torch.Tensor) -> bool:
