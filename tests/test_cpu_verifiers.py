@@ -1,5 +1,6 @@
-"""The whole-verifier loops of verification/cpu_verifiers.py (numba, float32 CPU rows)
-against the verifiers' torch ops: the same tokens, τ and paths on trees of every regime.
+"""The whole-verifier loops (each verifier's loops.py: the numba backend, float32 CPU rows)
+against the verifiers' torch ops (the torch-host backend): the same tokens, τ and paths on
+trees of every regime.
 
 The loops sum in float64 in their own order and take exp/log from libm, so a uniform within a
 few float32 ulps of a threshold could go the other way; with these seeds none does, and the
@@ -88,7 +89,7 @@ def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime):
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
 def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime):
-    """cpu_verifiers.gbv_verify against gbv_verify_lazily's torch ops (_verify_lazily): the same
+    """gbv.loops.gbv_verify against gbv_verify_lazily's torch ops (_verify_lazily): the same
     selected path, τ and tokens for 4 × 32 trees, from τ = γ to deep rounds of levels. Its sums
     are float64 in its own order and its exp/log libm's, so a uniform within a few float32
     ulps of its threshold could go the other way; none does here."""
@@ -101,7 +102,7 @@ def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime):
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
 def test_block_loop_gives_the_torch_ops_tokens(vocab, regime):
-    """cpu_verifiers.block_verify (also GBV's and traversal's K = 1) against
+    """block.loops.block_verify (also GBV's and traversal's K = 1) against
     block_verify_torch_rows' torch ops, which sum every level's mass in one pass: the same τ
     and tokens for 4 × 32 chains, every τ from 0 to γ among them."""
     tokens, q, p = drafted_tree(vocab, 32, 1, 5, regime, seed=vocab)
@@ -117,7 +118,7 @@ def test_block_loop_gives_the_torch_ops_tokens(vocab, regime):
 @pytest.mark.parametrize("method", ["spectr", "specinfer"])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
 def test_walk_draws_give_the_torch_ops_tokens(vocab, k, method, regime):
-    """The walks' draws as loops a row (cpu_verifiers.recovered_tokens: token verification's
+    """The walks' draws as loops a row (top_down.loops.recovered_tokens: token verification's
     recovered or bonus token below a one-path node; kseq_residual_tokens: SpecTr's residual
     at the undecided nodes) against their torch ops: the same tokens for 8 seeds of 32 trees
     (agree: q = p, every residual empty, p drawn instead; disjoint: residuals at the root)."""
@@ -147,7 +148,7 @@ def same_carried_joints(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
 def test_greedy_loops_give_the_torch_ops_tokens(vocab, k, regime):
-    """cpu_verifiers.greedy_verify and apply_records against the torch ops of greedy BV
+    """greedy.loops.greedy_verify and apply_records against the torch ops of greedy BV
     (K = 1) and SpecTr-GBV*: 5 steps of 32 trees, each verifying against the modification
     carried from the step before (up to 5 steps' records live at once). The same τ, paths,
     tokens and record windows; the records' log-joints within a float32 sum's rounding."""
@@ -172,7 +173,7 @@ def test_greedy_loops_give_the_torch_ops_tokens(vocab, k, regime):
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_apply_records_loop_gives_the_torch_ops_rows(vocab):
-    """cpu_verifiers.apply_records against modification.apply_records' torch ops on a carry of
+    """cpu_kernels.apply_records against modification.apply_records' torch ops on a carry of
     4 steps of SpecTr-GBV* at K = 3: every modified row's offset t and mass z, and every
     record's base rows, equal up to a float32 sum's rounding."""
     tokens, q, p = drafted_tree(vocab, 16, 3, 6, "realistic", seed=vocab)

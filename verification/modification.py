@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_verifiers, kernels
+from . import cpu_kernels, kernels
 from .backends import Backend, host_reads_are_free
 from .common import exclusive_cumsum, over_batch_chunks
 
@@ -214,7 +214,7 @@ def apply_records(
     the rows before record r was applied, under which the record's running joint P absorbs
     the tokens generated next, see :func:`advance_records`).
 
-    The numba backend takes one loop a request (cpu_verifiers.apply_records), each record
+    The numba backend takes one loop a request (cpu_kernels.apply_records), each record
     passing over its own window's rows only; the ops below pass over the batch's widest
     window and mask.
     """
@@ -234,7 +234,7 @@ def apply_records(
             "keep γ constant for a request that carries a target modification"
         )
     if backend.compiled_loops:  # one loop a request, each record over its own window only
-        t, z, base_t, base_z = cpu_verifiers.apply_records(
+        t, z, base_t, base_z = cpu_kernels.apply_records(
             tokens, draft_probs, target_probs, mod.log_p, mod.log_q, mod.rows_left, T_MAX
         )
         return ResidualRows(t, z), ResidualRows(base_t, base_z)

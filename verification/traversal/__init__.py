@@ -24,7 +24,7 @@ updated α at once (the deepest pass wins). The sequential order of the paper's 
 which uniform each test reads, are unchanged; only the branch node b and the accepted node's
 rows are materialised. At most K segments, instead of up to Kγ + 1 single-node steps.
 
-On the numba backend the walk is one compiled loop a request (cpu_verifiers.traversal_walk):
+On the numba backend the walk is one compiled loop a request (loops.traversal_walk):
 the same segments, with each node's mass summed only when its test is reached. Batched torch
 segments cost ~80 dispatched ops and several passes over γ rows each; the loop reads the rows
 it tests once. Its sums are float64 where torch's are float32: a test or a draw whose uniform
@@ -37,11 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_verifiers, kernels
-from .backends import Backend
-from .block import block_verify
-from .common import ALL, clipped_products, emit, over_batch_chunks, take_rows
-from .tensors import sample_from_weights
+from .. import kernels
+from ..backends import Backend
+from ..block import block_verify
+from ..common import ALL, clipped_products, emit, over_batch_chunks, take_rows
+from ..tensors import sample_from_weights
+from . import loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -100,12 +101,12 @@ def traversal_verify_loops(
     target_probs: torch.Tensor,  # [B, K, γ+1, V] float32
     uniforms: torch.Tensor,  # [B, K*γ + 2]
 ):
-    """The walk as one compiled loop a request (cpu_verifiers.traversal_walk)."""
+    """The walk as one compiled loop a request (loops.traversal_walk)."""
     if draft_tokens.shape[1] == 1:  # a chain: traversal is exactly block verification (§9)
         return block_verify(backend, draft_tokens, draft_probs, target_probs, uniforms)
     leaves, branch = _leaf_order(draft_tokens)
     log_ratio = _log_ratios(draft_tokens, draft_probs, target_probs)
-    tau, path, y = cpu_verifiers.traversal_walk(
+    tau, path, y = loops.traversal_walk(
         draft_tokens, draft_probs, target_probs, leaves, branch, log_ratio, uniforms
     )
     return emit(take_rows(draft_tokens, path), tau, y), tau, path

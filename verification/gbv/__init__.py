@@ -16,24 +16,18 @@ whose level its uniform can pass (_verify_lazily); elsewhere every row is ranked
 reads (on CUDA each level's R is summed in rank order by one fused kernel and only the row
 at τ is skewed by id, _verify_in_rank_order). Both give the same tokens.
 
-On CPU with float32 rows the whole call (selection, the path's values, the rounds of levels,
-the residual draw) runs as numba loops a request, cpu_verifiers.gbv_verify: the same steps as
-_verify_lazily in the same float32 arithmetic, where torch's ops cost ~300 dispatches a call
-and ~10 passes over each row they touch. It sums C, R and the sampler's totals in float64 in
-its own order and takes exp/log from libm: a test or a draw whose uniform lies within a few
-float32 ulps of its threshold could go the other way. The loops also skip what bounds prove
-unread (cpu_kernels): C at the path above the highest level the running products' upper
-bounds can reach, the rank of the tokens whose residual (p_i p - q̃)_+ is 0 whatever their
-rank (q̃ ≥ F(C) q), and the ranking of a level whose test an upper bound of R fails.
+On the numba backend (float32 CPU rows) the whole call (selection, the path's values, the
+rounds of levels, the residual draw) runs as numba loops a request (loops.py): the same steps
+as _verify_lazily in the same float32 arithmetic, skipping what bounds prove unread.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cpu_verifiers, kernels
-from .backends import Backend
-from .block import (
+from .. import kernels
+from ..backends import Backend
+from ..block import (
     block_tau,
     block_verify,
     block_verify_torch_rows,
@@ -42,9 +36,10 @@ from .block import (
     residual_token,
     running_products,
 )
-from .common import draft_support, emit, over_batch_chunks, support_holding, take_rows
-from .sorting import ascending_order, ratio_key
-from .tensors import cumsum64
+from ..common import draft_support, emit, over_batch_chunks, support_holding, take_rows
+from ..sorting import ascending_order, ratio_key
+from ..tensors import cumsum64
+from . import loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -262,11 +257,11 @@ def gbv_verify_loops(
     uniforms: torch.Tensor,  # [B, γ+1]
 ):
     """The numba backend: the selection, levels and draw as loops a request
-    (cpu_verifiers.gbv_verify). -> (tokens, τ, path)."""
+    (loops.gbv_verify). -> (tokens, τ, path)."""
     if draft_tokens.shape[1] == 1:  # a single path: q̃ = q exactly, block verification (§8)
         return block_verify(backend, draft_tokens, draft_probs, target_probs, uniforms)
     support, slack = draft_support(draft_probs, backend), reach_slack(target_probs.dtype)
-    tau, path, y = cpu_verifiers.gbv_verify(
+    tau, path, y = loops.gbv_verify(
         draft_tokens, draft_probs, target_probs, uniforms, support, slack
     )
     return emit(take_rows(draft_tokens, path), tau, y), tau, path

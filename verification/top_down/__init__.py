@@ -13,13 +13,14 @@ from collections.abc import Callable
 
 import torch
 
-from . import cpu_kernels, cpu_verifiers, kernels
-from .backends import Backend
-from .common import ALL, draft_support, emit, positive_part_or, take_rows
-from .modification import residual_mass, residual_prob, residual_weights
-from .sorting import ratio_key, sort_ascending
-from .tensors import cumsum64, rows_at, sample_from_weights
-from .token import accepted_length, recovered_token
+from .. import kernels
+from ..backends import Backend
+from ..common import ALL, draft_support, emit, positive_part_or, take_rows
+from ..modification import residual_mass, residual_prob, residual_weights
+from ..sorting import ratio_key, sort_ascending
+from ..tensors import cumsum64, rows_at, sample_from_weights
+from ..token import accepted_length, recovered_token
+from . import loops
 
 # (backend, p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K],
 #  uniforms [B, K+1]) -> token [B]
@@ -146,9 +147,7 @@ def _token_from(
     )
     k = k.squeeze(-1)
     if backend.compiled_loops:  # one pass over each row, in place
-        return tau, cpu_verifiers.recovered_tokens(
-            target_probs, draft_probs, done, k, tau, u[done, tau, K]
-        )
+        return tau, loops.recovered_tokens(target_probs, draft_probs, done, k, tau, u[done, tau, K])
     p_row = rows_at(target_probs, done, k, tau)
     q_row = rows_at(draft_probs, done, k, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
     return tau, recovered_token(p_row, q_row, u[done, tau, K])
@@ -293,7 +292,7 @@ def spectr_rule(backend, p_row, q_row, cand, is_cand, u):
     if backend.compiled_loops:
         rows = (~decided).nonzero().squeeze(-1)  # the undecided rows only, one pass over each
         rho32 = rho.to(p_row.dtype)
-        recovered = cpu_verifiers.kseq_residual_tokens(p_row, q_row, rows, rho32, scale, u[:, -1])
+        recovered = loops.kseq_residual_tokens(p_row, q_row, rows, rho32, scale, u[:, -1])
         return token.index_copy(0, rows, recovered)
     overlap = torch.minimum(q_row, p_row / rho[:, None].to(p_row.dtype))
     residual = positive_part_or(p_row - overlap * scale[:, None], p_row)
@@ -332,14 +331,14 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, backend:
 
 def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, backend: Backend):
     """kseq_rho's sort and search for every row (nf [B]: n as float64). -> ρ [B], β(ρ) [B].
-    The numba backend: cpu_kernels.kseq_rho, the same sums and probes in one loop a row."""
+    The numba backend: loops.kseq_rho, the same sums and probes in one loop a row."""
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
     support = draft_support(q_row, backend)
     if support is not None:
         p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
     if backend.compiled_loops:  # the sort words, the sort, then one loop a row
-        return cpu_kernels.kseq_rho(p_row, q_row, nf, *SEARCH_NARROW)
+        return loops.kseq_rho(p_row, q_row, nf, *SEARCH_NARROW)
     ratio = ratio_key(p_row, q_row)  # [B, V]
     ratio_sorted, order = sort_ascending(ratio)
     ratio_sorted = ratio_sorted.double()  # [B, V]: compared with float64 ρ

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_verifiers, kernels
-from .backends import Backend
-from .common import (
+from .. import kernels
+from ..backends import Backend
+from ..common import (
     ROW_SUM_TOL,
     emit,
     exclusive_cumsum,
@@ -35,7 +35,7 @@ from .common import (
     over_batch_chunks,
     take_rows,
 )
-from .modification import (
+from ..modification import (
     T_MAX,
     ResidualRows,
     as_row_scalars,
@@ -43,7 +43,8 @@ from .modification import (
     residual_prob,
     residual_weights,
 )
-from .tensors import rows_at, sample_from_weights
+from ..tensors import rows_at, sample_from_weights
+from . import loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -199,9 +200,9 @@ def greedy_verify_loops(
     uniforms: torch.Tensor,  # [B, K*γ + 1]
     modified: ResidualRows,  # [B, K, γ]: earlier modifications carried into these rows
 ):
-    """sequential_greedy_verify as one loop a request (cpu_verifiers.greedy_verify)."""
+    """sequential_greedy_verify as one loop a request (loops.greedy_verify)."""
     B, K, gamma = draft_tokens.shape
-    tau, path, y, rec_log_p, rec_log_q = cpu_verifiers.greedy_verify(
+    tau, path, y, rec_log_p, rec_log_q = loops.greedy_verify(
         draft_tokens,
         draft_probs,
         target_probs,

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import cpu_verifiers, kernels
-from .backends import Backend
-from .common import (
+from .. import kernels
+from ..backends import Backend
+from ..common import (
     ROW_SUM_TOL,
     clipped_products,
     emit,
@@ -17,7 +17,8 @@ from .common import (
     positive_part_or,
     take_rows,
 )
-from .tensors import sample_from_weights
+from ..tensors import sample_from_weights
+from . import loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -33,10 +34,10 @@ def block_verify_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BV on one path per request; returns (τ [B], emitted y [B]). Shared with GBV at K = 1
     and traversal on a chain. On the numba backend one loop a request
-    (cpu_verifiers.block_verify), the masses summed only where a uniform can reach, top-down
+    (loops.block_verify), the masses summed only where a uniform can reach, top-down
     (levels_top_down): the same τ and y as the torch ops (block_verify_torch_rows)."""
     if backend.compiled_loops:
-        return cpu_verifiers.block_verify(x, q, p, uniforms, reach_slack(p.dtype))
+        return loops.block_verify(x, q, p, uniforms, reach_slack(p.dtype))
     return block_verify_torch_rows(backend, x, q, p, uniforms)
 
 
