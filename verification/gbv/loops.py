@@ -377,7 +377,7 @@ def gbv_verify(
     support: torch.Tensor | None,  # [V'] ids outside which q is 0 (draft_support), or None
     slack: float,  # levels_top_down's bound on h_i / p_i
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gbv.gbv_verify at K > 1 as numba loops a request: selection, the path's values and
+    """gbv.gbv_verify_lazily at K > 1 as numba loops a request: selection, the path's values and
     λ below the highest level it can reach, then rounds of levels tried top-down, each ranking
     the live tokens of one row per undecided request (numpy's sort of their sort words
     between two loops), then the residual draw. -> τ [B], path [B], y [B] int64."""
