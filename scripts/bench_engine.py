@@ -33,7 +33,7 @@ from loadtest.prompts import prompt_ids
 from service.engine import build_engine
 from service.policy import AUTO
 from service.requests import make_request
-from service.verification import VERIFIERS
+from verification import VERIFIERS
 from workers.draft import prefill
 from workers.llama import KVCache, Llama
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC, TOKEN_ONLY_DRAFT

@@ -35,7 +35,7 @@ after every section and every speed row, and the compact tables are printed last
      T1     target forward of 1 token + its softmax (plain decoding's step)
      Ttree  target forward of the draft tree (K paths of γ, 1 + Kγ nodes) + path rows
      D      one draft depth: forward of K rows + reduced head + softmax; c = D / T1
-     v      one verify call (service.verification.verify on random rows of the full vocab,
+     v      one verify call (verification.verify on random rows of the full vocab,
             replayed from CUDA graphs as the engine does), as a share of T1
 
    and the projected speed-up over plain decoding of each (method, K, γ), with E[tokens per
@@ -77,7 +77,7 @@ from bench_verify import make_inputs
 from loadtest.prompts import complete_function
 from service.engine import build_engine
 from service.requests import make_request
-from service.verification import VERIFIERS, VerifyGraphs, verify
+from verification import VERIFIERS, VerifyGraphs, verify
 from workers import models as wm
 from workers.draft import prefill
 from workers.llama import KVCache, Llama, LlamaSpec

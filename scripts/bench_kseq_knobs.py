@@ -1,5 +1,5 @@
 """SpecTr's CUDA kernel settings side by side: one `spectr` call replayed from a CUDA graph
-for each (columns a step, warps, programs a multiprocessor) of service/verification/kernels.py.
+for each (columns a step, warps, programs a multiprocessor) of verification/kernels.py.
 
     python3 scripts/bench_kseq_knobs.py [--batch 32] [--k 4] [--gamma 8] [--vocab 32000 49152]
         [--settings 128/4/2 128/4/4 64/2/4 128/2/8 64/2/8 256/4/4] [--repeats 21]
@@ -19,7 +19,7 @@ import functools
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
 
-from service.verification import VerifyGraphs, kernels, verify
+from verification import VerifyGraphs, kernels, verify
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from service.verification import METHODS, VERIFIERS, VerifyGraphs, verify
+from verification import METHODS, VERIFIERS, VerifyGraphs, verify
 
 
 def make_inputs(b: int, k: int, gamma: int, vocab: int, device: str, seed: int = 0):

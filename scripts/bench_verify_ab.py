@@ -35,12 +35,12 @@ from bench_verify import make_inputs  # noqa: E402
 
 
 def load_verification(root: Path):
-    """`service.verification` as it is under `root` (its own `workers` too)."""
+    """`verification` as it is under `root` (its own `workers` too)."""
     for name in [n for n in sys.modules if n.split(".")[0] in ("service", "workers")]:
         del sys.modules[name]
     sys.path.insert(0, str(root))
     try:
-        return importlib.import_module("service.verification")
+        return importlib.import_module("verification")
     finally:
         sys.path.remove(str(root))
 

@@ -20,7 +20,7 @@ import time
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
 
-from service.verification import VerifyGraphs, verify
+from verification import VerifyGraphs, verify
 
 
 def gpu_profile(fn, top: int) -> dict:

@@ -21,7 +21,7 @@ tests/test_facts.py test the verifiers against.
   ``blockspec demo`` prints (service/cli.py), and F1/F3 equal theirs.
 
 The laws come from the rules of docs/verification.md, written here once more as plain Python
-over the tables, independently of the verifiers under test (service/verification/): nothing is
+over the tables, independently of the verifiers under test (verification/): nothing is
 sampled. Per method:
 
 - TV, BV, GreedyBV: a sum over the V^γ draft paths of the path's probability times the
@@ -637,7 +637,7 @@ def check_toy_fractions(instances: dict) -> list[str]:
     """The toy instance in rational arithmetic: E[τ] equals the fractions that ``blockspec demo``
     prints and §12 lists (SpecTr's to the 6 decimals given: ρ* is irrational)."""
     from service.cli import TOY_EXACT
-    from service.verification import VERIFIERS
+    from verification import VERIFIERS
 
     method_of = {registry: spec for spec, registry in SPEC_NAMES.items()}
     fresh = recompute({"toy": instances["toy"]}, exact=True)[0]["numbers"]["toy"]

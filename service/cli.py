@@ -47,7 +47,7 @@ def demo(trials: int, seed: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from service.verification import verify
+    from verification import verify
 
     console = Console()
     gamma, gen = 2, torch.Generator().manual_seed(seed)
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "methods":
-        from service.verification import VERIFIERS
+        from verification import VERIFIERS
 
         for v in VERIFIERS.values():
             paths = "K = 1" if v.single_path else "K >= 1"

@@ -56,7 +56,7 @@ import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
-from service.verification import VERIFIERS, TargetModification, VerifyGraphs, verify
+from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
 from workers.sampling import SamplingParams, sample

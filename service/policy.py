@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.verification import VERIFIERS
+from verification import VERIFIERS
 
 AUTO = "auto"
 PLAIN = "none"  # plain target decoding, no speculation (γ = 0)

@@ -37,7 +37,7 @@ from service.requests import (
     ReplicaStats,
     TokensEvent,
 )
-from service.verification import VERIFIERS
+from verification import VERIFIERS
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from service.policy import AUTO, PLAIN
-from service.verification import VERIFIERS
+from verification import VERIFIERS
 from workers.models import render_chat
 from workers.sampling import SamplingParams
 

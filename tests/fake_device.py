@@ -11,13 +11,13 @@ refused the same way:
 - a CPU ``torch.Generator`` cannot draw on the device; ``.numpy()`` of a device tensor fails.
 
 Every read of device data on the host is counted as a *host sync* (``FakeCuda.syncs``, and
-``sites``: where in service/ and workers/ each came from): ``.item()``, ``int()``/``bool()``/
-``float()``, ``.tolist()``, ``.cpu()`` and other device-to-host copies, the ops whose output
-size depends on device data (``nonzero``, ``masked_select``, indexing with a device boolean
-mask), and blocking host-to-device copies (``.to(device)`` without ``non_blocking=True``,
-``torch.tensor(data, device=...)``, a slice assigned from the host): CUDA synchronizes the
-stream before such a copy returns, so the host waits for all queued work as for a read. Every
-copy from the host is also counted in ``h2d``.
+``sites``: where in service/, workers/ and verification/ each came from): ``.item()``,
+``int()``/``bool()``/``float()``, ``.tolist()``, ``.cpu()`` and other device-to-host copies,
+the ops whose output size depends on device data (``nonzero``, ``masked_select``, indexing
+with a device boolean mask), and blocking host-to-device copies (``.to(device)`` without
+``non_blocking=True``, ``torch.tensor(data, device=...)``, a slice assigned from the host):
+CUDA synchronizes the stream before such a copy returns, so the host waits for all queued work
+as for a read. Every copy from the host is also counted in ``h2d``.
 
 How: ``FakeCudaTensor`` is a wrapper subclass (``_make_wrapper_subclass`` on the meta device
 with ``dispatch_device=True``: its device is answered by ``__torch_dispatch__``, as
@@ -31,8 +31,9 @@ or that read data back (``tolist``, ``item``, ``__int__``...). It works under
 The code under test then takes its accelerator paths (``host_reads_are_free`` is False, the
 verifiers do their fixed-shape work, ``cumsum64`` scans in chunks), except two that need a
 real GPU and are switched off while the context is active: the verifiers' Triton kernels
-(``service.verification.kernels.applies`` returns False, so the torch-ops path runs) and CUDA
-graphs (``VerifyGraphs.run`` calls the verifier eagerly).
+(``verification.kernels.available`` returns False, so ``choose_backend`` picks the
+``torch-device`` backend, the torch ops of an accelerator) and CUDA graphs
+(``VerifyGraphs.run`` calls the verifier eagerly).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ FAKE_CUDA = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
 _MASKS = (torch.bool, torch.uint8)
 _ROOT = Path(__file__).resolve().parents[1]
-_SOURCES = tuple(str(_ROOT / d) for d in ("service", "workers"))
+_SOURCES = tuple(str(_ROOT / d) for d in ("service", "workers", "verification"))
 _ACTIVE: list[FakeCuda] = []  # the innermost active harness (its counters)
 
 _SAME_DEVICE_ERROR = (
@@ -138,7 +139,7 @@ def _argument(func, args, kwargs, name: str, default):
 
 
 def _site() -> str:
-    """The innermost frame in service/ or workers/ (where the read was written)."""
+    """The innermost frame in service/, workers/ or verification/ (where the read was written)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
@@ -386,7 +387,7 @@ class FakeCuda:
         with FakeCuda() as dev:
             engine.step()
         dev.syncs   # Counter: host syncs by kind
-        dev.sites   # Counter: host syncs by where in service/ or workers/
+        dev.sites   # Counter: host syncs by where in service/, workers/ or verification/
 
     While active, the verifiers' Triton kernels and CUDA graphs are off (they need a GPU):
     the verifiers run the torch-ops path a GPU runs where no kernel applies."""
@@ -413,9 +414,9 @@ class FakeCuda:
         setattr(owner, name, value)
 
     def __enter__(self) -> FakeCuda:
-        from service.verification import graphs, kernels
+        from verification import graphs, kernels
 
-        self._patch(kernels, "applies", lambda p, q: False)  # Triton kernels need a GPU
+        self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
         self._patch(graphs.VerifyGraphs, "run", lambda _self, _method, fn, *inputs: fn(*inputs))
         _ACTIVE.append(self)
         for mode in self._modes:

@@ -43,7 +43,7 @@ DEVICE = torch.device(os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu"))
 # (BLOCKSPEC_TEST_GRAPHS=0: eager).
 GRAPHS = None
 if DEVICE.type == "cuda" and os.environ.get("BLOCKSPEC_TEST_GRAPHS", "1") != "0":
-    from service.verification import VerifyGraphs
+    from verification import VerifyGraphs
 
     GRAPHS = VerifyGraphs()
 
@@ -121,7 +121,7 @@ def sample_paths(
 
 def one_iteration(method, target, draft, n, k, gamma, seed, dtype=torch.float32, chunk=50_000):
     """Run n independent one-iteration trials; returns list of emitted-sequence strings."""
-    from service.verification import verify
+    from verification import verify
 
     gen = torch.Generator().manual_seed(seed)
     outcomes = []
@@ -274,7 +274,7 @@ def sequence_codes(seq: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def method_step(method: str, thread_carry: bool = True):
     """A loop step calling ``verify``; thread_carry=False drops the carry (a lossy mutant)."""
-    from service.verification import verify
+    from verification import verify
 
     def step(x, q, p, gen, carry):
         return on_device(verify, method, x, q, p, gen, carry=carry if thread_carry else None)

@@ -48,8 +48,8 @@ from harness import (
     sequence_codes,
 )
 
-from service.verification import METHODS, VERIFIERS, common, gbv, top_down, verify
-from service.verification import token as token_module
+from verification import METHODS, VERIFIERS, Backend, common, gbv, top_down, verify
+from verification import token as token_module
 
 V = 16
 GAMMA = 3
@@ -165,9 +165,10 @@ def test_ranking_on_a_small_draft_support_is_exact(monkeypatch):
         runs = []
         for share in (compact, -1.0):  # -1: never compact
             monkeypatch.setattr(common, "SUPPORT_SHARE", share)
-            assert (common.draft_support(rows_q) is not None) == (share == compact)
-            run = [*gbv.skewed_draft(x, rows_q, rows_p, K)]
-            run += top_down.kseq_rho(rows_p[:, 0], rows_q[:, 0], torch.full((B,), K))
+            numba = Backend.NUMBA  # float32 CPU rows: verify's backend
+            assert (common.draft_support(rows_q, numba) is not None) == (share == compact)
+            run = [*gbv.skewed_draft(x, rows_q, rows_p, K, numba)]
+            run += top_down.kseq_rho(rows_p[:, 0], rows_q[:, 0], torch.full((B,), K), numba)
             for method in ("gbv", "spectr"):
                 out = verify(method, tokens, q, p, generator=torch.Generator().manual_seed(9))
                 run += [out.tokens, out.path]
@@ -181,7 +182,8 @@ def test_ranking_on_a_small_draft_support_is_exact(monkeypatch):
     for share in (compact, -1.0):
         monkeypatch.setattr(common, "SUPPORT_SHARE", share)
         out = verify("gbv", tokens, q, p, torch.Generator().manual_seed(9), validate=False)
-        runs.append((*gbv.skewed_draft(tokens[:, 0], q[:, 0], p[:, 0], K), out.tokens, out.path))
+        q_tilde = gbv.skewed_draft(tokens[:, 0], q[:, 0], p[:, 0], K, Backend.NUMBA)
+        runs.append((*q_tilde, out.tokens, out.path))
     for a, b in zip(*runs, strict=True):  # q̃ is NaN past the q = 0 token, on both paths
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 

@@ -1,4 +1,5 @@
-"""The fused CPU passes of service/verification/cpu_kernels.py (numba) against torch ops.
+"""The fused CPU passes of the verifiers' numba loops (gbv/loops.py, top_down/loops.py and
+the shared steps of verification/cpu_kernels.py) against torch ops.
 
 The skew repeats the torch ops' float32 steps, so it is bit for bit the same wherever torch's
 CPU addcmul is one fused multiply-add (as its compiler builds it here), and within an ulp of
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from service.verification import block, cpu_kernels, gbv
+from verification import Backend, block, choose_backend, gbv
+from verification.gbv import loops as gbv_loops
+from verification.top_down import loops as top_down_loops
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -51,9 +54,9 @@ def ranked_rows(p, q, lam, k, pi) -> torch.Tensor:
     words = np.empty(q.shape[1], np.int64)
     for r in range(q.shape[0]):
         p_r, q_r, lam_r = p[r].numpy(), q[r].numpy(), float(lam[r])
-        kappa, dead, _ = cpu_kernels._dead_prefix(p_r, q_r, ids, lam_r, k, np.float32(pi[r]))
-        count = cpu_kernels._live_words(p_r, q_r, ids, kappa, words, out[r])
-        cpu_kernels._live_walk(q_r, np.sort(words[:count]), dead, lam_r, k, out[r])
+        kappa, dead, _ = gbv_loops._dead_prefix(p_r, q_r, ids, lam_r, k, np.float32(pi[r]))
+        count = gbv_loops._live_words(p_r, q_r, ids, kappa, words, out[r])
+        gbv_loops._live_walk(q_r, np.sort(words[:count]), dead, lam_r, k, out[r])
     return torch.from_numpy(out)
 
 
@@ -90,7 +93,7 @@ def test_ranked_rows_give_the_torch_ops_residuals(vocab, ties, k):
 def mass_below(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The kernel's C(x[r]) in each row r of p, q [n, V]: [n] float64."""
     rows = zip(p.numpy(), q.numpy(), x.numpy(), strict=True)
-    return torch.tensor([cpu_kernels._mass_below(*row) for row in rows], dtype=torch.float64)
+    return torch.tensor([gbv_loops._mass_below(*row) for row in rows], dtype=torch.float64)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -116,38 +119,37 @@ def test_mass_below_a_drafted_token_of_ratio_0_over_0():
     assert got[0] > 0.9
 
 
-def test_gbv_takes_the_kernels_only_for_float32_cpu_rows():
+def test_the_kernels_run_only_for_float32_cpu_rows():
     q = torch.rand(2, 3)
-    assert cpu_kernels.applies(q, q)
-    assert not cpu_kernels.applies(q, q.double())
-    assert not cpu_kernels.applies(q.bfloat16())
-    assert not cpu_kernels.applies(q.t())  # V must be contiguous
+    assert choose_backend(q, q) is Backend.NUMBA
+    assert choose_backend(q, q.double()) is Backend.TORCH_HOST
+    assert choose_backend(q.bfloat16(), q.bfloat16()) is Backend.TORCH_HOST
+    assert choose_backend(q.t(), q.t()) is Backend.TORCH_HOST  # V must be contiguous
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("ties", [False, True])
-def test_kseq_rho_equals_the_torch_search(vocab, ties, monkeypatch):
+def test_kseq_rho_equals_the_torch_search(vocab, ties):
     """SpecTr's ρ* and β(ρ*) from the kernel against top_down.kseq_rho_all's torch ops, for
     n = 2..5 candidates: the same prefix sums and probes; ρ* equal up to the last bits of
     (1 - β)^n, which torch's vectorised pow and the compiled one may round differently."""
-    from service.verification import top_down
+    from verification import top_down
 
     p, q = rows(vocab, seed=vocab + 7, ties=ties)
     nf = torch.arange(8).remainder(4).add(2).double()
-    rho, beta = cpu_kernels.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf)
+    rho, beta = top_down_loops.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf, Backend.TORCH_HOST)
     torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert (rho > 1).any() and (rho >= 1).all() and (rho <= nf).all()
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
+def test_kseq_rho_with_ratios_at_the_search_bounds(n):
     """The kernel ranks only the ratios in [1, n) and sums the rest apart: rows whose ratios
     are exactly 1 (a probe at ρ = 1 counts them above it), exactly n (above every probe) or
     0, against the torch search over every token."""
-    from service.verification import top_down
+    from verification import top_down
 
     vocab = 4096
     q = torch.full((3, vocab), 1 / vocab)
@@ -158,18 +160,17 @@ def test_kseq_rho_with_ratios_at_the_search_bounds(n, monkeypatch):
     p[2] = torch.linspace(0, 2 / vocab, vocab)  # every ratio in [0, 2], 1 among them
     p = p / p.sum(-1, keepdim=True)
     nf = torch.full((3,), float(n), dtype=torch.float64)
-    rho, beta = cpu_kernels.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf)
+    rho, beta = top_down_loops.kseq_rho(p, q, nf, *top_down.SEARCH_NARROW)
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, nf, Backend.TORCH_HOST)
     torch.testing.assert_close(rho, want_rho, rtol=1e-12, atol=0)
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert (rho > 1).all()
 
 
-def test_draft_support_equals_the_torch_ops(monkeypatch):
+def test_draft_support_equals_the_torch_ops():
     """common.draft_support through the kernel against its torch ops: a sparse draft (the
     union of the rows' supports), a dense one, and one whose first row alone is sparse."""
-    from service.verification import common
+    from verification import common
 
     gen = torch.Generator().manual_seed(0)
     q = torch.rand(6, 1000, generator=gen)
@@ -177,9 +178,8 @@ def test_draft_support_equals_the_torch_ops(monkeypatch):
     first_sparse = q.clone()
     first_sparse[0] = sparse[0]
     cases = [sparse, q, first_sparse, sparse.view(2, 3, 1000)]
-    got = [common.draft_support(t) for t in cases]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    want = [common.draft_support(t) for t in cases]
+    got = [common.draft_support(t, Backend.NUMBA) for t in cases]
+    want = [common.draft_support(t, Backend.TORCH_HOST) for t in cases]
     assert want[0] is not None and want[1] is None and want[2] is None
     for a, b in zip(got, want, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -193,7 +193,7 @@ def drafted_paths(vocab: int, n: int, gamma: int, k: int, seed: int):
     p = logits.softmax(-1)
     q = (logits + torch.randn(n, gamma, vocab, generator=gen) * 0.7).softmax(-1)
     x = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(n, gamma)
-    below_x, q_x, p_x = gbv._path_values(q, p, x)
+    below_x, q_x, p_x = gbv._path_values(q, p, x, Backend.TORCH_HOST)
     _, q_tilde_x = gbv._skew_at_path(below_x, q_x, k)
     return below_x, q_x, p_x, block.running_products(p_x, q_tilde_x, torch.float32)
 
@@ -217,7 +217,7 @@ def test_highest_reachable_level_is_never_below_the_exact_scans(k):
     got = torch.tensor(
         [
             [
-                cpu_kernels._highest_reachable(
+                gbv_loops._highest_reachable(
                     p_x[r].numpy(),
                     q_x[r].numpy(),
                     np.float32(below_x[r, 0]),
@@ -245,15 +245,15 @@ def test_levels_failed_unranked_fail_the_exact_test(vocab, k):
     lam = torch.tensor(LEVEL_LAMBDAS, dtype=torch.float64)
     pi = torch.tensor(LEVEL_PRODUCTS)
     q_tilde = gbv.skewed_probs(q, gbv.mass_ranked_below(gbv.ranking_key(p, q), q), lam, k)
-    mass = block.residual_mass(p, q_tilde, pi)
+    mass = block.residual_mass(Backend.TORCH_HOST, p, q_tilde, pi)
     h = mass / (mass + 1 - pi)  # [8] float32, as the loop's test
     eta = torch.linspace(0, 1, 201)
     ids = np.arange(vocab)
     for r in range(8):
         p_r, q_r, pi_r = p[r].numpy(), q[r].numpy(), np.float32(pi[r])
-        kappa, _, floor = cpu_kernels._dead_prefix(p_r, q_r, ids, float(lam[r]), k, pi_r)
+        kappa, _, floor = gbv_loops._dead_prefix(p_r, q_r, ids, float(lam[r]), k, pi_r)
         fails = torch.tensor(
-            [cpu_kernels._fails_unranked(p_r, q_r, kappa, floor, pi_r, np.float32(e)) for e in eta]
+            [gbv_loops._fails_unranked(p_r, q_r, kappa, floor, pi_r, np.float32(e)) for e in eta]
         )
         assert not (fails & (eta < h[r])).any()
         clearly = eta > h[r] * 1.05 + 1e-3
@@ -276,21 +276,20 @@ def test_no_level_is_failed_unranked_where_its_test_cancels():
         pt, qt = torch.from_numpy(p)[None], torch.from_numpy(q)[None]
         lam_t = torch.tensor([lam], dtype=torch.float64)
         q_tilde = gbv.skewed_probs(qt, gbv.mass_ranked_below(gbv.ranking_key(pt, qt), qt), lam_t, k)
-        mass = block.residual_mass(pt, q_tilde, torch.tensor([pi]))
+        mass = block.residual_mass(Backend.TORCH_HOST, pt, q_tilde, torch.tensor([pi]))
         h = float(mass / (mass + 1 - torch.tensor(pi)))
-        kappa, _, floor = cpu_kernels._dead_prefix(p, q, np.arange(vocab), lam, k, pi)
+        kappa, _, floor = gbv_loops._dead_prefix(p, q, np.arange(vocab), lam, k, pi)
         for eta in np.linspace(0.8 * h, min(1.2 * h, 1), 200).astype(np.float32):
-            assert not (cpu_kernels._fails_unranked(p, q, kappa, floor, pi, eta) and eta < h)
+            assert not (gbv_loops._fails_unranked(p, q, kappa, floor, pi, eta) and eta < h)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_kseq_residual_draws_equal_the_torch_ops(vocab):
-    """cpu_verifiers.kseq_residual_tokens against spectr_rule's residual as torch ops,
+    """top_down_loops.kseq_residual_tokens against spectr_rule's residual as torch ops,
     y ~ (p - min(q, p/ρ)·scale)_+, for ρ from 1 to 3 and 40 uniforms a row; row 0 has p = q at
     ρ = scale = 1, nothing left: p is drawn instead."""
-    from service.verification import cpu_verifiers
-    from service.verification.common import positive_part_or
-    from workers.sampling import sample_from_weights
+    from verification.common import positive_part_or
+    from verification.tensors import sample_from_weights
 
     p, q = rows(vocab, seed=vocab + 11, ties=False)
     p[0] = q[0]
@@ -298,10 +297,10 @@ def test_kseq_residual_draws_equal_the_torch_ops(vocab):
     scale = torch.tensor([1, 0.9, 0.8, 0.6, 0.5, 0.4, 0.95, 0.7])
     every = torch.arange(8)
     for u in torch.rand(40, 8, generator=torch.Generator().manual_seed(vocab), dtype=torch.float64):
-        got = cpu_verifiers.kseq_residual_tokens(p, q, every, rho, scale, u)
+        got = top_down_loops.kseq_residual_tokens(p, q, every, rho, scale, u)
         overlap = torch.minimum(q, p / rho[:, None])
         want = sample_from_weights(positive_part_or(p - overlap * scale[:, None], p), u)
         assert torch.equal(got, want)
     odd = torch.tensor([1, 5, 7])
-    got = cpu_verifiers.kseq_residual_tokens(p, q, odd, rho, scale, u)
+    got = top_down_loops.kseq_residual_tokens(p, q, odd, rho, scale, u)
     assert torch.equal(got, want[odd])

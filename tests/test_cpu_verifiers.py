@@ -1,5 +1,6 @@
-"""The whole-verifier loops of service/verification/cpu_verifiers.py (numba, float32 CPU rows)
-against the verifiers' torch ops: the same tokens, τ and paths on trees of every regime.
+"""The whole-verifier loops (each verifier's loops.py: the numba backend, float32 CPU rows)
+against the verifiers' torch ops (the torch-host backend): the same tokens, τ and paths on
+trees of every regime.
 
 The loops sum in float64 in their own order and take exp/log from libm, so a uniform within a
 few float32 ulps of a threshold could go the other way; with these seeds none does, and the
@@ -14,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.verification import block, cpu_kernels, gbv, traversal, verify
-from service.verification.modification import apply_records
+from verification import VERIFIERS, Backend, verify
+from verification.modification import apply_records
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -55,13 +56,16 @@ def drafted_tree(vocab: int, b: int, k: int, gamma: int, regime: str, seed: int)
     return tokens, q, p
 
 
-def same_as_the_torch_ops(verifier, tokens, q, p, uniforms, monkeypatch) -> list[tuple]:
-    """verifier's outputs with each set of uniforms, through the CPU loops and then through
-    its torch ops (cpu_kernels.applies off): asserts they are equal, returns the loops'."""
-    got = [verifier(tokens, q, p, u) for u in uniforms]
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+def same_as_the_torch_ops(method, tokens, q, p, uniforms) -> list[tuple]:
+    """method's outputs with each set of uniforms on the numba backend (the CPU loops) and then
+    on torch-host (its torch ops): asserts they are equal, returns the loops'."""
+
+    def run(backend: Backend, u: torch.Tensor) -> tuple:
+        return VERIFIERS[method].implementations[backend](backend, tokens, q, p, u)
+
+    got = [run(Backend.NUMBA, u) for u in uniforms]
     for u, out in zip(uniforms, got, strict=True):
-        for a, b in zip(out, verifier(tokens, q, p, u), strict=True):
+        for a, b in zip(out, run(Backend.TORCH_HOST, u), strict=True):
             assert torch.equal(a, b)
     return got
 
@@ -69,7 +73,7 @@ def same_as_the_torch_ops(verifier, tokens, q, p, uniforms, monkeypatch) -> list
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime, monkeypatch):
+def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime):
     """The walk as one loop a request against traversal_verify's batched torch segments: the
     same τ, path and tokens (y included, drawn from the row the walk stopped at) for 4 × 32
     trees with shared prefixes, duplicate paths and deletions down to the root. Its sums are
@@ -78,33 +82,33 @@ def test_traversal_walk_gives_the_torch_walks_tokens(vocab, k, regime, monkeypat
     tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
     gen = torch.Generator().manual_seed(k)
     uniforms = [torch.rand(32, k * 5 + 2, generator=gen, dtype=torch.float64) for _ in range(4)]
-    same_as_the_torch_ops(traversal.traversal_verify, tokens, q, p, uniforms, monkeypatch)
+    same_as_the_torch_ops("traversal", tokens, q, p, uniforms)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
-    """cpu_verifiers.gbv_verify against gbv_verify's torch ops (_verify_lazily): the same
+def test_gbv_loops_give_the_torch_ops_tokens(vocab, k, regime):
+    """gbv.loops.gbv_verify against gbv_verify_lazily's torch ops (_verify_lazily): the same
     selected path, τ and tokens for 4 × 32 trees, from τ = γ to deep rounds of levels. Its sums
     are float64 in its own order and its exp/log libm's, so a uniform within a few float32
     ulps of its threshold could go the other way; none does here."""
     tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
     gen = torch.Generator().manual_seed(k)
     uniforms = [torch.rand(32, 6, generator=gen, dtype=torch.float64) for _ in range(4)]
-    same_as_the_torch_ops(gbv.gbv_verify, tokens, q, p, uniforms, monkeypatch)
+    same_as_the_torch_ops("gbv", tokens, q, p, uniforms)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_block_loop_gives_the_torch_ops_tokens(vocab, regime, monkeypatch):
-    """cpu_verifiers.block_verify (also GBV's and traversal's K = 1) against block_verify_rows'
-    torch ops, which sum every level's mass in one pass: the same τ and tokens for 4 × 32
-    chains, every τ from 0 to γ among them."""
+def test_block_loop_gives_the_torch_ops_tokens(vocab, regime):
+    """block.loops.block_verify (also GBV's and traversal's K = 1) against
+    block_verify_torch_rows' torch ops, which sum every level's mass in one pass: the same τ
+    and tokens for 4 × 32 chains, every τ from 0 to γ among them."""
     tokens, q, p = drafted_tree(vocab, 32, 1, 5, regime, seed=vocab)
     gen = torch.Generator().manual_seed(vocab)
     uniforms = [torch.rand(32, 6, generator=gen, dtype=torch.float64) for _ in range(4)]
-    got = same_as_the_torch_ops(block.block_verify, tokens, q, p, uniforms, monkeypatch)
+    got = same_as_the_torch_ops("block", tokens, q, p, uniforms)
     seen = {int(t) for out in got for t in out[1]}
     assert seen == {"realistic": set(range(6)), "agree": {5}, "disjoint": {0}}[regime]
 
@@ -113,21 +117,17 @@ def test_block_loop_gives_the_torch_ops_tokens(vocab, regime, monkeypatch):
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("method", ["spectr", "specinfer"])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_walk_draws_give_the_torch_ops_tokens(vocab, k, method, regime, monkeypatch):
-    """The walks' draws as loops a row (cpu_verifiers.recovered_tokens: token verification's
+def test_walk_draws_give_the_torch_ops_tokens(vocab, k, method, regime):
+    """The walks' draws as loops a row (top_down.loops.recovered_tokens: token verification's
     recovered or bonus token below a one-path node; kseq_residual_tokens: SpecTr's residual
     at the undecided nodes) against their torch ops: the same tokens for 8 seeds of 32 trees
     (agree: q = p, every residual empty, p drawn instead; disjoint: residuals at the root)."""
     tokens, q, p = drafted_tree(vocab, 32, k, 5, regime, seed=vocab + k)
     runs = []
-    for loops in (True, False):
-        if not loops:
-            monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    for backend in ("numba", "torch-host"):
+        gens = [torch.Generator().manual_seed(s) for s in range(8)]
         runs.append(
-            [
-                verify(method, tokens, q, p, torch.Generator().manual_seed(s), validate=False)
-                for s in range(8)
-            ]
+            [verify(method, tokens, q, p, g, validate=False, backend=backend) for g in gens]
         )
     for ours, theirs in zip(*runs, strict=True):
         assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.path, theirs.path)
@@ -147,21 +147,19 @@ def same_carried_joints(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("regime", ["realistic", "agree", "disjoint"])
-def test_greedy_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
-    """cpu_verifiers.greedy_verify and apply_records against the torch ops of greedy BV
+def test_greedy_loops_give_the_torch_ops_tokens(vocab, k, regime):
+    """greedy.loops.greedy_verify and apply_records against the torch ops of greedy BV
     (K = 1) and SpecTr-GBV*: 5 steps of 32 trees, each verifying against the modification
     carried from the step before (up to 5 steps' records live at once). The same τ, paths,
     tokens and record windows; the records' log-joints within a float32 sum's rounding."""
     method = "greedy_block" if k == 1 else "spectr_gbv"
     tokens, q, p = drafted_tree(vocab, 32, k, 6, regime, seed=vocab + k)
     runs = []
-    for loops in (True, False):
-        if not loops:
-            monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    for backend in ("numba", "torch-host"):
         carry, run = None, []
         for step in range(5):
             gen = torch.Generator().manual_seed(step)
-            out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
+            out = verify(method, tokens, q, p, gen, carry=carry, validate=False, backend=backend)
             carry = out.carry
             run.append(out)
         runs.append(run)
@@ -174,8 +172,8 @@ def test_greedy_loops_give_the_torch_ops_tokens(vocab, k, regime, monkeypatch):
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_apply_records_loop_gives_the_torch_ops_rows(vocab, monkeypatch):
-    """cpu_verifiers.apply_records against modification.apply_records' torch ops on a carry of
+def test_apply_records_loop_gives_the_torch_ops_rows(vocab):
+    """cpu_kernels.apply_records against modification.apply_records' torch ops on a carry of
     4 steps of SpecTr-GBV* at K = 3: every modified row's offset t and mass z, and every
     record's base rows, equal up to a float32 sum's rounding."""
     tokens, q, p = drafted_tree(vocab, 16, 3, 6, "realistic", seed=vocab)
@@ -184,9 +182,8 @@ def test_apply_records_loop_gives_the_torch_ops_rows(vocab, monkeypatch):
         gen = torch.Generator().manual_seed(step)
         carry = verify("spectr_gbv", tokens, q, p, gen, carry=carry, validate=False).carry
     assert carry.max_rows > 0
-    ours = apply_records(carry, tokens, q, p)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
-    theirs = apply_records(carry, tokens, q, p)
+    ours = apply_records(carry, tokens, q, p, Backend.NUMBA)
+    theirs = apply_records(carry, tokens, q, p, Backend.TORCH_HOST)
     for a, b in zip(ours, theirs, strict=True):
         assert a.t.shape == b.t.shape
         assert torch.allclose(a.t, b.t, rtol=1e-5) and torch.allclose(a.z, b.z, rtol=1e-5)

@@ -42,8 +42,8 @@ import torch
 from harness import ALPHA
 from test_engine import engine_law_pvalue, exact_target_law, make_engine, save_tiny, tiny_config
 
-from service.verification import METHODS, VERIFIERS
 from tests.live_service import stop_remote_engine
+from verification import METHODS, VERIFIERS
 from workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
 
 KINDS = ("token", "feature", "feature_reduced")

@@ -33,10 +33,11 @@ from harness import (
     sample_paths,
 )
 
-from service.verification import (
+from verification import (
     METHODS,
     ROW_SUM_TOL,
     VERIFIERS,
+    Backend,
     TargetModification,
     verify,
 )
@@ -569,7 +570,7 @@ def test_specinfer_computes_low_precision_rows_in_float32():
     t = 1 + z_1 rounds back to 1 and p - t q cancels where p ≈ q. So bfloat16 rows give exactly
     the tokens of the same values in float32. Rows with p within 0.2% of q (small residual
     masses) and uniforms near 1 (most candidates rejected) reach the deeper levels."""
-    from service.verification.top_down import specinfer_rule
+    from verification.top_down import specinfer_rule
 
     gen = torch.Generator().manual_seed(0)
     n, vocab, k = 200_000, 8, 4
@@ -601,12 +602,12 @@ def test_draft_and_target_rows_of_different_dtypes(method):
         assert (out.num_tokens >= 1).all()
 
 
-def test_specinfer_levels_read_lazily_give_the_same_tokens(monkeypatch):
+def test_specinfer_levels_read_lazily_give_the_same_tokens():
     """On CPU SpecInfer computes a residual level only when some row reaches it, and the
     recovered row only when some row rejected every candidate; on an accelerator it computes
     all of them without host reads. Both give the same tokens, on nodes with 1-4 of the 4
     paths as candidates and uniforms from everything-accepted to everything-rejected."""
-    from service.verification import top_down
+    from verification import top_down
 
     gen = torch.Generator().manual_seed(1)
     n, vocab, k = 4000, 12, 4
@@ -617,10 +618,8 @@ def test_specinfer_levels_read_lazily_give_the_same_tokens(monkeypatch):
     is_cand[:, 0] = True
     for scale in (0.1, 1.0, 10.0):  # u q / scale against r: most accepted .. most rejected
         u = (torch.rand(n, k + 1, generator=gen, dtype=torch.float64) * scale).clamp_max(0.999)
-        lazy = top_down.specinfer_rule(p, q, cand, is_cand, u)
-        with monkeypatch.context() as accelerator:
-            accelerator.setattr(top_down, "host_reads_are_free", lambda t: False)
-            every_level = top_down.specinfer_rule(p, q, cand, is_cand, u)
+        lazy = top_down.specinfer_rule(Backend.TORCH_HOST, p, q, cand, is_cand, u)
+        every_level = top_down.specinfer_rule(Backend.TORCH_DEVICE, p, q, cand, is_cand, u)
         assert torch.equal(lazy, every_level), scale
 
 
@@ -629,7 +628,7 @@ def test_gbv_mass_below_the_path_equals_the_ranked_sums(dtype):
     """C(x_i), the q-mass ranked below each drafted token, summed by one comparison per row
     (no sort) equals the running sum over the row sorted by (p/q, id) at x_i, ties by id
     included: p/q is quantised to a few values, and rows where p = q tie every token."""
-    from service.verification import gbv
+    from verification import gbv
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(64, 4, 300, generator=gen, dtype=torch.float64).softmax(-1)
@@ -641,7 +640,7 @@ def test_gbv_mass_below_the_path_equals_the_ranked_sums(dtype):
     key = gbv.ranking_key(p, q)
     ranked = gbv.mass_ranked_below(key.view(-1, 300), q.view(-1, 300)).view(q.shape)
     expected = ranked.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-    got = gbv.drafted_mass_below(key, q, x)
+    got = gbv.drafted_mass_below(key, q, x, Backend.TORCH_HOST)
     assert torch.allclose(
         got.double(), expected.double(), rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0
     )
@@ -663,10 +662,13 @@ def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free, search
     candidate (ρ* = 1) among them; both on CPU's path (those nodes picked out) and on the
     accelerators' (every row solved at once), with the CPU's narrow search, the GPU's wide
     one and the CUDA kernels' grid (taken here on CPU; 2^28 parts: within 6e-8 of it)."""
-    from service.verification import top_down
-    from service.verification.top_down import kseq_rho
+    from verification import top_down
 
-    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: reads_free)
+    backend = Backend.NUMBA if reads_free else Backend.TORCH_DEVICE
+
+    def kseq_rho(p, q, n):
+        return top_down.kseq_rho(p, q, n, backend)
+
     if search != "narrow":
         grid = top_down.SEARCH_WIDE if search == "wide" else top_down.SEARCH_CUDA
         monkeypatch.setattr(top_down, "SEARCH_NARROW", grid)

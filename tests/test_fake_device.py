@@ -39,7 +39,7 @@ import workers.draft
 from service.engine import LocalExecutor, RayExecutor, build_engine
 from service.policy import AUTO, PLAIN
 from service.requests import GenerationRequest, Limits, make_request
-from service.verification import METHODS, VERIFIERS
+from verification import METHODS, VERIFIERS
 from workers.draft import DraftProposer
 from workers.feature_draft import FeatureDraft, FeatureFeed
 from workers.llama import KVCache, LlamaSpec

@@ -31,7 +31,7 @@ def test_importing_the_verification_library_sets_no_ray_variables():
         import json, os
         ray_vars = lambda: {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
         before = ray_vars()
-        import service.verification
+        import verification
         print(json.dumps([before, ray_vars()]))
     """
     before, after = json.loads(fresh_python(code))

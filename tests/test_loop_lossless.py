@@ -37,7 +37,7 @@ from harness import (
     random_rows,
 )
 
-from service.verification import METHODS, VERIFIERS, VerifyOutput, verify
+from verification import METHODS, VERIFIERS, VerifyOutput, verify
 
 N = 200_000
 SINGLE_PATH = [m for m in METHODS if VERIFIERS[m].single_path]

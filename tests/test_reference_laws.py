@@ -19,7 +19,8 @@ import pytest
 import torch
 from harness import ALPHA, SPEC_NAMES, chi_square, load_reference, one_iteration, reference_models
 
-from service.verification import VERIFIERS, block, cpu_kernels, kernels, top_down
+import verification
+from verification import VERIFIERS, Backend, block, top_down
 
 N = 200_000
 INSTANCES, NUMBERS = load_reference()
@@ -58,24 +59,36 @@ def _per_factor_clip(log_factors, log_start=None):
     return log_factors.clamp_max(0).cumsum(-1)  # Π min(1, r_j): the lossy variant
 
 
+def take_the_torch_ops(monkeypatch) -> None:
+    """verify runs the torch ops, where a mutant can be swapped in: the CPU's without the
+    compiled loops (held to the torch ops' tokens in test_cpu_verifiers.py), an
+    accelerator's without the fused kernels (held to them in test_verify_kernels.py)."""
+    plain = {Backend.NUMBA: Backend.TORCH_HOST, Backend.TRITON: Backend.TORCH_DEVICE}
+    choose = verification.choose_backend
+
+    def choose_torch_ops(q, p):
+        backend = choose(q, p)
+        return plain.get(backend, backend)
+
+    monkeypatch.setattr(verification, "choose_backend", choose_torch_ops)
+
+
 def test_power_per_factor_clipped_block_is_rejected(monkeypatch):
     monkeypatch.setattr(block, "clipped_products", _per_factor_clip)
-    # the torch ops, where the clip can be swapped (the CPU loop of float32 rows is held to
-    # their tokens in test_cpu_verifiers.py)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *rows: False)
+    take_the_torch_ops(monkeypatch)
     pvalues = [law_test("block", inst, 1, "BV")[0] for inst in INSTANCES]
     assert min(pvalues) < 1e-9, pvalues
 
 
 def test_power_spectr_with_rho_one_is_rejected(monkeypatch):
-    def rho_one(p_row, q_row, n):
+    def rho_one(p_row, q_row, n, backend):
         rho = torch.ones(p_row.shape[0], dtype=torch.float64, device=p_row.device)
         return rho, torch.minimum(q_row, p_row).sum(-1).double()
 
     monkeypatch.setattr(top_down, "kseq_rho", rho_one)
     # on CUDA the node's kernel solves ρ* itself: take the torch ops there (the kernel's ρ*
     # is checked against kseq_rho_all in test_verify_kernels.py)
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
+    take_the_torch_ops(monkeypatch)
     pvalues = [law_test("spectr", inst, 3, "SpecTr")[0] for inst in INSTANCES]
     assert min(pvalues) < 1e-9, pvalues
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from workers.sampling import SamplingParams, chunked_cumsum64, process, sample_from_weights
+from verification.tensors import chunked_cumsum64, sample_from_weights
+from workers.sampling import SamplingParams, process
 
 LOGITS = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
 
@@ -135,7 +136,7 @@ def test_a_row_is_processed_alike_whatever_its_batch_mates_ask():
 
 @pytest.mark.parametrize("vocab", [256, 1000, 49152])
 def test_chunked_running_sums_equal_one_scan(vocab):
-    """The accelerators' chunked scan (workers.sampling.cumsum64): every running sum equals
+    """The accelerators' chunked scan (verification.tensors.cumsum64): every running sum equals
     the sequential float64 scan's to rounding, also on a ragged last chunk and on rows that mix
     magnitudes 1e-30..1, and stays non-decreasing, so the inverse-CDF sampler picks the same
     tokens."""

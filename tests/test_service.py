@@ -26,8 +26,8 @@ from service.config import Settings
 from service.engine import StepTimes, build_engine
 from service.requests import ReplicaStats, make_request
 from service.sessions import RedisStore
-from service.verification import VERIFIERS
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
+from verification import VERIFIERS
 from workers.draft import padding_groups
 from workers.sampling import SamplingParams
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from service.verification import METHODS, VERIFIERS, top_down, verify
+from verification import METHODS, VERIFIERS, Backend, top_down, verify
 
 # Ops whose result the host must read before it can go on: on an accelerator, a wait.
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
@@ -202,8 +202,8 @@ def test_one_candidate_a_node_skips_the_walk_with_the_same_draws(method, regime,
         256, 9 * 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64
     )
     rule = {"specinfer": top_down.specinfer_rule, "spectr": top_down.spectr_rule}[method]
-    walked = top_down.walk_tree(rule, tokens, q, p, uniforms)
-    fast = VERIFIERS[method].fn(tokens, q, p, uniforms)
+    walked = top_down.walk_tree(rule, Backend.NUMBA, tokens, q, p, uniforms)
+    fast = VERIFIERS[method].implementations[Backend.NUMBA](Backend.NUMBA, tokens, q, p, uniforms)
     for a, b in zip(walked, fast, strict=True):
         assert torch.equal(a, b)
 
@@ -217,11 +217,11 @@ def same_tokens(a, b) -> bool:
 
 
 def take_accelerator_paths(monkeypatch) -> None:
-    """Run the verifiers' accelerator paths on CPU: no host reads to skip or compact work."""
-    from service.verification import block, common, gbv, greedy, modification, top_down, traversal
+    """Run the verifiers' accelerator paths on CPU: verify's backend is the fixed-shape torch
+    ops' (torch-device), no host reads to skip or compact work."""
+    import verification
 
-    for module in (block, common, gbv, greedy, modification, top_down, traversal):
-        monkeypatch.setattr(module, "host_reads_are_free", lambda t: False)
+    monkeypatch.setattr(verification, "choose_backend", lambda q, p: Backend.TORCH_DEVICE)
 
 
 WALKS = [m for m in METHODS if not VERIFIERS[m].single_path]
@@ -289,40 +289,38 @@ def test_greedy_levels_summed_lazily_give_the_same_tokens(method, k, regime, dty
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
-def test_gbv_levels_compare_uniforms_in_the_promoted_dtype(monkeypatch):
+def test_gbv_levels_compare_uniforms_in_the_promoted_dtype():
     """float32 target rows, float64 draft rows: block verification compares η with h in
     float64. A uniform a hair below p_γ (which rounds up to p_γ in float32) passes level γ on
     both of GBV's paths."""
-    from service.verification import gbv
+    from verification import gbv
 
     tokens, q, p = inputs("agree", 32, 2, 4, vocab=50)
     tokens[:, 1], q[:, 1], p[:, 1] = tokens[:, 0], q[:, 0], p[:, 0]  # both paths equal: path 0
     q, p = q.double(), p.float()
-    below_x, q_x, p_x = gbv._path_values(q[:, 0], p[:, 0], tokens[:, 0])
+    below_x, q_x, p_x = gbv._path_values(q[:, 0], p[:, 0], tokens[:, 0], Backend.TORCH_HOST)
     _, q_tilde_x = gbv._skew_at_path(below_x, q_x, 2)
     pi_last = gbv.running_products(p_x, q_tilde_x, p.dtype)[:, -1].double()
     u = torch.rand(32, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     u[:, 3] = pi_last - 1e-12
-    lazy = gbv.gbv_verify(tokens, q, p, u)
-    take_accelerator_paths(monkeypatch)
-    every_level = gbv.gbv_verify(tokens, q, p, u)
+    lazy = gbv.gbv_verify_lazily(Backend.TORCH_HOST, tokens, q, p, u)
+    every_level = gbv.gbv_verify_all_levels(Backend.TORCH_DEVICE, tokens, q, p, u)
     assert (every_level[1] == 4).all()
     assert all(torch.equal(a, b) for a, b in zip(lazy, every_level, strict=True))
 
 
-def test_rho_solve_gives_the_same_bits_on_every_row_at_once(monkeypatch):
+def test_rho_solve_gives_the_same_bits_on_every_row_at_once():
     """Solving the rows with several candidates only (CPU) or every row at once (accelerators)
     gives the same ρ* and β, bit for bit: a row's search reads nothing but its own row."""
-    from service.verification import top_down
+    from verification import top_down
 
     gen = torch.Generator().manual_seed(3)
     p = (torch.randn(64, 300, generator=gen) * 3).softmax(-1)
     q = p.log() + torch.randn(64, 300, generator=gen) * torch.rand(64, 1, generator=gen) * 4
     q = q.softmax(-1)
     n = torch.randint(1, 6, (64,), generator=gen)
-    rho, beta = top_down.kseq_rho(p, q, n)
-    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
-    rho_all, beta_all = top_down.kseq_rho(p, q, n)
+    rho, beta = top_down.kseq_rho(p, q, n, Backend.TORCH_HOST)
+    rho_all, beta_all = top_down.kseq_rho(p, q, n, Backend.TORCH_DEVICE)
     assert torch.equal(rho, rho_all) and torch.equal(beta[n > 1], beta_all[n > 1])
 
 
@@ -343,7 +341,7 @@ def test_accelerator_paths_read_nothing_back(method, regime, monkeypatch):
 def test_stable_sort_gives_the_packed_sorts_order():
     """Off the CPU ascending_order sorts the float32 key itself (stable): the same (key, id)
     order as the CPU's packed words, ties, zeros and +inf included."""
-    from service.verification.sorting import ascending_order
+    from verification.sorting import ascending_order
 
     gen = torch.Generator().manual_seed(5)
     key = torch.randint(0, 7, (16, 3000), generator=gen).float() / 4  # many ties

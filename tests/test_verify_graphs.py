@@ -1,4 +1,4 @@
-"""CUDA graphs for verification (service/verification/graphs.py): replays give eager's tokens.
+"""CUDA graphs for verification (verification/graphs.py): replays give eager's tokens.
 
 The CUDA tests run where a device is present (scripts/gpu_checks.sh); on CPU graphs never
 apply, which the first tests check.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.verification import METHODS, VERIFIERS, VerifyGraphs, verify
-from service.verification.graphs import batch_bucket
 from tests.test_verify_cost import inputs, same_tokens
+from verification import METHODS, VERIFIERS, VerifyGraphs, verify
+from verification.graphs import batch_bucket
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 

@@ -1,4 +1,4 @@
-"""The fused CUDA row passes (service/verification/kernels.py) against float64 torch sums,
+"""The fused CUDA row passes (verification/kernels.py) against float64 torch sums,
 and the verifiers' accelerator paths with them against the same paths without them.
 
 On CUDA (scripts/gpu_checks.sh) they run as compiled; without a GPU they run on CPU tensors
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.verification import kernels, verify
-from tests.test_verify_cost import inputs, same_tokens, take_accelerator_paths
+from tests.test_verify_cost import inputs, same_tokens
+from verification import Backend, kernels, verify
 
 DEVICE = None if kernels._triton() is None else "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton")
@@ -94,8 +94,8 @@ def test_row_masses_read_selected_rows_in_place(dtypes):
 def skew_inputs(k, dtype, lead=(6,), vocab=5000):
     """Rows q, p [*lead, V] with ties at +inf in the first (q = 0 on 100 tokens), λ [*lead],
     and GBV's rank order of each row."""
-    from service.verification.gbv import ranking_key
-    from service.verification.sorting import ascending_order
+    from verification.gbv import ranking_key
+    from verification.sorting import ascending_order
 
     gen = torch.Generator().manual_seed(k)
 
@@ -116,7 +116,7 @@ def skew_inputs(k, dtype, lead=(6,), vocab=5000):
 def test_skewed_rows_are_gbvs_skew_by_id(k, dtype):
     """GBV's q̃ from a walk in rank order, written by id: gbv.skewed_probs on the scattered C;
     and the same rows picked out by flat index."""
-    from service.verification.gbv import mass_ranked_below, skewed_probs
+    from verification.gbv import mass_ranked_below, skewed_probs
 
     q, _, lam, order, key = skew_inputs(k, dtype, lead=(2, 3))
     want = skewed_probs(q, mass_ranked_below(key, q.view(-1, 5000)).view(q.shape), lam, k)
@@ -133,7 +133,7 @@ def test_skewed_rows_are_gbvs_skew_by_id(k, dtype):
 def test_skewed_excess_is_the_residual_mass_of_the_skewed_rows(k, dtype):
     """Σ (c p - q̃)_+ summed in rank order against float64 sums over q̃ by id, on strided rows
     (a slice of levels, as GBV passes them)."""
-    from service.verification.gbv import mass_ranked_below, skewed_probs
+    from verification.gbv import mass_ranked_below, skewed_probs
 
     q, p, lam, order, key = skew_inputs(k, dtype, lead=(2, 4))
     c = torch.rand(2, 3, dtype=torch.float64, device=DEVICE)
@@ -165,25 +165,24 @@ def kseq_case(dtype, gen, rows=64, vocab=1000, k=4):
     "dtype,block,programs",
     [(torch.float32, 128, None), (torch.float64, 64, 512), (torch.bfloat16, 256, 1)],
 )
-def test_kseq_token_is_spectrs_node_rule(dtype, block, programs, monkeypatch):
+def test_kseq_token_is_spectrs_node_rule(dtype, block, programs):
     """ρ*, β(ρ*) against kseq_rho_all's search, and the token against spectr_rule's torch ops
     (the tests and, where all are rejected, the residual's inverse-CDF draw) on the same
     uniforms: equal up to the last bits of ρ (the probes' rounding) and of the sums. Rows
     split into 4 chunks (as on an H100), 8, or none (programs=1)."""
-    from service.verification import top_down
+    from verification import top_down
 
     gen = torch.Generator().manual_seed(3)
     p, q, cand, is_cand, u = kseq_case(dtype, gen)
     token, rho, beta = kernels.kseq_token(
         p, q, cand, is_cand, u, top_down.SEARCH_NARROW, block=block, programs=programs
     )
-    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
-    want_rho, want_beta = top_down.kseq_rho_all(p, q, is_cand.sum(-1).double())
+    plain = Backend.TORCH_DEVICE  # the torch ops of an accelerator, without the kernels
+    want_rho, want_beta = top_down.kseq_rho_all(p, q, is_cand.sum(-1).double(), plain)
     torch.testing.assert_close(rho, want_rho, rtol=1e-8, atol=0)  # a few steps of the grid
     torch.testing.assert_close(beta, want_beta, rtol=1e-12, atol=0)
     assert rho[0] == 1 and (rho[is_cand.sum(-1) == 1] == 1).all()
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
-    want = top_down.spectr_rule(p, q, cand, is_cand, u)
+    want = top_down.spectr_rule(plain, p, q, cand, is_cand, u)
     rejected = ~(is_cand & (u[:, :-1] * rho[:, None] * q.gather(-1, cand) < p.gather(-1, cand)))
     assert rejected.all(-1).sum() >= 10  # the residual draw is exercised
     if dtype != torch.bfloat16:
@@ -197,7 +196,7 @@ def test_mass_ranked_below_token_is_gbvs_c_at_the_path(dtype, monkeypatch):
     """C(x) by (key, id) against drafted_mass_below's torch ops, on keys with ties (a row
     with p = q: every key 1, so only the ids order it) and +inf keys (q = 0), rows split
     over 4 programs."""
-    from service.verification import gbv
+    from verification import gbv
 
     gen = torch.Generator().manual_seed(5)
     p, q, cand, _, _ = kseq_case(dtype, gen, rows=24)
@@ -206,8 +205,7 @@ def test_mass_ranked_below_token_is_gbvs_c_at_the_path(dtype, monkeypatch):
     x = cand[:, 0].view(4, 6)
     monkeypatch.setattr(kernels, "BLOCK", 256)
     got = kernels.mass_ranked_below_token(key, q, x)
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
-    want = gbv.drafted_mass_below(key, q, x).double()
+    want = gbv.drafted_mass_below(key, q, x, Backend.TORCH_DEVICE).double()
     assert got.shape == (4, 6) and got.dtype == torch.float64
     tol = 1e-6 if dtype != torch.bfloat16 else 1e-2  # torch sums bfloat16 products in bf16
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * 1e-3)
@@ -221,15 +219,13 @@ def test_rrs_token_is_specinfers_node_rule(dtype, block, monkeypatch):
     """The token against specinfer_rule's torch ops (the levels' masses, the tests and, where
     all are rejected, level n_v's residual drawn by inverse CDF) on the same uniforms: the
     same sums up to their order, so the same tokens. Rows split into 4 and 8 chunks, or one."""
-    from service.verification import top_down
+    from verification import top_down
 
     gen = torch.Generator().manual_seed(4)
     p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=32)
     monkeypatch.setattr(kernels, "BLOCK", block)
     token = kernels.rrs_token(p, q, cand, is_cand, u)
-    monkeypatch.setattr(top_down, "host_reads_are_free", lambda t: False)
-    monkeypatch.setattr(kernels, "applies", lambda p, q: False)
-    want = top_down.specinfer_rule(p, q, cand, is_cand, u)
+    want = top_down.specinfer_rule(Backend.TORCH_DEVICE, p, q, cand, is_cand, u)
     # a candidate's first test is TV's: where every one fails it, the draw is exercised
     p_0, q_0 = (x.float().gather(-1, cand[:, :1]).squeeze(-1) for x in (p, q))
     assert (u[:, 0] * q_0 >= p_0).sum() >= 10
@@ -336,7 +332,6 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
     against the same path with the torch ops, over two steps so that greedy BV's carried
     records go through them too. The masses differ by rounding only, so the tokens agree on
     these inputs, and the carried joints to ~1e-6."""
-    take_accelerator_paths(monkeypatch)
     calls = []
     for name in ("row_masses", "skewed_rows", "skewed_excess", "kseq_token", "rrs_token"):
         real = getattr(kernels, name)
@@ -347,13 +342,13 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
         )
     runs = {}
     for fused in (False, True):
-        # on CPU the interpreter runs them: every device passes where the rows fit
-        monkeypatch.setattr(kernels, "applies", kernels.fit if fused else lambda p, q: False)
+        # on CPU the interpreter runs the kernels: the triton backend on CPU tensors
+        backend = Backend.TRITON if fused else Backend.TORCH_DEVICE
         carry, runs[fused] = None, []
         for step, regime in enumerate(["realistic", "disjoint"]):
             tokens, q, p = inputs(regime, 6, k, 4, vocab=300, device=DEVICE)
             gen = torch.Generator(DEVICE).manual_seed(step)
-            out = verify(method, tokens, q, p, gen, carry=carry, validate=False)
+            out = verify(method, tokens, q, p, gen, carry=carry, validate=False, backend=backend)
             carry = out.carry
             runs[fused].append(out)
     # the fused run went through the kernels: GBV's skew, SpecTr's and SpecInfer's node at

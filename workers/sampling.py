@@ -12,7 +12,7 @@ the request's settings, and the draft samples from exactly the row it reports: o
 verifier's q-ratios are wrong and the output is not lossless.
 
 :func:`sample_from_weights` (inverse CDF with uniforms the caller drew) is the one sampler of
-the project: the draft's :func:`sample` and the verifiers (service/verification) use it.
+the project: the draft's :func:`sample` and the verifiers use it (verification/tensors.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from verification.tensors import sample_from_weights
 
 
 @dataclass(frozen=True)
@@ -95,48 +97,3 @@ def sample(
             u[i, :used] = torch.rand(used, generator=g, dtype=torch.float64)
     u = u.to(probs.device, non_blocking=True)  # drawn on the host: no wait for the device
     return sample_from_weights(probs.reshape(n * r, vocab), u.reshape(-1)).view(n, r)
-
-
-# Off the CPU, rows longer than this are summed up in chunks of it (cumsum64).
-SCAN_CHUNK = 256
-
-
-def cumsum64(x: torch.Tensor) -> torch.Tensor:
-    """Running sums of x [..., V] along the last dim, in float64 (no drift over large V).
-
-    On CPU one sequential scan. A GPU scans each row with one thread block, so a few long rows
-    leave it nearly idle (a [32, 32000] float64 cumsum took 51 µs on an H200, ~10% of a
-    SpecTr call): there the rows are scanned as chunks of SCAN_CHUNK, all at once
-    (chunked_cumsum64)."""
-    if x.device.type == "cpu" or x.shape[-1] <= SCAN_CHUNK:
-        return x.cumsum(-1, dtype=torch.float64)
-    return chunked_cumsum64(x, SCAN_CHUNK)
-
-
-def chunked_cumsum64(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """cumsum64 as a scan within chunks of ``chunk`` elements, each plus the running total of
-    the chunks before it (the chunk totals' own scan, shifted by one). The same sums up to
-    rounding: float64 sums of float32 values are exact unless their magnitudes span more than
-    ~2^29, and a GPU's own scan associates differently anyway."""
-    V = x.shape[-1]
-    if V % chunk:  # zeros: the total repeats (no copy where V divides into chunks)
-        x = torch.nn.functional.pad(x, (0, -V % chunk))
-    within = x.reshape(*x.shape[:-1], -1, chunk).cumsum(-1, dtype=torch.float64)  # [..., C, L]
-    ends = within[..., -1].cumsum(-1)  # [..., C]: the total up to the end of each chunk
-    before = torch.nn.functional.pad(ends[..., :-1], (1, 0))
-    return (within + before.unsqueeze(-1)).flatten(-2)[..., :V]
-
-
-def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of one index per row of non-negative ``weights`` [N, V] with u [N].
-
-    Rows need not be normalised but must have positive mass. No host synchronisation.
-    """
-    cdf = cumsum64(weights).contiguous()  # [N, V]: searchsorted reads contiguous rows
-    total = cdf[:, -1:]
-    # Keep the target strictly below the total: searchsorted(right=True) then returns the first
-    # index whose cdf exceeds it, which always has positive weight.
-    target = torch.minimum(
-        u.to(torch.float64).unsqueeze(-1) * total, total.nextafter(total.new_zeros(()))
-    )
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 
 import torch
 
+from verification.tensors import gather_rows
 from workers.draft import prefill, prefill_groups
 from workers.feature_draft import feed_draft
 from workers.llama import KVCache, Llama
 from workers.protocols import DraftPrefill
 from workers.sampling import SamplingParams, process
-from workers.tree import DraftTree, gather_rows
+from workers.tree import DraftTree
 
 
 class TargetWorker:

@@ -85,36 +85,3 @@ def build_tree(
     at = torch.where(pair_ok, i * size + j, 0).reshape(n, -1)  # others: (0, 0), True already
     mask.view(n, size * size).scatter_(1, at, True)
     return DraftTree(tokens, node_depth, mask, node_of, num_nodes)
-
-
-def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows [B, L, ...], index [B, ...] int64 in [0, L) -> rows[b, index[b, ...]]: [B, ..., ...]
-    (index's dims, then the rows' own).
-
-    One index_select over the B·L rows, which copies whole rows: advanced indexing
-    ``rows[arange(B), index]`` gives the same values 2-4x slower on CPU ([8, 9, 49152]: 11.8 vs
-    4.0 ms). Rows whose B and L dims do not merge without a copy take advanced indexing."""
-    B, L = rows.shape[:2]
-    extra = [1] * (index.dim() - 1)  # index dims past B
-    if rows.stride(0) != rows.stride(1) * L:
-        return rows[torch.arange(B, device=rows.device).view(B, *extra), index]
-    starts = torch.arange(0, B * L, L, device=rows.device)  # row of (b, 0) in the B·L rows
-    if not extra:  # [B] (take_rows): no reshapes, each one an op a verifier's budget counts
-        return rows.flatten(0, 1).index_select(0, starts + index)
-    flat = rows.flatten(0, 1).index_select(0, (starts.view(B, *extra) + index).flatten())
-    return flat.view(*index.shape, *rows.shape[2:])
-
-
-def rows_at(
-    rows: torch.Tensor,  # [B, K, D, V]
-    b: torch.Tensor,  # [n] int64
-    k: torch.Tensor | int,  # [n] int64 or one index for all
-    d: torch.Tensor | int,  # [n] int64 or one index for all
-) -> torch.Tensor:
-    """rows[b, k, d]: [n, V] for requests b (any subset), paths k and depths d: one
-    index_select over the B·K·D rows, as in :func:`gather_rows`; rows that are not contiguous
-    (merging their dims would copy them all) take advanced indexing."""
-    B, K, D, V = rows.shape
-    if not rows.is_contiguous():
-        return rows[b, k, d]
-    return rows.view(B * K * D, V).index_select(0, (b * K + k) * D + d)

@@ -1,29 +1,41 @@
 """Lossless draft-verification algorithms, batched over requests.
 
-    from service.verification import verify, METHODS
+    from verification import verify, METHODS
     out = verify(method, draft_tokens, draft_probs, target_probs, generator=None)
 
 Shapes: ``draft_tokens`` int64 [B, K, γ] (K i.i.d. draft paths per request), ``draft_probs``
 [B, K, γ, V] (q(·| context, first i tokens of path k), the *processed* distribution each token
 was sampled from), ``target_probs`` [B, K, γ+1, V] (p(·| context, first i tokens of path k));
-rows of identical prefixes must be identical. See :mod:`service.verification.common` for the
-vocabulary (accepted / recovered / bonus) and :class:`VerifyOutput` for the result.
+rows of identical prefixes must be identical. :class:`VerifyOutput` is the result.
+
+Vocabulary (one iteration of speculative decoding, spec §0):
+
+- *draft path*: γ tokens sampled from the processed draft distribution q; K i.i.d. paths per
+  request form the draft tree (identical prefixes merge).
+- *accepted*: τ ∈ [0, γ] draft tokens, a prefix of one path (``VerifyOutput.path``).
+- *recovered* (correction): when τ < γ, one token sampled from the method's residual law.
+- *bonus*: when τ = γ, one token sampled from the target row after the full path.
+- *emitted*: accepted + one recovered/bonus token, ``τ + 1`` tokens in all.
 
 The math of every method is specified in ``docs/verification.md`` (section numbers are
 quoted in each module). ``greedy_block`` and ``spectr_gbv`` change the target for later steps:
 thread ``out.carry`` into the next ``verify`` call of the same requests (``carry=``).
+
+Which code runs is decided once a call, by :func:`choose_backend` (backends.py): each
+:class:`Verifier` maps every backend to the function that runs there.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from . import block, gbv, greedy, token, top_down, traversal
-from .common import ROW_SUM_TOL, Generators, VerifyOutput, check_inputs, draw_uniforms
+from .backends import Backend, check_backend, choose_backend
+from .common import ROW_SUM_TOL, Generators, check_inputs, draw_uniforms
 from .graphs import VerifyGraphs
 from .modification import TargetModification, advance_records, apply_records
 
@@ -31,39 +43,77 @@ __all__ = [
     "METHODS",
     "ROW_SUM_TOL",
     "VERIFIERS",
+    "Backend",
     "TargetModification",
     "Verifier",
     "VerifyGraphs",
     "VerifyOutput",
+    "choose_backend",
     "verify",
 ]
 
 
 @dataclass(frozen=True)
+class VerifyOutput:
+    """Result of one verification call for a batch of B requests."""
+
+    # [B, γ+1] int64: emitted tokens (accepted prefix, then recovered/bonus), -1 padded
+    tokens: torch.Tensor
+    num_tokens: torch.Tensor  # [B] int64: τ + 1
+    num_accepted: torch.Tensor  # [B] int64: τ, accepted draft tokens (position i < τ was accepted)
+    path: torch.Tensor  # [B] int64: index of a draft path whose prefix was accepted
+    carry: TargetModification | None = None  # for methods that modify the target, else None
+
+
+@dataclass(frozen=True)
 class Verifier:
     name: str
-    # (draft_tokens, draft_probs, target_probs, uniforms [B, num_uniforms][, modified rows])
-    #   -> (tokens, τ, path[, new modification records]); a method that modifies the target
-    #   also takes the carried modification as ResidualRows over the unmodified target rows.
-    fn: Callable
+    # backend -> fn(backend, draft_tokens, draft_probs, target_probs, uniforms [B, num_uniforms]
+    #   [, modified rows]) -> (tokens, τ, path[, new modification records]); a method that
+    #   modifies the target also takes the carried modification as ResidualRows over the
+    #   unmodified target rows. The torch functions serve several backends and read its flags.
+    implementations: Mapping[Backend, Callable]
     num_uniforms: Callable[[int, int], int]  # (K, γ) -> uniforms per request
     single_path: bool  # K must be 1
     modifies_target: bool  # returns modification records to carry (spec §3.2, §10)
     description: str
 
 
+def _torch_ops(fn: Callable, numba: Callable | None = None) -> dict[Backend, Callable]:
+    """fn on every backend, or ``numba`` (compiled loops) in its place on the numba backend."""
+    return {backend: fn for backend in Backend} | ({Backend.NUMBA: numba} if numba else {})
+
+
+_GBV = {
+    Backend.NUMBA: gbv.gbv_verify_loops,
+    Backend.TORCH_HOST: gbv.gbv_verify_lazily,
+    Backend.TORCH_DEVICE: gbv.gbv_verify_all_levels,
+    Backend.TRITON: gbv.gbv_verify_all_levels,
+}
+_GREEDY = _torch_ops(greedy.sequential_greedy_verify, greedy.greedy_verify_loops)
+
 VERIFIERS: dict[str, Verifier] = {
     v.name: v
     for v in [
         Verifier(
-            "token", token.token_verify, token.num_uniforms, True, False, "token verification (§1)"
+            "token",
+            _torch_ops(token.token_verify),
+            token.num_uniforms,
+            True,
+            False,
+            "token verification (§1)",
         ),
         Verifier(
-            "block", block.block_verify, block.num_uniforms, True, False, "block verification (§2)"
+            "block",
+            _torch_ops(block.block_verify),  # block_verify_rows takes the loop on numba
+            block.num_uniforms,
+            True,
+            False,
+            "block verification (§2)",
         ),
         Verifier(
             "greedy_block",
-            greedy.sequential_greedy_verify,
+            _GREEDY,
             greedy.num_uniforms,
             True,
             True,
@@ -71,7 +121,7 @@ VERIFIERS: dict[str, Verifier] = {
         ),
         Verifier(
             "naive",
-            lambda *a: top_down.walk_tree(top_down.naive_rule, *a),
+            _torch_ops(top_down.naive_verify),
             top_down.num_uniforms,
             False,
             False,
@@ -79,7 +129,7 @@ VERIFIERS: dict[str, Verifier] = {
         ),
         Verifier(
             "specinfer",
-            top_down.single_candidate_is_token(top_down.specinfer_rule),
+            _torch_ops(top_down.specinfer_verify),
             top_down.num_uniforms,
             False,
             False,
@@ -87,23 +137,18 @@ VERIFIERS: dict[str, Verifier] = {
         ),
         Verifier(
             "spectr",
-            top_down.single_candidate_is_token(top_down.spectr_rule),
+            _torch_ops(top_down.spectr_verify),
             top_down.num_uniforms,
             False,
             False,
             "SpecTr K-SEQ over the draft tree (§7)",
         ),
         Verifier(
-            "gbv",
-            gbv.gbv_verify,
-            gbv.num_uniforms,
-            False,
-            False,
-            "greedy multi-path block verification (§8)",
+            "gbv", _GBV, gbv.num_uniforms, False, False, "greedy multi-path block verification (§8)"
         ),
         Verifier(
             "traversal",
-            traversal.traversal_verify,
+            _torch_ops(traversal.traversal_verify, traversal.traversal_verify_loops),
             traversal.num_uniforms,
             False,
             False,
@@ -111,7 +156,7 @@ VERIFIERS: dict[str, Verifier] = {
         ),
         Verifier(
             "spectr_gbv",
-            greedy.sequential_greedy_verify,
+            _GREEDY,
             greedy.num_uniforms,
             False,
             True,
@@ -133,6 +178,7 @@ def verify(
     carry: TargetModification | None = None,
     validate: bool = True,
     graphs: VerifyGraphs | None = None,
+    backend: Backend | str | None = None,
 ) -> VerifyOutput:
     """Verify one draft block (or tree) per request and emit accepted tokens + one more.
 
@@ -143,7 +189,10 @@ def verify(
     validate: check values (NaN, negatives, row sums within ROW_SUM_TOL, q(drafted) > 0) at
     the cost of ~2 passes over the inputs; shapes, dtypes and token ranges are always checked.
     graphs: on CUDA, replay the method's kernels from a graph captured per shape bucket
-    (service/verification/graphs.py): the same tokens without the launch cost. None: eager.
+    (verification/graphs.py): the same tokens without the launch cost. None: eager.
+    backend: which code runs (backends.py); None: :func:`choose_backend`'s choice for the
+    inputs. Naming one (tests, benchmarks) runs e.g. an accelerator's fixed-shape torch ops on
+    the CPU: every backend gives the same tokens, up to the compiled loops' rounding.
     """
     spec = VERIFIERS.get(method)
     if spec is None:
@@ -156,15 +205,21 @@ def verify(
         raise ValueError(f"method {method!r} does not modify the target; carry must be None")
     if carry is not None and carry.batch_size != B:
         raise ValueError(f"carry holds {carry.batch_size} requests, the batch has {B}")
+    if backend is None:
+        backend = choose_backend(draft_probs, target_probs)
+    else:
+        backend = Backend(backend)
+        check_backend(backend, draft_probs, target_probs)
 
     uniforms = draw_uniforms(generator, B, spec.num_uniforms(K, gamma), draft_tokens.device)
-    run = spec.fn if graphs is None else functools.partial(graphs.run, method, spec.fn)
+    fn = functools.partial(spec.implementations[backend], backend)
+    run = fn if graphs is None else functools.partial(graphs.run, method, fn)
     if not spec.modifies_target:
         tokens, tau, path = run(draft_tokens, draft_probs, target_probs, uniforms)
         return VerifyOutput(tokens, tau + 1, tau, path)
 
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
-    modified, record_rows = apply_records(carry, draft_tokens, draft_probs, target_probs)
+    modified, record_rows = apply_records(carry, draft_tokens, draft_probs, target_probs, backend)
     tokens, tau, path, (log_p, log_q, rows_left) = run(
         draft_tokens, draft_probs, target_probs, uniforms, modified
     )
@@ -179,5 +234,6 @@ def verify(
         new_log_p=log_p,
         new_log_q=log_q,
         new_rows_left=rows_left,
+        backend=backend,
     )
     return VerifyOutput(tokens, tau + 1, tau, path, new_carry)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels, cpu_verifiers, kernels
-from .common import exclusive_cumsum, host_reads_are_free, over_batch_chunks
+from . import cpu_kernels, kernels
+from .backends import Backend, host_reads_are_free
+from .common import exclusive_cumsum, over_batch_chunks
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class TargetModification:
         columns live for that request (``select``); on an accelerator the rows of this batch's
         columns, as views: pruning them would read the device once a request, and the batch's
         columns are already bounded (``advance_records``); dead columns change no row."""
-        if host_reads_are_free(self.rows_left):
+        if host_reads_are_free(self.rows_left.device):
             return [self.select([j]) for j in range(self.batch_size)]
         return [
             TargetModification(
@@ -154,15 +155,21 @@ def residual_weights(p: torch.Tensor, q: torch.Tensor, t: torch.Tensor) -> torch
     return torch.addcmul(p, q, as_row_scalars(t, p), value=-1).clamp_min_(0)
 
 
-def residual_mass(p: torch.Tensor, q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """F(t) = Σ_x (p(x) - t q(x))_+: p, q [B, ..., V], t [B, ...] float64 -> [B, ...] float64."""
-    if kernels.applies(p, q):  # CUDA: one fused pass
+def residual_mass(
+    backend: Backend,
+    p: torch.Tensor,  # [B, ..., V]
+    q: torch.Tensor,  # [B, ..., V]
+    t: torch.Tensor,  # [B, ...] float64
+) -> torch.Tensor:
+    """F(t) = Σ_x (p(x) - t q(x))_+: [B, ...] float64."""
+    if backend.fuses(p, q):  # CUDA: one fused pass
         return kernels.row_masses(p, q, t)[0]
+    return over_batch_chunks(_summed_residual, p, q, t)
 
-    def mass(p, q, t):
-        return residual_weights(p, q, t).sum(-1).double()
 
-    return over_batch_chunks(mass, p, q, t)
+def _summed_residual(p: torch.Tensor, q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """residual_mass in torch ops, on one chunk of requests."""
+    return residual_weights(p, q, t).sum(-1).double()
 
 
 def residual_prob(
@@ -173,6 +180,7 @@ def residual_prob(
 
 
 def m_new(
+    backend: Backend,
     p: torch.Tensor,  # [..., V]: base target rows
     q: torch.Tensor,  # [..., V]: draft rows
     t: torch.Tensor,  # [...] float64: the rows (p - t q)_+ / z being modified
@@ -187,7 +195,7 @@ def m_new(
     """
     s = z * (log_q - log_p).exp()  # log_p = -inf: s = inf, kept below
     t_new = (t + s).clamp_max(T_MAX)
-    z_new = residual_mass(p, q, t_new)
+    z_new = residual_mass(backend, p, q, t_new)
     moved = (z_new > 0) & (log_p > -torch.inf)
     return torch.where(moved, t_new, t), torch.where(moved, z_new, z)
 
@@ -197,6 +205,7 @@ def apply_records(
     tokens: torch.Tensor,  # [B, P, L] int64: the paths whose rows are given
     draft_probs: torch.Tensor,  # [B, P, L, V]: q rows along the paths
     target_probs: torch.Tensor,  # [B, P, L+1, V]: unmodified target rows along the paths
+    backend: Backend,
 ) -> tuple[ResidualRows, ResidualRows]:
     """Apply every live record, oldest first.
 
@@ -205,7 +214,7 @@ def apply_records(
     the rows before record r was applied, under which the record's running joint P absorbs
     the tokens generated next, see :func:`advance_records`).
 
-    Float32 rows on CPU take one loop a request (cpu_verifiers.apply_records), each record
+    The numba backend takes one loop a request (cpu_kernels.apply_records), each record
     passing over its own window's rows only; the ops below pass over the batch's widest
     window and mask.
     """
@@ -215,8 +224,7 @@ def apply_records(
     # Rows beyond every record's window are untouched. Reading the widest window waits for an
     # accelerator, so there every record passes over all L rows, masked to its own window
     # (the engine keeps γ constant under a carry, so no record reaches past L).
-    on_host = host_reads_are_free(tokens)
-    most = mod.max_rows if on_host else L  # a host read: once
+    most = mod.max_rows if backend.reads_host else L  # a host read: once
     width = min(most, L + 1)
     if R == 0 or width == 0:
         return rows, ResidualRows.base(tokens.new_empty(B, R, P, L))
@@ -225,9 +233,8 @@ def apply_records(
             f"carry modifies {most} upcoming rows but only {L} draft rows were given: "
             "keep γ constant for a request that carries a target modification"
         )
-    if on_host and cpu_kernels.applies(draft_probs, target_probs):
-        # float32 CPU rows: one loop a request, each record over its own window only
-        t, z, base_t, base_z = cpu_verifiers.apply_records(
+    if backend.compiled_loops:  # one loop a request, each record over its own window only
+        t, z, base_t, base_z = cpu_kernels.apply_records(
             tokens, draft_probs, target_probs, mod.log_p, mod.log_q, mod.rows_left, T_MAX
         )
         return ResidualRows(t, z), ResidualRows(base_t, base_z)
@@ -245,7 +252,7 @@ def apply_records(
         base_logp = residual_prob(p_tok, q_tok, t, z).log()  # under the rows before record r
         joint_p = mod.log_p[:, r, None, None] + exclusive_cumsum(base_logp)[..., :width]
         joint_qr = mod.log_q[:, r, None, None] + joint_q
-        t_new, z_new = m_new(p, q, t[..., :width], z[..., :width], joint_p, joint_qr)
+        t_new, z_new = m_new(backend, p, q, t[..., :width], z[..., :width], joint_p, joint_qr)
         active = in_window[None, None, :] < mod.rows_left[:, r, None, None]  # [B, 1, W]
         t = torch.cat([torch.where(active, t_new, t[..., :width]), t[..., width:]], dim=-1)
         z = torch.cat([torch.where(active, z_new, z[..., :width]), z[..., width:]], dim=-1)
@@ -263,6 +270,7 @@ def advance_records(
     new_log_p: torch.Tensor,  # [B, N] float64: records created by this iteration
     new_log_q: torch.Tensor,  # [B, N] float64
     new_rows_left: torch.Tensor,  # [B, N] int64
+    backend: Backend,
 ) -> TargetModification:
     """Absorb the n emitted tokens into every record, retire finished ones, append new ones.
 
@@ -273,7 +281,7 @@ def advance_records(
     probabilities are read here, no row over V.
     """
     gamma = emitted.shape[1]
-    on_host = host_reads_are_free(mod.rows_left)
+    on_host = backend.reads_host
     if (mod.max_rows if on_host else mod.rows_left.shape[1]) > 0:  # dead columns: no-ops
         ar = torch.arange(emitted.shape[0], device=emitted.device)
         tok = emitted.clamp_min(0)  # [B, γ]

@@ -16,41 +16,30 @@ whose level its uniform can pass (_verify_lazily); elsewhere every row is ranked
 reads (on CUDA each level's R is summed in rank order by one fused kernel and only the row
 at τ is skewed by id, _verify_in_rank_order). Both give the same tokens.
 
-On CPU with float32 rows the whole call (selection, the path's values, the rounds of levels,
-the residual draw) runs as numba loops a request, cpu_verifiers.gbv_verify: the same steps as
-_verify_lazily in the same float32 arithmetic, where torch's ops cost ~300 dispatches a call
-and ~10 passes over each row they touch. It sums C, R and the sampler's totals in float64 in
-its own order and takes exp/log from libm: a test or a draw whose uniform lies within a few
-float32 ulps of its threshold could go the other way. The loops also skip what bounds prove
-unread (cpu_kernels): C at the path above the highest level the running products' upper
-bounds can reach, the rank of the tokens whose residual (p_i p - q̃)_+ is 0 whatever their
-rank (q̃ ≥ F(C) q), and the ranking of a level whose test an upper bound of R fails.
+On the numba backend (float32 CPU rows) the whole call (selection, the path's values, the
+rounds of levels, the residual draw) runs as numba loops a request (loops.py): the same steps
+as _verify_lazily in the same float32 arithmetic, skipping what bounds prove unread.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.sampling import cumsum64
-
-from . import cpu_kernels, cpu_verifiers, kernels
-from .block import (
+from .. import kernels
+from ..backends import Backend
+from ..block import (
     block_tau,
-    block_verify_rows,
+    block_verify,
+    block_verify_torch_rows,
     levels_top_down,
     reach_slack,
     residual_token,
     running_products,
 )
-from .common import (
-    draft_support,
-    emit,
-    host_reads_are_free,
-    over_batch_chunks,
-    support_holding,
-    take_rows,
-)
-from .sorting import ascending_order, ratio_key
+from ..common import draft_support, emit, over_batch_chunks, support_holding, take_rows
+from ..sorting import ascending_order, ratio_key
+from ..tensors import cumsum64
+from . import loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -101,13 +90,14 @@ def drafted_mass_below(
     key: torch.Tensor,  # [..., γ, V]: the ranking key of each row
     q: torch.Tensor,  # [..., γ, V]: the draft rows
     x: torch.Tensor,  # [..., γ] int64: the token drafted from each row
+    backend: Backend,
 ) -> torch.Tensor:
     """C(x_i) at each row: the q-mass ranked below the drafted token, [..., γ] in q's dtype.
 
     One masked float64 sum per row, no sort: λ and q̃(x_i) need C at the path only, and the
     levels that no uniform can pass need no other value of their row (see _verify_lazily).
     On CUDA one kernel (kernels.mass_ranked_below_token) where the torch ops make six passes."""
-    if kernels.applies(key, q):
+    if backend.fuses(key, q):
         return kernels.mass_ranked_below_token(key, q, x).to(q.dtype)
     x = x.unsqueeze(-1)
     key_x = key.gather(-1, x)
@@ -131,6 +121,7 @@ def skewed_rows(
     lam: torch.Tensor,  # [...] float64: λ of each prefix
     k: int,
     support: torch.Tensor | None,  # [V'] ids outside which q is 0 (draft_support), or None
+    backend: Backend,
 ) -> torch.Tensor:
     """q̃ of whole rows: each row ranked by (p/q, id), then skewed. [..., V].
 
@@ -138,11 +129,12 @@ def skewed_rows(
     on a small draft support only the support is ranked and skewed, bit for bit the same
     values (the support keeps the ids' order, which breaks ties)."""
     if support is not None:
-        skewed = skewed_rows(q.index_select(-1, support), p.index_select(-1, support), lam, k, None)
+        q_support, p_support = q.index_select(-1, support), p.index_select(-1, support)
+        skewed = skewed_rows(q_support, p_support, lam, k, None, backend)
         return q.new_zeros(q.shape).index_copy_(-1, support, skewed)
     V = q.shape[-1]
     key = ranking_key(p, q).view(-1, V)
-    if kernels.applies(q, q):  # CUDA: skewed in rank order and written by id, one pass
+    if backend.fuses(q, q):  # CUDA: skewed in rank order and written by id, one pass
         return kernels.skewed_rows(q.reshape(-1, V), ascending_order(key), lam, k).view(q.shape)
     below = mass_ranked_below(key, q.reshape(-1, V)).view(q.shape)
     return skewed_probs(q, below, lam, k)
@@ -153,24 +145,26 @@ def skewed_draft(
     q: torch.Tensor,  # [n, γ, V]: its draft rows
     p: torch.Tensor,  # [n, γ+1, V]: its target rows
     k: int,
+    backend: Backend,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q̃ along the selected path, the law of the best of k i.i.d. draft paths: every row
     [n, γ, V], and q̃(x_i) [n, γ] as the lazy path computes it (from C at the path alone)."""
-    below_x, q_x, _ = _path_values(q, p, x)
+    below_x, q_x, _ = _path_values(q, p, x, backend)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
-    support = support_holding(draft_support(q), x)
-    return skewed_rows(q, p[:, : x.shape[1]], lam, k, support), q_tilde_x
+    support = support_holding(draft_support(q, backend), x)
+    return skewed_rows(q, p[:, : x.shape[1]], lam, k, support, backend), q_tilde_x
 
 
 def _path_values(
     q: torch.Tensor,  # [n, γ, V]: the path's draft rows
     p: torch.Tensor,  # [n, ≥γ, V]: its target rows
     x: torch.Tensor,  # [n, γ] int64: the path
+    backend: Backend,
     key: torch.Tensor | None = None,  # [n, γ, V]: ranking_key of the rows, if computed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """C, q and p at the path's tokens, [n, γ] each (one masked sum per row, no sort)."""
     p = p[:, : x.shape[1]]
-    below_x = drafted_mass_below(ranking_key(p, q) if key is None else key, q, x)
+    below_x = drafted_mass_below(ranking_key(p, q) if key is None else key, q, x, backend)
     x = x.unsqueeze(-1)
     return below_x, q.gather(-1, x).squeeze(-1), p.gather(-1, x).squeeze(-1)
 
@@ -181,12 +175,19 @@ def _skew_at_path(below_x: torch.Tensor, q_x: torch.Tensor, k: int):
     return lam, skewed_probs(q_x.unsqueeze(-1), below_x.unsqueeze(-1), lam, k).squeeze(-1)
 
 
-def _verify_all_levels(x, q, p, k, u):
-    """Off the CPU: every level's residual mass, no host reads (capturable in a CUDA graph)."""
-    if kernels.applies(q, q):  # (p has one row more; the kernels read it by its strides)
-        return _verify_in_rank_order(x, q, p, k, u)
-    q_tilde, q_tilde_x = skewed_draft(x, q, p, k)
-    return block_verify_rows(x, q_tilde, p, u, q_drafted=q_tilde_x)
+def _verify_all_levels(
+    backend: Backend,
+    x: torch.Tensor,  # [n, γ] int64: the selected path
+    q: torch.Tensor,  # [n, γ, V]: its draft rows
+    p: torch.Tensor,  # [n, γ+1, V]: its target rows
+    k: int,
+    u: torch.Tensor,  # [n, γ+1]
+):
+    """Every level's residual mass, no host reads (capturable in a CUDA graph). -> τ, y."""
+    if backend.fuses(q, q):  # (p has one row more; the kernels read it by its strides)
+        return _verify_in_rank_order(x, q, p, k, u, backend)
+    q_tilde, q_tilde_x = skewed_draft(x, q, p, k, backend)
+    return block_verify_torch_rows(backend, x, q_tilde, p, u, q_drafted=q_tilde_x)
 
 
 def _verify_in_rank_order(
@@ -195,13 +196,14 @@ def _verify_in_rank_order(
     p: torch.Tensor,  # [n, γ+1, V]: its target rows
     k: int,
     u: torch.Tensor,  # [n, γ+1]
+    backend: Backend,
 ):
     """CUDA: _verify_all_levels without the [n, γ, V] rows of q̃. Each level's R sums
     (p_i p - q̃)_+ while walking the row in rank order, where C(x) is a running sum
     (kernels.skewed_excess), and only the row at τ is skewed and written by id. -> τ, y."""
     n, gamma, V = q.shape
     key = ranking_key(p[:, :gamma], q)  # [n, γ, V]: one key for C at the path and the sort
-    below_x, q_x, p_x = _path_values(q, p, x, key)
+    below_x, q_x, p_x = _path_values(q, p, x, backend, key)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p.dtype)  # [n, γ]
     order = ascending_order(key.view(-1, V)).view(n, gamma, V)
@@ -219,8 +221,9 @@ def _verify_lazily(
     path: torch.Tensor,  # [B] int64: the selected path's index
     k: int,
     u: torch.Tensor,  # [B, γ+1]
+    backend: Backend,
 ):
-    """CPU, rows other than float32: block verification that ranks only the rows its
+    """Host backends: block verification that ranks only the rows its
     uniforms reach (levels_top_down: a level i < γ with η_i >= p_i Σp fails unranked, and the
     first pass from the top wins); the same tokens as _verify_all_levels. -> τ [B], y [B].
     p_i and λ need C at the path only (drafted_mass_below). On the benchmark's rows
@@ -228,47 +231,103 @@ def _verify_lazily(
     B, _, gamma, V = q_all.shape
 
     def path_values(q_all, p_all, path, x):  # one chunk of requests: copies of its path rows
-        return _path_values(take_rows(q_all, path), take_rows(p_all, path), x)
+        return _path_values(take_rows(q_all, path), take_rows(p_all, path), x, backend)
 
     below_x, q_x, p_x = over_batch_chunks(path_values, q_all, p_all, path, x, item_numel=gamma * V)
     lam, q_tilde_x = _skew_at_path(below_x, q_x, k)
     pi = running_products(p_x, q_tilde_x, p_all.dtype)  # [B, γ]: p_1..p_γ
-    support = support_holding(draft_support(q_all), x)
+    support = support_holding(draft_support(q_all, backend), x)
 
     def rows_at(rows, level):  # the selected path's q̃ and p rows at a level: [m, V] each
         at = (rows, path[rows], level)
         p_at = p_all[at]
-        return skewed_rows(q_all[at], p_at, lam[rows, level], k, support), p_at
+        return skewed_rows(q_all[at], p_at, lam[rows, level], k, support, backend), p_at
 
     q_row = q_all.new_zeros(B, V)  # q̃ after the accepted prefix (zeros when τ = γ)
-    tau = levels_top_down(pi, u[:, :gamma], q_row, rows_at)
+    tau = levels_top_down(pi, u[:, :gamma], q_row, rows_at, backend)
     p_row = p_all[torch.arange(B, device=x.device), path, tau]
     return tau, residual_token(pi, tau, p_row, q_row, u[:, gamma])
 
 
-def gbv_verify(
+def gbv_verify_loops(
+    backend: Backend,
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V] float32
+    target_probs: torch.Tensor,  # [B, K, γ+1, V] float32
+    uniforms: torch.Tensor,  # [B, γ+1]
+):
+    """The numba backend: the selection, levels and draw as loops a request
+    (loops.gbv_verify). -> (tokens, τ, path)."""
+    if draft_tokens.shape[1] == 1:  # a single path: q̃ = q exactly, block verification (§8)
+        return block_verify(backend, draft_tokens, draft_probs, target_probs, uniforms)
+    support, slack = draft_support(draft_probs, backend), reach_slack(target_probs.dtype)
+    tau, path, y = loops.gbv_verify(
+        draft_tokens, draft_probs, target_probs, uniforms, support, slack
+    )
+    return emit(take_rows(draft_tokens, path), tau, y), tau, path
+
+
+def gbv_verify_lazily(
+    backend: Backend,
     draft_tokens: torch.Tensor,  # [B, K, γ] int64
     draft_probs: torch.Tensor,  # [B, K, γ, V]
     target_probs: torch.Tensor,  # [B, K, γ+1, V]
     uniforms: torch.Tensor,  # [B, γ+1]
 ):
+    """The torch-host backend: the selected path's levels ranked only where their uniforms
+    reach (_verify_lazily). -> (tokens, τ, path)."""
+    if draft_tokens.shape[1] == 1:  # a single path: q̃ = q exactly, block verification (§8)
+        return block_verify(backend, draft_tokens, draft_probs, target_probs, uniforms)
+    path = select_path(draft_tokens, draft_probs, target_probs)
+    x = take_rows(draft_tokens, path)  # [B, γ]
+    k = draft_tokens.shape[1]
+    tau, y = _verify_lazily(x, draft_probs, target_probs, path, k, uniforms, backend)
+    return emit(x, tau, y), tau, path
+
+
+def gbv_verify_all_levels(
+    backend: Backend,
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+    uniforms: torch.Tensor,  # [B, γ+1]
+):
+    """The device backends: every level of the selected path ranked, no host reads
+    (_verify_all_levels, over batch chunks). -> (tokens, τ, path)."""
+    _, K, gamma, V = draft_probs.shape
+    if K == 1:  # a single path: q̃ = q exactly, block verification (§8)
+        return block_verify(backend, draft_tokens, draft_probs, target_probs, uniforms)
+    path = select_path(draft_tokens, draft_probs, target_probs)
+    x = take_rows(draft_tokens, path)  # [B, γ]
+    inputs = (target_probs, draft_probs, path, x, uniforms)
+    tau, y = over_batch_chunks(_verify_selected, backend, *inputs, K, item_numel=gamma * V)
+    return emit(x, tau, y), tau, path
+
+
+def _verify_selected(
+    backend: Backend,
+    p_all: torch.Tensor,  # [n, K, γ+1, V]: one chunk of requests
+    q_all: torch.Tensor,  # [n, K, γ, V]
+    path: torch.Tensor,  # [n] int64: the selected path
+    x: torch.Tensor,  # [n, γ] int64: its tokens
+    u: torch.Tensor,  # [n, γ+1]
+    k: int,
+):
+    """_verify_all_levels on the selected path's rows of one chunk of requests."""
+    q, p = take_rows(q_all, path), take_rows(p_all, path)  # [n, γ, V], [n, γ+1, V]
+    return _verify_all_levels(backend, x, q, p, k, u)
+
+
+def select_path(
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+) -> torch.Tensor:
+    """The path [B] whose tuple of token ranks is lexicographically largest (step 2)."""
     B, K, gamma = draft_tokens.shape
-    V = draft_probs.shape[-1]
-    on_cpu = host_reads_are_free(draft_probs)
-    if K > 1 and on_cpu and cpu_kernels.applies(draft_probs, target_probs):
-        # float32 CPU rows: all of the below as loops a request (cpu_verifiers.gbv_verify)
-        support, slack = draft_support(draft_probs), reach_slack(target_probs.dtype)
-        tau, path, y = cpu_verifiers.gbv_verify(
-            draft_tokens, draft_probs, target_probs, uniforms, support, slack
-        )
-        return emit(take_rows(draft_tokens, path), tau, y), tau, path
-    if K == 1:  # a single path: q̃ = q exactly, GBV is block verification (spec §8)
-        x = draft_tokens[:, 0]
-        tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
-        return emit(x, tau, y), tau, torch.zeros_like(tau)
-    # Selection: the lexicographically largest tuple of ranks. Paths still tied at depth d share
-    # their prefix, so their tokens sit at the same node, where rank order is key order: compare
-    # the drafted tokens' keys (ratio, then id) directly, no rank over V needed.
+    # Paths still tied at depth d share their prefix, so their tokens sit at the same node,
+    # where rank order is key order: compare the drafted tokens' keys (ratio, then id)
+    # directly, no rank over V needed.
     tok = draft_tokens.unsqueeze(-1)
     key_y = ranking_key(
         target_probs[:, :, :gamma].gather(-1, tok), draft_probs.gather(-1, tok)
@@ -279,17 +338,4 @@ def gbv_verify(
         top = r.amax(-1, keepdim=True)
         t = torch.where(best & (r == top), draft_tokens[:, :, d], -1)
         best = best & (r == top) & (t == t.amax(-1, keepdim=True))
-    path = best.to(torch.int8).argmax(-1)
-    x = take_rows(draft_tokens, path)  # [B, γ]
-    if on_cpu:
-        tau, y = _verify_lazily(x, draft_probs, target_probs, path, K, uniforms)
-        return emit(x, tau, y), tau, path
-
-    def verify_selected(p_all, q_all, path, x, u):  # one chunk of requests
-        q, p = take_rows(q_all, path), take_rows(p_all, path)  # [n, γ, V], [n, γ+1, V]
-        return _verify_all_levels(x, q, p, K, u)
-
-    tau, y = over_batch_chunks(
-        verify_selected, target_probs, draft_probs, path, x, uniforms, item_numel=gamma * V
-    )
-    return emit(x, tau, y), tau, path
+    return best.to(torch.int8).argmax(-1)

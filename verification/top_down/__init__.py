@@ -13,19 +13,19 @@ from collections.abc import Callable
 
 import torch
 
-from workers.sampling import cumsum64, sample_from_weights
-from workers.tree import rows_at
+from .. import kernels
+from ..backends import Backend
+from ..common import ALL, draft_support, emit, positive_part_or, take_rows
+from ..modification import residual_mass, residual_prob, residual_weights
+from ..sorting import ratio_key, sort_ascending
+from ..tensors import cumsum64, rows_at, sample_from_weights
+from ..token import accepted_length, recovered_token
+from . import loops
 
-from . import cpu_kernels, cpu_verifiers, kernels
-from .common import ALL, draft_support, emit, host_reads_are_free, positive_part_or, take_rows
-from .modification import residual_mass, residual_prob, residual_weights
-from .sorting import ratio_key, sort_ascending
-from .token import accepted_length, recovered_token
-
-# (p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K], uniforms [B, K+1])
-#   -> token [B]
+# (backend, p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K],
+#  uniforms [B, K+1]) -> token [B]
 NodeRule = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+    [Backend, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
 
@@ -49,6 +49,7 @@ def num_uniforms(k: int, gamma: int) -> int:
 
 def walk_tree(
     rule: NodeRule,
+    backend: Backend,
     draft_tokens: torch.Tensor,  # [B, K, γ] int64
     draft_probs: torch.Tensor,  # [B, K, γ, V]
     target_probs: torch.Tensor,  # [B, K, γ+1, V]
@@ -65,7 +66,7 @@ def walk_tree(
     # (`live`). Elsewhere it walks every request at every depth and masks the finished ones
     # (`walking`): no waits, so the walk can replay from a CUDA graph. Each request reads its
     # own uniforms and rows either way, so both give the same tokens.
-    compact = host_reads_are_free(draft_tokens)
+    compact = backend.reads_host
     live = torch.arange(B, device=dev)
     walking = torch.ones(B, dtype=torch.bool, device=dev)
     # A node's rows are read by one index_select over the inputs' merged leading dims, from
@@ -83,7 +84,7 @@ def walk_tree(
             if bool(alone.any()):
                 done = live[alone]
                 tau[done], last[done] = _token_from(
-                    d, done, on_path[done], draft_tokens, draft_probs, target_probs, u
+                    backend, d, done, on_path[done], draft_tokens, draft_probs, target_probs, u
                 )
                 live = live[~alone]
                 if live.numel() == 0:
@@ -102,7 +103,7 @@ def walk_tree(
             break
         q_row = flat_q.index_select(0, torch.add(d, node, alpha=gamma))
         cand = draft_tokens[rows, :, d]  # [n, K]
-        token = rule(p_row, q_row, cand, on_node, u[rows, d])
+        token = rule(backend, p_row, q_row, cand, on_node, u[rows, d])
         child = on_node & (cand == token[:, None])
         descends = child.any(-1)
         if not compact:
@@ -122,6 +123,7 @@ def walk_tree(
 
 
 def _token_from(
+    backend: Backend,
     d: int,  # the depth the requests stand at
     done: torch.Tensor,  # [m] int64: requests with one path through their node
     on_node: torch.Tensor,  # [m, K] bool: that path
@@ -144,41 +146,66 @@ def _token_from(
         target_probs[b, k, depth, x], draft_probs[b, k, depth, x], u[b, depth, k]
     )
     k = k.squeeze(-1)
-    if cpu_kernels.applies(target_probs, draft_probs):  # one pass over each row, in place
-        return tau, cpu_verifiers.recovered_tokens(
-            target_probs, draft_probs, done, k, tau, u[done, tau, K]
-        )
+    if backend.compiled_loops:  # one pass over each row, in place
+        return tau, loops.recovered_tokens(target_probs, draft_probs, done, k, tau, u[done, tau, K])
     p_row = rows_at(target_probs, done, k, tau)
     q_row = rows_at(draft_probs, done, k, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
     return tau, recovered_token(p_row, q_row, u[done, tau, K])
 
 
-def single_candidate_is_token(rule: NodeRule) -> Callable:
+def naive_verify(
+    backend: Backend,
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+    uniforms: torch.Tensor,  # [B, (γ+1)(K+1)]
+):
+    """NSS (spec §5): the walk with naive_rule at every node."""
+    return walk_tree(naive_rule, backend, draft_tokens, draft_probs, target_probs, uniforms)
+
+
+def specinfer_verify(backend, draft_tokens, draft_probs, target_probs, uniforms):
+    """SpecInfer (spec §6): the walk with specinfer_rule (walk_with_token_tails)."""
+    inputs = (draft_tokens, draft_probs, target_probs, uniforms)
+    return walk_with_token_tails(specinfer_rule, backend, *inputs)
+
+
+def spectr_verify(backend, draft_tokens, draft_probs, target_probs, uniforms):
+    """SpecTr K-SEQ (spec §7): the walk with spectr_rule (walk_with_token_tails)."""
+    inputs = (draft_tokens, draft_probs, target_probs, uniforms)
+    return walk_with_token_tails(spectr_rule, backend, *inputs)
+
+
+def walk_with_token_tails(
+    rule: NodeRule,  # one whose one-candidate node is token verification
+    backend: Backend,
+    draft_tokens: torch.Tensor,  # [B, K, γ] int64
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+    uniforms: torch.Tensor,  # [B, (γ+1)(K+1)]
+):
     """The verifier of a rule whose one-candidate node is token verification (SpecInfer and
     SpecTr: spec §6, §7): at K = 1 it runs TV over the whole path at once (_token_from at the
     root), with the uniforms the walk would read, so the same seeds give the same tokens
-    without a per-depth walk. At K > 1 the walk on CPU hands a request to TV the same way once
-    one path is left through its node."""
-
-    def verify(draft_tokens, draft_probs, target_probs, uniforms):
-        B, K, gamma = draft_tokens.shape
-        if K > 1:
-            return walk_tree(rule, draft_tokens, draft_probs, target_probs, uniforms, True)
-        everyone = torch.arange(B, device=draft_tokens.device)
-        one_path = torch.ones(B, 1, dtype=torch.bool, device=draft_tokens.device)
-        u = uniforms.view(B, gamma + 1, 2)  # [B, γ+1, K+1]
-        tau, y = _token_from(0, everyone, one_path, draft_tokens, draft_probs, target_probs, u)
-        return emit(draft_tokens[:, 0], tau, y), tau, torch.zeros_like(tau)
-
-    return verify
+    without a per-depth walk. At K > 1 the walk on the host backends hands a request to TV the
+    same way once one path is left through its node."""
+    B, K, gamma = draft_tokens.shape
+    inputs = (draft_tokens, draft_probs, target_probs)
+    if K > 1:
+        return walk_tree(rule, backend, *inputs, uniforms, single_is_token=True)
+    everyone = torch.arange(B, device=draft_tokens.device)
+    one_path = torch.ones(B, 1, dtype=torch.bool, device=draft_tokens.device)
+    u = uniforms.view(B, gamma + 1, 2)  # [B, γ+1, K+1]
+    tau, y = _token_from(backend, 0, everyone, one_path, *inputs, u)
+    return emit(draft_tokens[:, 0], tau, y), tau, torch.zeros_like(tau)
 
 
-def naive_rule(p_row, q_row, cand, is_cand, u):
+def naive_rule(backend, p_row, q_row, cand, is_cand, u):
     """NSS: y ~ p(·|v); it continues the walk iff it happens to be a child."""
     return sample_from_weights(p_row, u[:, -1])
 
 
-def specinfer_rule(p_row, q_row, cand, is_cand, u):
+def specinfer_rule(backend, p_row, q_row, cand, is_cand, u):
     """Recursive rejection sampling with replacement over the n_v candidates (spec §6).
 
     Candidate c is accepted w.p. min(1, r(c)/q(c)); on rejection r <- norm((r - q)_+). A
@@ -198,14 +225,14 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     same tokens. On CUDA the levels, the tests and the draw are K + 2 kernels
     (kernels.rrs_token), the same sums in the same chunks as the torch ops' row_masses.
     """
-    if kernels.applies(p_row, q_row):  # CUDA: the levels, tests and draw as K + 2 kernels
+    if backend.fuses(p_row, q_row):  # CUDA: the levels, tests and draw as K + 2 kernels
         return kernels.rrs_token(p_row, q_row, cand, is_cand, u)
     n, K = cand.shape
     # At least float32 rows: t grows past 1, and in bfloat16 1 + z_1 rounds back to 1 once
     # z_1 < 2^-8 (level 2 would repeat level 1). No copy for float32 rows.
     work = torch.promote_types(torch.promote_types(p_row.dtype, q_row.dtype), torch.float32)
     p_row, q_row = p_row.to(work), q_row.to(work)
-    lazy = host_reads_are_free(p_row)
+    lazy = backend.reads_host
     level = is_cand.long().cumsum(-1) - is_cand.long()  # [n, K]: candidates tested before
     n_v = is_cand.sum(-1)  # [n]
     p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [n, K]
@@ -228,7 +255,7 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
             if not bool((~accept.any(-1) & (n_v >= j)).any()):
                 break
         t_next = t[-1] + z[-1]
-        mass = residual_mass(p_row, q_row, t_next)
+        mass = residual_mass(backend, p_row, q_row, t_next)
         empty = mass <= 0  # no mass left (a probability-0 branch): the row stays as it was
         t.append(torch.where(empty, t[-1], t_next))
         z.append(torch.where(empty, z[-1], mass))
@@ -245,27 +272,27 @@ def specinfer_rule(p_row, q_row, cand, is_cand, u):
     return torch.where(accepted, token, recovered)
 
 
-def spectr_rule(p_row, q_row, cand, is_cand, u):
+def spectr_rule(backend, p_row, q_row, cand, is_cand, u):
     """K-SEQ with ρ* for k = n_v candidates (spec §7); first acceptance wins."""
-    if kernels.applies(p_row, q_row):  # CUDA: the search, tests and draw as kernels, no sort
+    if backend.fuses(p_row, q_row):  # CUDA: the search, tests and draw as kernels, no sort
         return kernels.kseq_token(p_row, q_row, cand, is_cand, u, SEARCH_CUDA)[0]
     n = is_cand.sum(-1)  # [B] multiplicity of the node
-    rho, beta = kseq_rho(p_row, q_row, n)  # [B], [B]
+    rho, beta = kseq_rho(p_row, q_row, n, backend)  # [B], [B]
     # Each candidate's test reads its own uniform, so all K are tested at once and the first
     # one that passes is taken: the same as testing them in turn and stopping there.
     p_c, q_c = p_row.gather(-1, cand).double(), q_row.gather(-1, cand).double()  # [B, K]
     accept = is_cand & (u[:, : cand.shape[1]] * rho[:, None] * q_c < p_c)
     decided = accept.any(-1)
     token = cand.gather(-1, accept.to(torch.int8).argmax(-1, keepdim=True)).squeeze(-1)
-    if host_reads_are_free(p_row) and bool(decided.all()):  # no residual row: skip 7 passes
+    if backend.reads_host and bool(decided.all()):  # no residual row: skip 7 passes
         return token
     # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing.
     accept_mass = 1 - (1 - beta) ** n
     scale = torch.where(beta > 0, accept_mass / beta.clamp_min(1e-300), 0.0).to(p_row.dtype)
-    if host_reads_are_free(p_row) and cpu_kernels.applies(p_row, q_row):
+    if backend.compiled_loops:
         rows = (~decided).nonzero().squeeze(-1)  # the undecided rows only, one pass over each
         rho32 = rho.to(p_row.dtype)
-        recovered = cpu_verifiers.kseq_residual_tokens(p_row, q_row, rows, rho32, scale, u[:, -1])
+        recovered = loops.kseq_residual_tokens(p_row, q_row, rows, rho32, scale, u[:, -1])
         return token.index_copy(0, rows, recovered)
     overlap = torch.minimum(q_row, p_row / rho[:, None].to(p_row.dtype))
     residual = positive_part_or(p_row - overlap * scale[:, None], p_row)
@@ -273,7 +300,7 @@ def spectr_rule(p_row, q_row, cand, is_cand, u):
     return torch.where(decided, token, recovered)
 
 
-def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor):
+def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor, backend: Backend):
     """Smallest ρ in [1, n] with 1 - (1 - β(ρ))^n <= ρ β(ρ), β(ρ) = Σ min(q, p/ρ). [B] each.
 
     f(ρ) = ρ β(ρ) - 1 + (1 - β(ρ))^n is nondecreasing with f(n) >= 0. min(q, p/ρ) = q iff
@@ -290,28 +317,28 @@ def kseq_rho(p_row: torch.Tensor, q_row: torch.Tensor, n: torch.Tensor):
     """
     nf = n.double().clamp_min(1)
     several = nf > 1  # a node with one candidate runs token verification: ρ* = 1
-    if host_reads_are_free(p_row):  # sort and solve only the nodes with several candidates
+    if backend.reads_host:  # sort and solve only the nodes with several candidates
         rows = several.nonzero().squeeze(-1)
         if rows.numel() == nf.numel():
-            return kseq_rho_all(p_row, q_row, nf)
+            return kseq_rho_all(p_row, q_row, nf, backend)
         rho, beta = torch.ones_like(nf), torch.minimum(q_row, p_row).sum(-1, dtype=torch.float64)
         if rows.numel():
-            rho_several, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows])
+            rho_several, beta_several = kseq_rho_all(p_row[rows], q_row[rows], nf[rows], backend)
             rho, beta = rho.index_copy(0, rows, rho_several), beta.index_copy(0, rows, beta_several)
         return rho, beta
-    return kseq_rho_all(p_row, q_row, nf)  # rows with n = 1 solve to ρ = 1 at once
+    return kseq_rho_all(p_row, q_row, nf, backend)  # rows with n = 1 solve to ρ = 1 at once
 
 
-def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor):
+def kseq_rho_all(p_row: torch.Tensor, q_row: torch.Tensor, nf: torch.Tensor, backend: Backend):
     """kseq_rho's sort and search for every row (nf [B]: n as float64). -> ρ [B], β(ρ) [B].
-    float32 rows on CPU: cpu_kernels.kseq_rho, the same sums and probes in one loop a row."""
+    The numba backend: loops.kseq_rho, the same sums and probes in one loop a row."""
     # Tokens off a small draft support have ratio +inf and no q mass: they are never below ρ
     # and add nothing to Q, so they are left out of the sort (the same sums, bit for bit).
-    support = draft_support(q_row)
+    support = draft_support(q_row, backend)
     if support is not None:
         p_row, q_row = p_row.index_select(-1, support), q_row.index_select(-1, support)
-    if cpu_kernels.applies(p_row, q_row):  # the sort words, the sort, then one loop a row
-        return cpu_kernels.kseq_rho(p_row, q_row, nf, *SEARCH_NARROW)
+    if backend.compiled_loops:  # the sort words, the sort, then one loop a row
+        return loops.kseq_rho(p_row, q_row, nf, *SEARCH_NARROW)
     ratio = ratio_key(p_row, q_row)  # [B, V]
     ratio_sorted, order = sort_ascending(ratio)
     ratio_sorted = ratio_sorted.double()  # [B, V]: compared with float64 ρ

@@ -6,19 +6,19 @@ from collections.abc import Callable
 
 import torch
 
-from workers.sampling import sample_from_weights
-
-from . import cpu_kernels, cpu_verifiers, kernels
-from .common import (
+from .. import kernels
+from ..backends import Backend
+from ..common import (
     ROW_SUM_TOL,
     clipped_products,
     emit,
-    host_reads_are_free,
     last_passing_level,
     over_batch_chunks,
     positive_part_or,
     take_rows,
 )
+from ..tensors import sample_from_weights
+from . import loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -26,24 +26,36 @@ def num_uniforms(k: int, gamma: int) -> int:
 
 
 def block_verify_rows(
+    backend: Backend,
     x: torch.Tensor,  # [B, γ] int64: the path
     q: torch.Tensor,  # [B, γ, V]: draft rows the path was sampled from
     p: torch.Tensor,  # [B, γ+1, V]: target rows
     uniforms: torch.Tensor,  # [B, γ+1]
-    q_drafted: torch.Tensor | None = None,  # [B, γ]: q(x_i); gathered from q when None
-):
-    """BV on one path per request; returns (τ [B], emitted y [B]). Shared with GBV (§8).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BV on one path per request; returns (τ [B], emitted y [B]). Shared with GBV at K = 1
+    and traversal on a chain. On the numba backend one loop a request
+    (loops.block_verify), the masses summed only where a uniform can reach, top-down
+    (levels_top_down): the same τ and y as the torch ops (block_verify_torch_rows)."""
+    if backend.compiled_loops:
+        return loops.block_verify(x, q, p, uniforms, reach_slack(p.dtype))
+    return block_verify_torch_rows(backend, x, q, p, uniforms)
 
-    Float32 rows on CPU: one loop a request (cpu_verifiers.block_verify), the masses summed
-    only where a uniform can reach, top-down (levels_top_down), the same τ and y."""
-    if q_drafted is None and host_reads_are_free(q) and cpu_kernels.applies(q, p):
-        return cpu_verifiers.block_verify(x, q, p, uniforms, reach_slack(p.dtype))
+
+def block_verify_torch_rows(
+    backend: Backend,
+    x: torch.Tensor,  # [B, γ] int64: the path
+    q: torch.Tensor,  # [B, γ, V]: draft rows the path was sampled from (GBV: q̃)
+    p: torch.Tensor,  # [B, γ+1, V]: target rows
+    uniforms: torch.Tensor,  # [B, γ+1]
+    q_drafted: torch.Tensor | None = None,  # [B, γ]: q(x_i); gathered from q when None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_verify_rows in torch ops, every level's mass in one batched pass."""
     gamma = x.shape[1]
     qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1) if q_drafted is None else q_drafted
     pi = running_products(p[:, :gamma].gather(-1, x.unsqueeze(-1)).squeeze(-1), qx, p.dtype)
     # R_i = Σ_x (p_i p(x|X^i) - q(x|X^i))_+ for i = 1..γ-1, in one batched pass: summing only
     # the levels a uniform can reach (levels_top_down) was 1.0-1.4x slower here on CPU.
-    mass = over_batch_chunks(residual_mass, p[:, 1:gamma], q[:, 1:], pi[:, :-1])
+    mass = over_batch_chunks(residual_mass, backend, p[:, 1:gamma], q[:, 1:], pi[:, :-1])
     tau = block_tau(pi, mass, uniforms)
     q_row = take_rows(q, tau.clamp_max(gamma - 1)) * (tau < gamma).unsqueeze(-1)
     return tau, residual_token(pi, tau, take_rows(p, tau), q_row, uniforms[:, gamma])
@@ -66,6 +78,7 @@ def levels_top_down(
     eta: torch.Tensor,  # [B, γ] float64: η_1..η_γ
     q_row: torch.Tensor,  # [B, V] zeros: receives the draft row after the accepted prefix
     rows_at: Callable,  # (requests [m], levels [m]) -> (draft rows, target rows) [m, V] each
+    backend: Backend,  # one that reads the host
 ) -> torch.Tensor:
     """τ [B] of block verification, its residual masses summed only where a level can pass.
 
@@ -73,10 +86,10 @@ def levels_top_down(
     p_i Σp, so where η_i >= p_i Σp it fails without its row; and τ is the highest passing
     level, so the levels are tried top-down, one round per level for every request still
     undecided, stopping at the first pass, whose draft row goes into q_row (level 0, τ = 0,
-    always passes). CPU only (each round reads which requests go on). It pays where a row is
-    expensive to build, as GBV's skewed draft (rows_at ranks it); plain rows are cheaper in
-    one batched pass (block_verify_rows). The same τ as that pass: the same masses, and η
-    compared in the dtype of h (the rows' promoted dtype)."""
+    always passes). Host backends only (each round reads which requests go on). It pays
+    where a row is expensive to build, as GBV's skewed draft (rows_at ranks it); plain rows
+    are cheaper in one batched pass (block_verify_torch_rows). The same τ as that pass: the
+    same masses, and η compared in the dtype of h (the rows' promoted dtype)."""
     gamma = pi.shape[1]
     rows_dtype = torch.promote_types(q_row.dtype, pi.dtype)
     eta = eta.to(rows_dtype)
@@ -92,7 +105,7 @@ def levels_top_down(
         level = torch.where(reach[rows], levels, 0).amax(-1)  # the highest one left: [m]
         q_at, p_at = rows_at(rows, level)
         pi_at = pi_lvl[rows, level]
-        h = level_probs(residual_mass(p_at, q_at, pi_at), pi_at)
+        h = level_probs(residual_mass(backend, p_at, q_at, pi_at), pi_at)
         passed = (eta_lvl[rows, level] < h) | (level == 0)
         won = passed.nonzero().squeeze(-1)  # [w]: positions in rows
         reach[rows, level] = False
@@ -118,13 +131,14 @@ def running_products(
 
 
 def residual_mass(
+    backend: Backend,
     p: torch.Tensor,  # [..., V]: target rows
     q: torch.Tensor,  # [..., V]: draft rows
     pi: torch.Tensor,  # [...]: the running product at each row
 ) -> torch.Tensor:
     """R = Σ_x (p_i p(x) - q(x))_+ = -Σ_x (q - p_i p)_-: [...], two passes and one temporary
     (on CUDA one fused pass)."""
-    if kernels.applies(p, q):
+    if backend.fuses(p, q):
         dtype = torch.promote_types(torch.promote_types(q.dtype, p.dtype), pi.dtype)
         return kernels.excess_mass(p, q, pi).to(dtype)
     return torch.addcmul(q, p, pi.unsqueeze(-1), value=-1).clamp_max_(0).sum(-1).neg()
@@ -150,11 +164,13 @@ def residual_token(
 
 
 def block_verify(
+    backend: Backend,
     draft_tokens: torch.Tensor,  # [B, 1, γ] int64
     draft_probs: torch.Tensor,  # [B, 1, γ, V]
     target_probs: torch.Tensor,  # [B, 1, γ+1, V]
     uniforms: torch.Tensor,  # [B, γ+1]
 ):
+    """Block verification of the one path: -> (tokens, τ, path)."""
     x = draft_tokens[:, 0]
-    tau, y = block_verify_rows(x, draft_probs[:, 0], target_probs[:, 0], uniforms)
+    tau, y = block_verify_rows(backend, x, draft_probs[:, 0], target_probs[:, 0], uniforms)
     return emit(x, tau, y), tau, torch.zeros_like(tau)

@@ -1,14 +1,6 @@
-"""Shared vocabulary, input checks and randomness for every verifier (their sampling,
-:func:`workers.sampling.sample_from_weights`, is the workers' own).
-
-Vocabulary (one iteration of speculative decoding, spec §0):
-
-- *draft path*: γ tokens sampled from the processed draft distribution q; K i.i.d. paths per
-  request form the draft tree (identical prefixes merge).
-- *accepted*: τ ∈ [0, γ] draft tokens, a prefix of one path (``VerifyOutput.path``).
-- *recovered* (correction): when τ < γ, one token sampled from the method's residual law.
-- *bonus*: when τ = γ, one token sampled from the target row after the full path.
-- *emitted*: accepted + one recovered/bonus token, ``τ + 1`` tokens in all.
+"""Input checks, randomness and the tensor steps the verifiers share (their vocabulary, accepted
+/ recovered / bonus, is defined in :mod:`verification`; their sampling is
+:func:`verification.tensors.sample_from_weights`).
 
 Every verifier consumes a fixed number of uniforms per request, drawn up front from that
 request's own generator, so a request's result never depends on the other requests in its
@@ -18,35 +10,18 @@ batch (see :func:`draw_uniforms`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from workers.tree import gather_rows
-
 from . import cpu_kernels
-
-if TYPE_CHECKING:  # modification.py imports this module
-    from .modification import TargetModification
+from .backends import Backend
+from .tensors import gather_rows
 
 # Rows handed to a verifier must sum to 1 within this tolerance. float32 softmax rows sum to 1
 # within ~1e-6 and half-precision rows within ~1e-3; anything further off is not a distribution.
 ROW_SUM_TOL = 1e-3
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
-
-
-@dataclass(frozen=True)
-class VerifyOutput:
-    """Result of one verification call for a batch of B requests."""
-
-    # [B, γ+1] int64: emitted tokens (accepted prefix, then recovered/bonus), -1 padded
-    tokens: torch.Tensor
-    num_tokens: torch.Tensor  # [B] int64: τ + 1
-    num_accepted: torch.Tensor  # [B] int64: τ, accepted draft tokens (position i < τ was accepted)
-    path: torch.Tensor  # [B] int64: index of a draft path whose prefix was accepted
-    carry: TargetModification | None = None  # for methods that modify the target, else None
 
 
 def check_inputs(
@@ -118,9 +93,9 @@ CPU_CHUNK_ELEMS = 1 << 19  # 2 MiB of float32
 def over_batch_chunks(fn: Callable, *args, item_numel: int | None = None):
     """``fn(*args)`` on slices of the leading (batch) dim of every tensor argument, results
     (a tensor or a tuple of them) concatenated along it. ``item_numel``: elements ``fn`` works
-    on per request (default: those of ``args[0]``'s). One call off the CPU, where each launch
-    costs more than memory traffic."""
-    first = args[0]
+    on per request (default: those of the first tensor argument). One call off the CPU, where
+    each launch costs more than memory traffic."""
+    first = next(a for a in args if isinstance(a, torch.Tensor))
     batch = first.shape[0]
     per_item = item_numel if item_numel is not None else first.numel() // max(batch, 1)
     step = max(1, CPU_CHUNK_ELEMS // max(per_item, 1))
@@ -171,31 +146,21 @@ def positive_part_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Ten
 ALL = slice(None)
 
 
-def host_reads_are_free(t: torch.Tensor) -> bool:
-    """Whether reading a value of ``t`` on the host (a flag, a count, ``nonzero``) is free.
-
-    On CPU it is, and a verifier may read one to skip work that no row needs (a residual level
-    nobody reaches, the support outside which q is 0). On an accelerator every such read waits
-    for the device, so there the same verifier does the fixed-shape work instead; both give
-    the same tokens."""
-    return t.device.type == "cpu"
-
-
 # Rank only the draft's support when it is at most this share of the vocabulary.
 SUPPORT_SHARE = 0.5
 
 
-def draft_support(q: torch.Tensor) -> torch.Tensor | None:
+def draft_support(q: torch.Tensor, backend: Backend) -> torch.Tensor | None:
     """Ids [V'] (ascending) outside which every row of q [..., V] is 0, when they are few:
     a draft with a reduced head (the default pair's keeps 8,192 of 49,152 tokens) or top-k.
     Methods that rank a row's tokens by p/q (GBV, SpecTr's ρ*) rank only these: the others
-    have ratio +inf and rank last, by id, and carry no q mass. CPU only: the count is a host
-    read, free there and a wait on an accelerator."""
+    have ratio +inf and rank last, by id, and carry no q mass. On the host backends only: the
+    count is a host read, free there and a wait on an accelerator."""
     rows = q.flatten(0, -2)  # [N, V]
     most = SUPPORT_SHARE * rows.shape[-1]
-    if not host_reads_are_free(q) or not rows.shape[0]:
+    if not backend.reads_host or not rows.shape[0]:
         return None
-    if cpu_kernels.applies(rows):  # no torch op wide enough to wake its thread pool (see there)
+    if backend.compiled_loops:  # no torch op wide enough to wake its thread pool (see there)
         return cpu_kernels.draft_support(rows, most)
     if int((rows[0] > 0).sum()) > most:
         return None  # a dense first row settles it for one row's cost

@@ -20,7 +20,8 @@ and the residual's draw: K + 2 kernels where the torch ops launched ~60.
 The sums accumulate in float64 (the torch ops sum in the rows' dtype and then widen), and
 rows below float32 are computed in float32: the same masses up to rounding, never less
 accurate; callers cast them to the torch ops' dtype. On CPU GBV and traversal run as numba
-loops a request (cpu_verifiers.py) and SpecTr's ρ* as one loop a row (cpu_kernels.py).
+loops a request (gbv/loops.py, traversal/loops.py) and SpecTr's ρ* as one loop a row
+(top_down/loops.py).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _triton():
     return triton, tl
 
 
-def applies(p: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether the verifiers take the kernels for rows p, q: on CUDA, where they :func:`fit`."""
-    return p.device.type == "cuda" and fit(p, q)
+def available() -> bool:
+    """Whether Triton is installed: the ``triton`` backend's condition (backends.py)."""
+    return _triton() is not None
 
 
 def fit(p: torch.Tensor, q: torch.Tensor) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import sample_from_weights
-
+from .backends import Backend
 from .common import emit, positive_part_or, take_rows
+from .tensors import sample_from_weights
 
 
 def num_uniforms(k: int, gamma: int) -> int:
@@ -50,6 +50,7 @@ def recovered_token(
 
 
 def token_verify(
+    backend: Backend,  # every backend runs these ops: reading no value, they skip nothing
     draft_tokens: torch.Tensor,  # [B, 1, γ] int64
     draft_probs: torch.Tensor,  # [B, 1, γ, V]
     target_probs: torch.Tensor,  # [B, 1, γ+1, V]
