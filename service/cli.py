@@ -286,13 +286,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="system prompt of each new conversation (default: none)")
     _client_flags(c, local=False)
 
-    s = sub.add_parser(
-        "serve",
-        help="run the service (Ray Serve + gRPC) until Ctrl-C",
-        description="Flags override BLOCKSPEC_* environment variables, which override the "
-        "config file (BLOCKSPEC_CONFIG); the defaults shown are the built-in ones.",
-        **fmt,
+    _serve_flags(
+        sub.add_parser(
+            "serve",
+            help="run the service (Ray Serve + gRPC) until Ctrl-C",
+            description="Flags override BLOCKSPEC_* environment variables, which override the "
+            "config file (BLOCKSPEC_CONFIG); the defaults shown are the built-in ones.",
+            **fmt,
+        )
     )
+    return ap
+
+
+def _serve_flags(s: argparse.ArgumentParser) -> None:
+    """`blockspec serve`'s flags: each one a Settings field (None: leave it to the config)."""
     s.add_argument("--host", help="gRPC/metrics listen address (default: 127.0.0.1)")
     s.add_argument("--port", type=int, help="gRPC port (default: 50051; 0 = any free port)")
     s.add_argument(
@@ -322,7 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="weights (default: float32)",
     )
-    return ap
 
 
 def main(argv: list[str] | None = None) -> None:
