@@ -570,6 +570,7 @@ def test_specinfer_computes_low_precision_rows_in_float32():
     t = 1 + z_1 rounds back to 1 and p - t q cancels where p ≈ q. So bfloat16 rows give exactly
     the tokens of the same values in float32. Rows with p within 0.2% of q (small residual
     masses) and uniforms near 1 (most candidates rejected) reach the deeper levels."""
+    from verification.backends import choose_backend
     from verification.top_down import specinfer_rule
 
     gen = torch.Generator().manual_seed(0)
@@ -581,8 +582,9 @@ def test_specinfer_computes_low_precision_rows_in_float32():
     u = torch.rand(n, k + 1, generator=gen, dtype=torch.float64)
     u[:, :k] = 0.9 + 0.1 * u[:, :k]
     is_cand = torch.ones(n, k, dtype=torch.bool)
-    low = specinfer_rule(p, q, cand, is_cand, u)
-    assert torch.equal(low, specinfer_rule(p.float(), q.float(), cand, is_cand, u))
+    low = specinfer_rule(choose_backend(q, p), p, q, cand, is_cand, u)
+    p32, q32 = p.float(), q.float()
+    assert torch.equal(low, specinfer_rule(choose_backend(q32, p32), p32, q32, cand, is_cand, u))
 
 
 @pytest.mark.parametrize("method", METHODS)
