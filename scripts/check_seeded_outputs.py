@@ -34,9 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _verify():
-    try:  # the library's home moved out of service/ (keep both so older trees record too)
+    # The library's home moved out of service/; ask the tree being recorded where it lives (an
+    # installed package of the other layout may be importable too).
+    if (ROOT / "verification").is_dir():
         from verification import METHODS, VERIFIERS, verify
-    except ImportError:
+    else:
         from service.verification import METHODS, VERIFIERS, verify
     return METHODS, VERIFIERS, verify
 
@@ -158,13 +160,15 @@ def record(path: Path) -> None:
 
 
 def record_in(tree: Path, path: Path) -> None:
-    """Run this script's recorder on the code of `tree`, in a fresh process."""
+    """Run this script's recorder on the code of `tree`, in a fresh process (this script's:
+    an older tree's own copy may not know the layout of a newer one)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    script = tree / "scripts" / "check_seeded_outputs.py"
-    if not script.exists():  # REV predates this script: run ours against its code
-        script = tree / "_check_seeded_outputs.py"
-        script.write_text(Path(__file__).read_text().replace("parents[1]", "parents[0]"))
-    subprocess.run([sys.executable, str(script), "--record", str(path)], env=env, check=True)
+    script = tree / "_check_seeded_outputs.py"
+    script.write_text(Path(__file__).read_text().replace("parents[1]", "parents[0]"))
+    try:
+        subprocess.run([sys.executable, str(script), "--record", str(path)], env=env, check=True)
+    finally:
+        script.unlink()
 
 
 def compare(before: dict, after: dict) -> list[str]:
