@@ -82,11 +82,10 @@ def check_inputs(
 
 
 # A fresh temporary larger than glibc's mmap threshold (32 MiB at most) arrives as new pages on
-# every call, and zeroing them costs more than the arithmetic on them (a [32, 3, 8, 32000]
-# addcmul: 27 ms fresh, 10 ms into reused memory). On CPU, row-wise work therefore runs over
-# batch chunks of about this many elements: temporaries are recycled by the heap and stay in
-# cache. Swept 256 Ki-1 Gi on this VM (scripts/bench_verify.py shapes): 512 Ki was best, 1.4x
-# (spectr_gbv) to 2x (gbv) faster than no chunks at B = 32, K = 4.
+# every call, and zeroing them can cost more than the arithmetic on them. On CPU, row-wise work
+# therefore runs over batch chunks of about this many elements: temporaries are recycled by
+# the heap and stay in cache. The size is the best of a sweep over scripts/bench_verify.py's
+# shapes (docs/verification_benchmark.md).
 CPU_CHUNK_ELEMS = 1 << 19  # 2 MiB of float32
 
 

@@ -9,7 +9,7 @@ too), M_new of a modified row (greedy BV's and the records'), and the records' a
 itself (modification.apply_records on the numba backend).
 
 In torch ops every elementwise step over a [rows, V] block is a pass over memory and a fresh
-temporary (on this VM mostly page faults): C(x_i), the q-mass ranked below a drafted token,
+temporary (on CPU mostly page faults): C(x_i), the q-mass ranked below a drafted token,
 took a division, a NaN fix, three comparisons, two logical ops, a product and a sum per row,
 and a skewed row (the ranking key, the packed sort words, the running sum, a scatter and the
 skew's six products) about fifteen; SpecTr's ρ* search ~400 small ops after the sort. The

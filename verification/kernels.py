@@ -4,18 +4,17 @@ Per row, block verification's levels need R = Σ_x (p_i p(x) - q(x))_+, traversa
 with its budgets α, SpecInfer's rejections and every M_new step F(t) = Σ_x (p(x) - t q(x))_+,
 and greedy BV's tests the two halves of e = (p - t q)_+ - s q: Σ e_+ and Σ (-e)_+. In torch
 ops that is an addcmul (or mul and sub), a clamp and a sum, each a pass over [rows, V]
-(greedy BV: five passes and a temporary; traversal first gathers its path rows). On an H200
-at B = 32, K = 4, γ = 8, V = 32000 such passes took 0.8 of SpecTr-GBV*'s 1.5 ms of GPU time.
-:func:`row_masses` is all of them in one kernel that reads p and q once, in place
-(docs/verification_benchmark.md, "GPU, third stop").
+(greedy BV: five passes and a temporary; traversal first gathers its path rows). On a GPU such
+passes were most of SpecTr-GBV*'s GPU time, so :func:`row_masses` is all of them in one kernel
+that reads p and q once, in place (docs/verification_benchmark.md has the current times).
 
 GBV's skewed draft also walks rows in rank order, one program per row (:func:`skewed_rows`,
 :func:`skewed_excess`). SpecTr's node rule (:func:`kseq_token`, kernels in spectr_kernels.py)
 needs no order: each round of its ρ* search sums P below and Q above every probe over the row
-directly, in one kernel whose programs each take a chunk of a row ("GPU, fifth stop"; a sort
-and a walk of the sorted row, one program per row, took twice as long on an H100). SpecInfer's
-node (:func:`rrs_token`, rrs_kernels.py) is one such kernel per rejection level, then the tests
-and the residual's draw: K + 2 kernels where the torch ops launched ~60.
+directly, in one kernel whose programs each take a chunk of a row (a sort and a walk of the
+sorted row, one program per row, leaves most of the GPU idle on few rows). SpecInfer's node
+(:func:`rrs_token`, rrs_kernels.py) is one such kernel per rejection level, then the tests and
+the residual's draw: K + 2 kernels where the torch ops launched ~60.
 
 The sums accumulate in float64 (the torch ops sum in the rows' dtype and then widen), and
 rows below float32 are computed in float32: the same masses up to rounding, never less
@@ -38,7 +37,7 @@ MAX_SPLITS = 8
 SKEW_BLOCK = 1024
 # SpecTr's node sums every probe of a round at once ([probes, KSEQ_BLOCK] float64 a step),
 # each row split over programs: about KSEQ_PROGRAMS_PER_SM a multiprocessor in all. The best
-# of six settings on an H100 at B = 32, K = 4, V = 32000 (docs, "GPU, fifth stop").
+# of the settings scripts/bench_kseq_knobs.py compares (rerun it on a new GPU).
 KSEQ_BLOCK = 128
 KSEQ_DRAW_BLOCK = 1024  # the residual's draw: a running sum, wide steps (draw_residual)
 KSEQ_WARPS = 4

@@ -2,8 +2,8 @@
 
 GBV ranks every token of a row (spec §8) and SpecTr's ρ* solve (§7) needs the masses above and
 below any ratio threshold; both need the order of a [N, V] key per row. On CPU, sorting int64
-words that hold the key's float32 bits above the token id is ~4x faster than ``torch.sort``
-here (numpy's integer sort; the words are unique, so their integer order is the (key, id)
+words that hold the key's float32 bits above the token id beats ``torch.sort`` on CPU
+(numpy's integer sort; the words are unique, so their integer order is the (key, id)
 order and no tie pass is needed), and the rows are split over torch's intra-op threads (numpy's
 sort is single-threaded and releases the GIL). Elsewhere a stable ``torch.sort`` of the key
 itself gives the same order: a GPU's radix sort then moves 32-bit keys, not 64-bit words.

@@ -343,8 +343,8 @@ def draw_residual(
     passes u times the total (p itself where nothing is left), then, in that chunk's program,
     the first token in it whose running mass does, its weights computed as the chunk masses'
     (residual_weight). The running sum is a chain of BLOCK-column steps, so the launcher
-    picks wide ones (SpecTr's 128-column chunks of the search took 28 steps: 17 µs a draw on
-    an H200)."""
+    picks wide ones (narrow chunks make the draw a long chain of dependent
+    steps)."""
     s = tl.program_id(1)
     chunks = tl.arange(0, SP)
     residual_run = tl.cumsum(tl.load(mass_row + chunks * 2, mask=chunks < S, other=0.0), 0)

@@ -103,7 +103,7 @@ _DEAD_ROUNDS = 4  # κ_n seldom grows past the second: F(0) is near F(1) once t 
 def _mass_under(p, q, ids, kappa, tiny):
     """The q mass (float64, reassociated) of the tokens v of ids whose key p/q < κ (0/0 and
     p/0 are not), and whether one of them has q < tiny. Where ids is every token the loop
-    reads the rows directly (a gather of each element is 2x slower)."""
+    reads the rows directly (a gather costs a dependent load per element)."""
     total, small = 0.0, 0.0  # small: a count as a float sum, which vectorises (a min would not)
     if ids.shape[0] == p.shape[0]:
         for v in range(p.shape[0]):
@@ -210,7 +210,7 @@ def _live_walk(q, words, dead, lam, k, out):
 @numba.njit(**_JIT_OPTIONS, fastmath={"reassoc"})
 def _mass_below(p, q, x):
     """Σ_v q[v] over v ranked below x by (p/q, id) in the rows p, q [V]: float64. The sum may
-    be reassociated (and so vectorised): 5x faster than in order."""
+    be reassociated, so that it vectorises (an in-order sum cannot)."""
     kx = _ratio(p[x], q[x])
     total = 0.0
     for v in range(p.shape[0]):

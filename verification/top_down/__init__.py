@@ -35,8 +35,8 @@ NodeRule = Callable[
 # 257 probes in the time of one, so they take few wide rounds (each round is ~25 kernels); on
 # CPU every probe costs (the law tests solve ~10^5 rows a call), and on CUDA the kernels sum
 # every probe over the row ([16, columns] a step), so these take narrow ones. The CUDA kernels
-# stop one round earlier: each round is a pass over the row (8 of them were 60% of a SpecTr
-# call on an H200), and 2^28 parts put ρ within (n - 1) 2^-28 <= 6e-8 of the root for n <= 17,
+# stop one round earlier: each round is a pass over the row (the rounds are most of a SpecTr
+# call on a GPU), and 2^28 parts put ρ within (n - 1) 2^-28 <= 6e-8 of the root for n <= 17,
 # still inside float32's rounding of ρ >= 1. ρ is always a probe where f >= 0, so lossless.
 SEARCH_WIDE = (256, 4)  # (ways, rounds): the torch ops off the CPU
 SEARCH_NARROW = (16, 8)  # CPU
