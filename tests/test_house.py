@@ -49,12 +49,14 @@ def package_imports() -> dict[str, set[str]]:
 
 
 def test_nothing_reads_outside_the_repository():
-    outside = ("../shared", "shared/spec", "shared/seeds")
+    # The sibling folder the project's early tests read its reference data from, spelled
+    # without writing its path here (this file is searched too).
+    sibling = "/".join(["..", "shared"])
+    outside = (sibling, sibling[3:] + "/spec", sibling[3:] + "/seeds")
     hits = [
         f"{path.relative_to(ROOT)}: {text!r}"
         for path in tracked("")
         if path.suffix in {".py", ".sh", ".toml", ".md", ".yaml", ".yml", ".cfg"}
-        and path.name != "test_house.py"
         for text in outside
         if text in path.read_text(errors="replace")
     ]
