@@ -3,55 +3,49 @@
 Why distil from the target's *own answers*: speculative decoding only ever asks the draft about
 contexts the target itself writes (a chat prompt, then the target's answer so far), and the
 acceptance rate is sum_x min(p, q) on exactly those contexts. So the training set is the
-target's sampled answers (T = 1) to chat-formatted code prompts, and the loss at each answer
-position is the cross-entropy to the target's next-token distribution there (its top-k
-probabilities, recorded while sampling: the teacher forward comes for free).
+target's sampled answers (T = 1) to chat prompts, and the loss at each answer position is the
+cross-entropy to the target's next-token distribution there (its top-k probabilities, recorded
+while sampling: the teacher forward comes for free).
 
-Prompts: public functions of the CPython standard library (signature + docstring, "complete
-this function") and their one-line summaries ("write a function that ..."), never HumanEval,
-which is the held-out evaluation set (``loadtest.prompts``).
+Prompts (scripts/draft_prompts.py): a topic x task grid of everyday requests (questions,
+explanations, how-tos, writing, lists, advice, maths, rewrites of prose), code in several
+languages and the standard library's functions, then a second round built on the first's
+answers (follow-up turns, rewrites of the target's own text). The held-out evaluation
+(scripts/eval_draft.py: loadtest.everyday and HumanEval) never appears here.
 
-The draft: the target's input embedding (frozen), 2 Llama layers initialised from the target's
-first two layers, the final norm, and the target's tied output head restricted to the
-``--head-vocab`` tokens the target emits most often (FR-Spec, ACL 2025). Tokens outside that
-set get q = 0, which verification handles exactly (lossless); the head costs 1/6 of the full
-one. Only the layers and the norm are trained, and only they are committed.
-
-``--arch features`` (the default draft since issue 9's second round) makes it an EAGLE-style
-*feature draft*: each position reads fc([f; e(x)]), f the target's final-norm hidden state one
-position back, and its own output stands in for f deeper in the draft
-(workers/feature_draft.py). It trains a projection fc [E, 2E] too (committed as
-``feature_fc.safetensors``), on two passes per batch: the target's features (what depth 1 sees)
-and its own detached outputs (what depths >= 2 see), plus a small regression of its outputs
-onto the features.
+The draft: an EAGLE-style *feature draft*. Each position reads fc([f_{t-1}; e(x_t)]), f the
+target's final-norm hidden state one position back, and its own output stands in for f deeper
+in the draft (workers/feature_draft.py); then Llama layers initialised from the target's first
+two layers, the final norm, and the target's output head restricted to the ``--head-vocab``
+tokens that hold the most teacher mass (FR-Spec, ACL 2025): tokens outside get q = 0, which
+verification handles exactly. Only the layers, the norm and fc are trained and committed.
+``--arch layers`` trains a token-only draft instead (no fc, no features).
 
 Stages (``--stage all`` runs them in order; each is resumable and time-boxed):
-1. ``generate``: sample answers with the target (bf16 on CPU: AMX makes batches cheap).
-2. ``features`` (feature drafts only): the target's features at every sampled position.
-3. ``train``: distil; 4. ``export``: write ``models/smollm2-draft/``.
-After set-up has assembled it: ``calibrate`` chooses the draft's logit scale (set-up folds it
-into the head; run set-up again), ``eval`` measures α on the held-out problems.
+1. ``generate``: sample answers with the target (bf16), round 1 then round 2 (``--round``);
+2. ``features``: the target's features at every sampled position;
+3. ``train``: distil (two passes per batch: on the target's features, what depth 1 sees, and
+   on the draft's own detached outputs, what deeper depths see), then choose the draft's
+   logit scale on the validation answers (`calibration`);
+4. ``export``: write ``models/smollm2-draft/``; set-up (scripts/fetch_models.py) assembles it.
 
-The committed feature draft was trained in two runs, the second warm-started from the first:
+The committed draft (docs/model_card.md has the run):
 
-    .venv/bin/python scripts/train_draft.py --stage all          # token-only draft, 33 + 25 min
-    .venv/bin/python scripts/train_draft.py --stage features     # 3.5 min
-    .venv/bin/python scripts/train_draft.py --stage train --arch features \
-        --init-draft models/smollm2-draft --train-minutes 35
+    .venv/bin/python scripts/train_draft.py --stage generate --round 1    # 30 min
+    .venv/bin/python scripts/train_draft.py --stage generate --round 2    # 6 min
+    .venv/bin/python scripts/train_draft.py --stage features
+    .venv/bin/python scripts/train_draft.py --stage train --init-draft <previous draft>
     .venv/bin/python scripts/train_draft.py --stage export
-    bash scripts/setup.sh && .venv/bin/python scripts/train_draft.py --stage calibrate  # 8 min
-    bash scripts/setup.sh && .venv/bin/python scripts/train_draft.py --stage eval
+    .venv/bin/python scripts/fetch_models.py && .venv/bin/python scripts/eval_draft.py
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import random
-import sysconfig
 import time
 from pathlib import Path
 
@@ -64,48 +58,31 @@ REPO = Path(__file__).resolve().parents[1]
 import sys  # noqa: E402
 
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-from loadtest.prompts import complete_function  # noqa: E402
+import draft_prompts  # noqa: E402
+
 from workers.models import (  # noqa: E402
     DEFAULT_TARGET,
     FEATURE_FC,
+    HEAD_SCALE,
     SMOLLM2_DRAFT_WEIGHTS,
     render_chat,
-    user_turn,
 )
 
 TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass at T = 1)
-EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
 
 
-def stdlib_prompts(seed: int) -> list[str]:
-    """User messages from the stdlib's public functions, shuffled with `seed`."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    for path in sorted(root.rglob("*.py")):
-        if EXCLUDED_DIRS & set(path.relative_to(root).parts):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or len(doc) > 1200:
-                continue
-            args = ast.unparse(node.args)
-            if args.startswith("self"):
-                args = args[4:].lstrip(", ")
-            code = f'def {node.name}({args}):\n    """{doc}\n    """\n'
-            summary = doc.strip().split("\n\n")[0].replace("\n", " ")
-            prompts.append(complete_function(code))
-            if 20 < len(summary) < 300:
-                prompts.append(f"Write a Python function `{node.name}` that does this: {summary}")
-    random.Random(seed).shuffle(prompts)
-    return prompts
+def round_chats(args, tok) -> list[tuple[str, list[dict]]]:
+    """The (kind, chat) prompts of generation round `args.round` (scripts/draft_prompts.py)."""
+    if args.round == 1:
+        return draft_prompts.round_one(args.seed, args.prompts)
+    answered = [
+        (s["kind"], s["turns"], tok.decode(s["answer"], skip_special_tokens=True).strip())
+        for s in load_answers(args.work)
+        if s["prompt_round"] == 1 and s["answer"][-1] == tok.eos_token_id  # finished answers
+    ]
+    return draft_prompts.round_two(args.seed, answered, args.prompts)
 
 
 def generate(args) -> None:
@@ -117,12 +94,11 @@ def generate(args) -> None:
     tok = AutoTokenizer.from_pretrained(args.target)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
-    prompts = stdlib_prompts(args.seed)[: args.prompts]
-    ids = [render_chat(tok, user_turn(p)) for p in prompts]
-    ids = [x for x in ids if len(x) <= args.max_prompt]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+    chats = [(k, t, render_chat(tok, t)) for k, t in round_chats(args, tok)]
+    chats = [c for c in chats if len(c[2]) <= args.max_prompt]
+    order = sorted(range(len(chats)), key=lambda i: len(chats[i][2]))  # little padding per batch
     batches = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
-    random.Random(args.seed).shuffle(batches)
+    random.Random(args.seed).shuffle(batches)  # a time-boxed run keeps a random subset
 
     class Record(LogitsProcessor):
         def __call__(self, input_ids, scores):  # scores [B, V]: the raw next-token logits
@@ -132,15 +108,15 @@ def generate(args) -> None:
 
     t0, made = time.time(), 0
     for b, batch in enumerate(batches):
-        shard = out / f"{b:05d}.pt"
+        shard = out / f"r{args.round}-{b:05d}.pt"
         if shard.exists():
             continue
         if time.time() - t0 > args.gen_minutes * 60:
             break
-        enc = tok.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
+        enc = tok.pad({"input_ids": [chats[i][2] for i in batch]}, return_tensors="pt")
         rec = Record()
         rec.steps = []
-        torch.manual_seed(args.seed * 100_003 + b)
+        torch.manual_seed(args.seed * 100_003 + args.round * 7919 + b)
         with torch.no_grad():
             seqs = model.generate(
                 **enc,
@@ -160,9 +136,13 @@ def generate(args) -> None:
             gen = seqs[r, P:]
             stop = (gen == tok.eos_token_id).nonzero()
             n = int(stop[0]) + 1 if len(stop) else gen.shape[0]
+            kind, turns, ids = chats[i]
             samples.append(
                 dict(
-                    prompt=torch.tensor(ids[i]),
+                    kind=kind,
+                    turns=turns,
+                    prompt_round=args.round,
+                    prompt=torch.tensor(ids),
                     answer=gen[:n].clone(),
                     logp=lp[r, :n].clone(),
                     index=ix[r, :n].clone(),
@@ -171,7 +151,7 @@ def generate(args) -> None:
             made += n
         torch.save(samples, shard)
         rate = made / (time.time() - t0)
-        print(f"batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
+        print(f"round {args.round} batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
 
 
 def load_answers(work: Path, features: bool = False) -> list[dict]:
@@ -359,6 +339,53 @@ def losses(draft, batch, vocab_pos, pad: int, reg_weight: float):
     return ce1 + ce2 + reg_weight * reg, [acc1.item(), acc2.item()]
 
 
+CALIBRATION_SCALES = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8)
+CALIBRATION_TEMPERATURES = (1.0, 0.7)
+
+
+@torch.no_grad()
+def calibration(draft, val, vocab_pos, pad: int) -> dict:
+    """Choose the draft's logit scale s, q = softmax(s z / T): a distilled draft comes out less
+    confident than its teacher, and α = Σ min(p, q) rewards matching p's peaks (any q is
+    lossless: verification reads the row the draft sampled from).
+
+    On the validation answers (never trained on), from the teacher's recorded top-k: α of
+    each s at T = 1 and 0.7 (p_T renormalised over the top-k), averaged over the draft's two
+    feature sources (the target's: depth 1; its own: deeper). Keeps the s with the best mean
+    over both temperatures; export writes it to head_scale.json and set-up folds it into the
+    draft's head (scripts/fetch_models.py)."""
+    draft.eval()
+    sums = torch.zeros(len(CALIBRATION_TEMPERATURES), len(CALIBRATION_SCALES), dtype=torch.float64)
+    count = 0
+    for batch in batches_of(val, 4096, random.Random(0)):
+        ids, attn, feats, (rows, cols, lp, ix) = collate(batch, vocab_pos, pad)
+        if feats is None:
+            passes = [draft(ids, attn)]
+        else:
+            first, h = draft(ids, attn, shifted(feats))
+            passes = [first, draft(ids, attn, shifted(h))[0]]
+        for logits in passes:
+            z = logits[rows, cols].float()  # [N, V_kept]
+            for t, temp in enumerate(CALIBRATION_TEMPERATURES):
+                p = (lp / temp).softmax(-1) * (ix >= 0)  # [N, TOPK]
+                for j, s in enumerate(CALIBRATION_SCALES):
+                    q = (s * z / temp).softmax(-1).gather(1, ix.clamp_min(0)) * (ix >= 0)
+                    sums[t, j] += torch.minimum(p, q).sum().item()
+            count += len(rows)
+    alpha = sums / count
+    best = int(alpha.mean(0).argmax())
+    draft.train()
+    return dict(
+        logit_scale=CALIBRATION_SCALES[best],
+        alpha_by_scale={
+            f"T={temp}": {
+                f"{s}": round(float(a), 4) for s, a in zip(CALIBRATION_SCALES, row, strict=True)
+            }
+            for temp, row in zip(CALIBRATION_TEMPERATURES, alpha.tolist(), strict=True)
+        },
+    )
+
+
 def train(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -399,6 +426,12 @@ def train(args) -> None:
         )
         if unexpected or any(k.startswith("model.layers.") for k in missing):
             raise SystemExit(f"--init-draft does not fit: {missing=} {unexpected=}")
+        if args.arch == "features" and (args.init_draft / FEATURE_FC).exists():
+            # the committed fc has its feature scale folded in (export); unfold with ours
+            fc = load_file(args.init_draft / FEATURE_FC)["weight"].float()  # [E, 2E]
+            E = fc.shape[0]
+            fc[:, :E] /= draft.feat_scale
+            draft.fc.weight.data.copy_(fc)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
@@ -457,6 +490,8 @@ def train(args) -> None:
     vce, vacc = evaluate()
     log.append(dict(step=step, val_ce=vce, val_alpha=vacc))
     print(f"final: val loss {vce:.3f} alpha(top-k) {vacc}", flush=True)
+    scales = calibration(draft, val, vocab_pos, tok.pad_token_id)
+    print(f"calibration: {scales}", flush=True)
     meta = dict(
         steps=step,
         minutes=(time.time() - t0) / 60,
@@ -467,6 +502,7 @@ def train(args) -> None:
         init_layers=layers,
         init_draft=str(args.init_draft or ""),
         arch=args.arch,
+        calibration=scales,
         args={k: str(v) for k, v in vars(args).items()},
         log=log,
     )
@@ -500,166 +536,32 @@ def export(args) -> None:
         fc = fc.to(torch.bfloat16).contiguous()
         save_file({"weight": fc}, out / FEATURE_FC, metadata={"format": "pt"})
     (out / "train_meta.json").write_text(json.dumps(ckpt["meta"], indent=1))
+    scale = ckpt["meta"]["calibration"]
+    (out / HEAD_SCALE).write_text(json.dumps(scale, indent=1) + "\n")
     print(f"wrote {out}")
-
-
-def answer_logits(model, prompt: list[int], answer: list[int], target_hidden=None):
-    """Teacher-forced: the model's logits at the positions that predict the answer [A, V], and
-    its final-norm hidden states [1, 1, T, E]. A feature draft reads `target_hidden` (the
-    target's, from the same call) one position back."""
-    from workers.llama import KVCache
-
-    seq, T = torch.tensor(prompt + answer), len(prompt) + len(answer)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
-    cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
-    back = shifted(target_hidden) if model.feature_fc is not None else None
-    logits, _, _, hidden = model(
-        seq[None, None], torch.arange(T)[None, None], cache, mask, features=back
-    )
-    return logits[0, 0, len(prompt) - 1 : T - 1], hidden
-
-
-def target_answers(args, first: int, count: int, temperatures: tuple[float, ...]):
-    """HumanEval problems first..first+count-1 in the chat template, and the target's answers
-    at each temperature ({T: answers}; `--eval-tokens` tokens, the engine's plain decoding in
-    fp32, seed = problem index), from one engine."""
-    from loadtest.prompts import prompt_ids
-    from service.engine import build_engine
-    from service.requests import make_request
-    from workers.models import DEFAULT_DRAFT
-    from workers.sampling import SamplingParams
-
-    engine, tok = build_engine(str(DEFAULT_DRAFT), str(args.target), max_batch=8, max_len=1024)
-    prompts = prompt_ids(tok, "humaneval", first + count, 1024 - args.eval_tokens - 8)[first:]
-    answers = {}
-    for temp in temperatures:
-        reqs = [
-            make_request(
-                engine.limits, p, args.eval_tokens, "none", None, None, SamplingParams(temp), i
-            )
-            for i, p in enumerate(prompts, start=first)
-        ]
-        answers[temp] = [r.token_ids for r in engine.generate(reqs)]
-    return prompts, answers
-
-
-def evaluate_pair(args) -> None:
-    """α on held-out prompts: the target answers the first `--eval-prompts` HumanEval problems
-    (chat template, T = 1, the engine's plain decoding, fp32); then, teacher-forced on those
-    answers, α = mean over answer positions of sum_x min(p, q) with the served draft (kept-vocab
-    head) and target, in fp32 and in bf16, and the total-variation distance between the fp32
-    and bf16 targets (what serving in bf16 changes). Writes models/smollm2-draft/eval.json."""
-    from workers.models import DEFAULT_DRAFT, load_model
-
-    prompts, answers = target_answers(args, 0, args.eval_prompts, (1.0,))
-    models = {
-        (role, dtype): load_model(path, dtype).build()
-        for role, path in (("target", args.target), ("draft", DEFAULT_DRAFT))
-        for dtype in ("float32", "bfloat16")
-    }
-    sums: dict[str, list[torch.Tensor]] = {"fp32": [], "bf16": [], "tv": []}
-    for prompt, answer in zip(prompts, answers[1.0], strict=True):
-        rows, feats = {}, {}
-        for key, model in sorted(models.items(), key=lambda kv: kv[0][0] != "target"):
-            logits, feats[key[1]] = answer_logits(model, prompt, answer, feats.get(key[1]))
-            rows[key] = logits.softmax(-1)  # [answer, V]
-        for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-            overlap = torch.minimum(rows["target", dtype], rows["draft", dtype])
-            sums[name].append(overlap.sum(-1))
-        tv = (rows["target", "float32"] - rows["target", "bfloat16"]).abs().sum(-1) / 2
-        sums["tv"].append(tv)
-    stats = {name: torch.cat(v) for name, v in sums.items()}
-    result = dict(
-        prompts=len(prompts),
-        answer_tokens=len(stats["fp32"]),
-        alpha_T1_fp32=float(stats["fp32"].mean()),
-        alpha_T1_bf16=float(stats["bf16"].mean()),
-        alpha_sem=float(stats["fp32"].std() / len(stats["fp32"]) ** 0.5),
-        target_tv_fp32_vs_bf16_mean=float(stats["tv"].mean()),
-        target_tv_fp32_vs_bf16_p99=float(stats["tv"].quantile(0.99)),
-        command="python scripts/train_draft.py --stage eval",
-    )
-    print(json.dumps(result, indent=1))
-    (SMOLLM2_DRAFT_WEIGHTS / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
-
-
-CALIBRATION_SCALES = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)
-CALIBRATION_TEMPERATURES = (1.0, 0.7)
-
-
-def calibrate(args) -> None:
-    """Choose the draft's logit scale s, q = softmax(s z / T): a distilled draft comes out less
-    confident than its teacher, and α = Σ min(p, q) rewards matching p's peaks.
-
-    The target answers HumanEval problems `--eval-prompts`..2·`--eval-prompts`-1 (disjoint from
-    the held-out problems of `--stage eval`) at T = 1 and 0.7; teacher-forced on those answers,
-    the s of CALIBRATION_SCALES with the highest α averaged over both temperatures, relative
-    to the served draft's, is written to models/smollm2-draft/head_scale.json, and set-up folds
-    it into the draft's head (scripts/fetch_models.py). The grid starts at the served scale, so
-    a rerun on a calibrated draft keeps its scale or raises it."""
-    from workers.models import DEFAULT_DRAFT, HEAD_SCALE, load_model
-
-    target = load_model(args.target, "float32").build()
-    draft = load_model(DEFAULT_DRAFT, "float32").build()
-    n = args.eval_prompts
-    prompts, answers = target_answers(args, n, n, CALIBRATION_TEMPERATURES)
-    alpha = {}  # temperature -> [scales]: mean α over answer positions
-    for temp in CALIBRATION_TEMPERATURES:
-        per_position = []
-        for prompt, answer in zip(prompts, answers[temp], strict=True):
-            p_logits, hidden = answer_logits(target, prompt, answer)
-            q_logits, _ = answer_logits(draft, prompt, answer, hidden)
-            p = (p_logits / temp).softmax(-1)
-            per_position.append(
-                torch.stack(
-                    [
-                        torch.minimum(p, (s * q_logits / temp).softmax(-1)).sum(-1)
-                        for s in CALIBRATION_SCALES
-                    ],
-                    dim=-1,
-                )
-            )
-        alpha[temp] = torch.cat(per_position).double().mean(0)
-    best = int(torch.stack(list(alpha.values())).mean(0).argmax())
-    file = SMOLLM2_DRAFT_WEIGHTS / HEAD_SCALE
-    served = json.loads(file.read_text())["logit_scale"] if file.exists() else 1.0
-    result = dict(
-        logit_scale=round(served * CALIBRATION_SCALES[best], 4),
-        relative_to_served=CALIBRATION_SCALES[best],
-        served_before=served,
-        problems=f"HumanEval {n}..{2 * n - 1} (chat template), {args.eval_tokens} tokens each",
-        alpha_by_scale={
-            f"T={t}": {
-                f"{s}": round(float(a), 4) for s, a in zip(CALIBRATION_SCALES, v, strict=True)
-            }
-            for t, v in alpha.items()
-        },
-        command="python scripts/train_draft.py --stage calibrate",
-    )
-    print(json.dumps(result, indent=1))
-    file.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--stage",
-        choices=["generate", "features", "train", "export", "calibrate", "eval", "all"],
-        default="all",
+        "--stage", choices=["generate", "features", "train", "export", "all"], default="all"
     )
     ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache/blockspec/draft-train")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=int, default=6000)
-    ap.add_argument("--max-prompt", type=int, default=320)
-    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--round", type=int, default=1, choices=[1, 2], help="generate: which round")
+    ap.add_argument("--prompts", type=int, default=4000, help="round 1: prompts built")
+    ap.add_argument("--gen-minutes", type=float, default=30, help="round 1: time box")
+    ap.add_argument("--round2-prompts", type=int, default=600)
+    ap.add_argument("--round2-minutes", type=float, default=6)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--batch", type=int, default=48)
-    ap.add_argument("--gen-minutes", type=float, default=33)
     ap.add_argument("--head-vocab", type=int, default=8192)
     ap.add_argument(
         "--arch",
         choices=["layers", "features"],
-        default="layers",
+        default="features",
         help="layers: a small LM on tokens alone; features: EAGLE-style, also reads the "
         "target's last hidden state (needs --stage features first)",
     )
@@ -668,27 +570,27 @@ def main() -> None:
     ap.add_argument(
         "--init-draft",
         type=Path,
-        help="start the layers and norm from this draft's model.safetensors instead",
+        help="start the layers, norm (and fc) from this draft's committed tensors instead",
     )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--batch-tokens", type=int, default=4096)
-    ap.add_argument("--train-minutes", type=float, default=25)
+    ap.add_argument("--train-minutes", type=float, default=35)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-prompts", type=int, default=40)
-    ap.add_argument("--eval-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    for stage in ("generate", "features", "train", "export"):
+    if args.stage in ("generate", "all"):
+        rounds = [args.round] if args.stage == "generate" else [1, 2]
+        for r in rounds:
+            if r == 2:
+                args.prompts, args.gen_minutes = args.round2_prompts, args.round2_minutes
+            args.round = r
+            generate(args)
+    for stage in ("features", "train", "export"):
         if stage == "features" and args.stage == "all" and args.arch != "features":
             continue
         if args.stage in (stage, "all"):
             globals()[stage](args)
-    # After setup.sh has assembled the exported draft (calibrate: then again, to fold the scale).
-    if args.stage == "calibrate":
-        calibrate(args)
-    if args.stage == "eval":
-        evaluate_pair(args)
 
 
 if __name__ == "__main__":
