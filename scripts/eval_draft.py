@@ -1,0 +1,229 @@
+"""Held-out evaluation of the default pair's draft, per kind of request.
+
+Prompts: the 70 everyday conversations of `loadtest.everyday` (10 kinds, never trained on) and
+the first `--humaneval` HumanEval problems ("humaneval"), all in the chat template. For each:
+
+* α per kind at each temperature: the target answers every prompt (plain decoding, fp32,
+  seeded, stopping at its end-of-turn token); teacher-forced on those answers,
+  α = mean over answer positions of Σ_x min(p_T, q_T), the served draft reading the target's
+  features (the tree's first level);
+* block efficiency (BE: emitted tokens per target call) per kind: the in-process engine on the
+  same prompts for every method × γ × temperature (`token` and `block` with K = 1, `gbv` with
+  K = `--gbv-k`), batches of `--batch`, seeded, stopping at end-of-turn;
+* the draft's cost c: its one-token forward over the target's, batch 1 (median of 30).
+
+`--compare DIR` measures a second draft side by side (α at every temperature, and BE of `block`
+γ = 4 at T = 1 only: the goal's configuration). Example (the model card's table):
+
+    .venv/bin/python scripts/eval_draft.py --compare /tmp/old-draft --json docs/draft_eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_engine import forward_ms  # noqa: E402
+from train_draft import shifted  # noqa: E402
+
+from loadtest.everyday import everyday_ids  # noqa: E402
+from loadtest.prompts import prompt_ids  # noqa: E402
+from service.engine import build_engine  # noqa: E402
+from service.requests import make_request  # noqa: E402
+from workers.llama import KVCache  # noqa: E402
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+MAX_LEN = 1024
+
+
+def prompts_by_kind(tokenizer, humaneval: int, new_tokens: int, per_kind: int):
+    """[(kind, prompt ids)]: the first `per_kind` of each everyday kind, then HumanEval."""
+    room = MAX_LEN - new_tokens - 8
+    code = prompt_ids(tokenizer, "humaneval", humaneval, room) if humaneval else []
+    seen: dict[str, int] = defaultdict(int)
+    everyday = []
+    for kind, ids in everyday_ids(tokenizer, room):
+        seen[kind] += 1
+        if seen[kind] <= per_kind:
+            everyday.append((kind, ids))
+    return everyday + [("humaneval", p) for p in code]
+
+
+def answer_logits(model, prompt: list[int], answer: list[int], target_hidden=None):
+    """Teacher-forced: the model's logits at the positions that predict the answer [A, V], and
+    its final-norm hidden states [1, 1, T, E]. A feature draft reads `target_hidden` (the
+    target's, from the same call) one position back."""
+    seq, T = torch.tensor(prompt + answer), len(prompt) + len(answer)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    cache = KVCache(model.spec, model.kv_heads, 1, T, model.embed.dtype, "cpu")
+    back = shifted(target_hidden) if model.feature_fc is not None else None
+    logits, _, _, hidden = model(
+        seq[None, None], torch.arange(T)[None, None], cache, mask, features=back
+    )
+    return logits[0, 0, len(prompt) - 1 : T - 1], hidden
+
+
+def run(engine, prompts, method, k, gamma, temp, new_tokens, eos):
+    """Per prompt (emitted tokens, target calls, tokens); seed = the prompt's index."""
+    reqs = [
+        make_request(
+            engine.limits, p, new_tokens, method, k, gamma, SamplingParams(temp), i, (eos,)
+        )
+        for i, (_, p) in enumerate(prompts)
+    ]
+    return [(len(r.token_ids), r.stats.target_calls, r.token_ids) for r in engine.generate(reqs)]
+
+
+def per_kind(prompts, values) -> dict[str, list]:
+    groups = defaultdict(list)
+    for (kind, _), v in zip(prompts, values, strict=True):
+        groups[kind].append(v)
+    return groups
+
+
+def block_efficiency(prompts, results) -> dict[str, float]:
+    """Emitted tokens per target call, per kind, over the everyday kinds ("everyday"), and over
+    everything ("all")."""
+    groups = per_kind(prompts, [(n, c) for n, c, _ in results])
+    groups["everyday"] = [v for k, vs in groups.items() if k != "humaneval" for v in vs]
+    groups["all"] = [(n, c) for n, c, _ in results]
+    return {k: sum(n for n, _ in v) / max(sum(c for _, c in v), 1) for k, v in groups.items()}
+
+
+@torch.no_grad()
+def alphas(draft_dir, target, prompts, answers, temp) -> dict[str, float]:
+    """Teacher-forced α per kind (and "everyday", "all") on the target's answers at `temp`."""
+    draft = load_model(draft_dir, "float32").build()
+    rows = []
+    for (_, prompt), answer in zip(prompts, answers, strict=True):
+        if not answer:
+            rows.append(torch.zeros(0))
+            continue
+        p_logits, hidden = answer_logits(target, prompt, list(answer))
+        q_logits, _ = answer_logits(draft, prompt, list(answer), hidden)
+        p, q = (p_logits / temp).softmax(-1), (q_logits / temp).softmax(-1)
+        rows.append(torch.minimum(p, q).sum(-1).double())  # [answer]
+    groups = per_kind(prompts, rows)
+    groups["everyday"] = [r for k, rs in groups.items() if k != "humaneval" for r in rs]
+    groups["all"] = rows
+    return {k: float(torch.cat(v).mean()) for k, v in groups.items()}
+
+
+def report(result: dict) -> str:
+    """The model card's tables (markdown) from a result."""
+    alpha, be = result["alpha"], result["block_efficiency"]
+    kinds = [*list(result["prompts"]), "everyday", "all"]
+    temps = sorted({k.split("T=")[1] for k in alpha}, reverse=True)
+    goal = "block K=1 gamma=4 T=1.0"
+    compared = f"compare {goal}" in be
+    head = ["kind", "prompts"] + [f"α T={t}" for t in temps] + ["BE block γ=4 T=1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind in kinds:
+        n = result["prompts"].get(kind, sum(result["prompts"].values()))
+        if kind == "everyday":
+            n -= result["prompts"].get("humaneval", 0)
+        cells = [kind, str(n)]
+        for t in temps:
+            new = alpha[f"draft T={t}"][kind]
+            old = alpha.get(f"compare T={t}", {}).get(kind)
+            cells.append(f"{new:.3f}" + (f" ({old:.3f})" if old is not None else ""))
+        new = be[f"draft {goal}"][kind]
+        old = be.get(f"compare {goal}", {}).get(kind)
+        cells.append(f"{new:.2f}" + (f" ({old:.2f})" if compared else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| method | K | γ | T | " + " | ".join(kinds) + " |"]
+    lines.append("|" + "---|" * (4 + len(kinds)))
+    for key, row in be.items():
+        if not key.startswith("draft "):
+            continue
+        method, k, gamma, temp = key.split()[1:]
+        cells = [method, k[2:], gamma[6:], temp[2:]] + [f"{row[kind]:.2f}" for kind in kinds]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--compare", help="a second draft: α, and block γ = 4 at T = 1")
+    ap.add_argument("--methods", nargs="+", default=["token", "block", "gbv"])
+    ap.add_argument("--gbv-k", type=int, default=2)
+    ap.add_argument("--gamma", type=int, nargs="+", default=[3, 4, 6])
+    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--humaneval", type=int, default=40)
+    ap.add_argument("--per-kind", type=int, default=1000, help="at most this many per kind")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, help="print the tables of an earlier --json, and exit")
+    args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(args.report.read_text())))
+        return
+    torch.set_num_threads(args.threads)
+    started = time.time()
+
+    drafts = {"draft": args.draft} | ({"compare": args.compare} if args.compare else {})
+    engines = {}
+    for name, path in drafts.items():
+        engines[name], tok = build_engine(path, args.target, args.batch, MAX_LEN)
+    eos = tok.eos_token_id
+    prompts = prompts_by_kind(tok, args.humaneval, args.new_tokens, args.per_kind)
+    target = load_model(args.target, "float32").build()
+    engine = engines["draft"]
+    cost = {
+        name: forward_ms(e.draft.model) / forward_ms(e.target.model) for name, e in engines.items()
+    }
+    result = dict(
+        prompts={k: len(v) for k, v in per_kind(prompts, prompts).items()},
+        new_tokens=args.new_tokens,
+        batch=args.batch,
+        draft_cost=cost,
+        alpha={},
+        block_efficiency={},
+    )
+    for temp in args.temperature:
+        answers = [t for _, _, t in run(engine, prompts, "none", 1, 1, temp, args.new_tokens, eos)]
+        for name, path in drafts.items():
+            result["alpha"][f"{name} T={temp}"] = alphas(path, target, prompts, answers, temp)
+            print(name, temp, "alpha", result["alpha"][f"{name} T={temp}"], flush=True)
+    configs = [
+        ("draft", m, args.gbv_k if m == "gbv" else 1, g, t)
+        for t in args.temperature
+        for m in args.methods
+        for g in args.gamma
+    ]
+    if args.compare:
+        configs.insert(0, ("compare", "block", 1, 4, 1.0))
+    for name, method, k, gamma, temp in configs:
+        key = f"{name} {method} K={k} gamma={gamma} T={temp}"
+        res = run(engines[name], prompts, method, k, gamma, temp, args.new_tokens, eos)
+        result["block_efficiency"][key] = block_efficiency(prompts, res)
+        print(key, {k: round(v, 2) for k, v in result["block_efficiency"][key].items()}, flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+    result["machine"] = f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+    result["minutes"] = round((time.time() - started) / 60, 1)
+    result["command"] = "python " + " ".join(sys.argv)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
