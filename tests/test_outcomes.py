@@ -1,0 +1,43 @@
+"""The verification-outcome predictor (service/outcomes.py): a speculation cache's keys."""
+
+from __future__ import annotations
+
+import torch
+
+from service.outcomes import actual_outcomes, outcome_scores, predict_outcomes
+
+
+def rows(n, k, depth, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(n, k, depth, V, generator=g, dtype=torch.float64).softmax(-1)
+    x = torch.multinomial(q[:, :, :-1].flatten(0, 2), 1, generator=g).view(n, k, depth - 1)
+    return x, q
+
+
+def test_outcome_scores_are_a_distribution_over_outcomes():
+    x, q = rows(3, 2, 5, 7)
+    accept = torch.rand(3, 2, 4, dtype=torch.float64)
+    scores = outcome_scores(x, q, accept)  # [n, K, γ+1, V]
+    torch.testing.assert_close(scores.sum((1, 2, 3)), torch.ones(3, dtype=torch.float64))
+    # a rejected token is never the one emitted in its place
+    assert (scores[:, :, :4].gather(-1, x[..., None]) == 0).all()
+
+
+def test_the_likeliest_outcome_by_hand():
+    # one path, γ = 1, V = 3: x = 0 drawn from q0 = (.5, .3, .2); after it q1 = (.1, .1, .8)
+    x = torch.tensor([[[0]]])
+    q = torch.tensor([[[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]]], dtype=torch.float64)
+    accept = torch.tensor([[[0.3]]], dtype=torch.float64)
+    # rejected: 0.7 x (.6, .4) over tokens 1, 2; accepted: 0.3 x (.1, .1, .8)
+    scores = outcome_scores(x, q, accept)[0, 0]
+    expected = torch.tensor([[0, 0.42, 0.28], [0.03, 0.03, 0.24]], dtype=torch.float64)
+    torch.testing.assert_close(scores, expected)
+    assert predict_outcomes(x, q, accept, 1) == [{(1,)}]
+    assert predict_outcomes(x, q, accept, 3) == [{(1,), (2,), (0, 2)}]
+
+
+def test_actual_outcomes_read_the_chosen_path():
+    x = torch.tensor([[[5, 6, 7], [5, 8, 9]], [[1, 2, 3], [4, 4, 4]]])
+    tokens = torch.tensor([[5, 8, 11, -1], [4, -1, -1, -1]])
+    out = actual_outcomes(x, torch.tensor([2, 0]), torch.tensor([1, 0]), tokens)
+    assert out == [(5, 8, 11), (4,)]
