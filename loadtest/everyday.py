@@ -206,11 +206,11 @@ EVERYDAY: dict[str, list[Turns]] = {
 }
 
 
-def everyday_ids(tokenizer, room: int) -> list[tuple[str, list[int]]]:
-    """(kind, prompt token ids) for every held-out conversation, in the chat template, each cut
-    to its last `room` tokens."""
+def everyday_ids(tokenizer, room: int, per_kind: int | None = None) -> list[tuple[str, list[int]]]:
+    """(kind, prompt token ids) for the held-out conversations (the first `per_kind` of each
+    kind; all by default), in the chat template, each cut to its last `room` tokens."""
     return [
         (kind, render_chat(tokenizer, turns)[-room:])
         for kind, chats in EVERYDAY.items()
-        for turns in chats
+        for turns in chats[:per_kind]
     ]

@@ -98,12 +98,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine, tok = build_engine(args.draft, args.target, args.batch, 1024)
-    seen: dict[str, int] = {}
-    prompts = []
-    for kind, ids in everyday_ids(tok, 1024 - args.new_tokens - 8):
-        seen[kind] = seen.get(kind, 0) + 1
-        if seen[kind] <= args.per_kind:
-            prompts.append(ids)
+    room = 1024 - args.new_tokens - 8
+    prompts = [ids for _, ids in everyday_ids(tok, room, args.per_kind)]
     result = dict(prompts=len(prompts), new_tokens=args.new_tokens, rows={})
     started = time.time()
     for method in args.methods:

@@ -48,17 +48,11 @@ from workers.sampling import SamplingParams  # noqa: E402
 MAX_LEN = 1024
 
 
-def prompts_by_kind(tokenizer, humaneval: int, new_tokens: int, per_kind: int):
-    """[(kind, prompt ids)]: the first `per_kind` of each everyday kind, then HumanEval."""
+def prompts_by_kind(tokenizer, humaneval: int, new_tokens: int, per_kind: int | None):
+    """[(kind, prompt ids)]: the everyday conversations (`per_kind` of each), then HumanEval."""
     room = MAX_LEN - new_tokens - 8
     code = prompt_ids(tokenizer, "humaneval", humaneval, room) if humaneval else []
-    seen: dict[str, int] = defaultdict(int)
-    everyday = []
-    for kind, ids in everyday_ids(tokenizer, room):
-        seen[kind] += 1
-        if seen[kind] <= per_kind:
-            everyday.append((kind, ids))
-    return everyday + [("humaneval", p) for p in code]
+    return everyday_ids(tokenizer, room, per_kind) + [("humaneval", p) for p in code]
 
 
 def answer_logits(model, prompt: list[int], answer: list[int], target_hidden=None):
@@ -166,7 +160,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, nargs="+", default=[3, 4, 6])
     ap.add_argument("--temperature", type=float, nargs="+", default=[1.0, 0.7])
     ap.add_argument("--humaneval", type=int, default=40)
-    ap.add_argument("--per-kind", type=int, default=1000, help="at most this many per kind")
+    ap.add_argument("--per-kind", type=int, help="at most this many per kind (default: all)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)

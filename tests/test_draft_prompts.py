@@ -78,3 +78,7 @@ def test_everyday_prompts_render_in_the_chat_template():
     rows = everyday_ids(tok, 64)
     assert len(rows) == sum(len(c) for c in EVERYDAY.values())
     assert all(0 < len(ids) <= 64 for _, ids in rows)
+    by_kind = {kind: [ids for k, ids in rows if k == kind] for kind in EVERYDAY}
+    assert everyday_ids(tok, 64, per_kind=2) == [
+        (kind, ids) for kind in EVERYDAY for ids in by_kind[kind][:2]
+    ]
