@@ -69,10 +69,10 @@ class Recorder:
             "constant": torch.full_like(drafted, self.accepted / self.tried),
             "confidence": drafted,
         }
-        for name in PREDICTORS:
+        for name in PREDICTORS:  # the F likeliest are the first F of the ranking
+            ranked = predict_outcomes(x, q, accept[name], max(self.fanouts))
             for f in self.fanouts:
-                predicted = predict_outcomes(x, q, accept[name], f)
-                self.hits[name, f] += sum(a in s for a, s in zip(actual, predicted, strict=True))
+                self.hits[name, f] += sum(a in r[:f] for a, r in zip(actual, ranked, strict=True))
         self.outcomes += len(actual)
         gamma = x.shape[2]
         self.accepted += float(tau.sum())
@@ -90,8 +90,8 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fanout", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--per-kind", type=int, default=3, help="everyday prompts per kind")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--per-kind", type=int, default=2, help="everyday prompts per kind")
+    ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)

@@ -44,9 +44,10 @@ def predict_outcomes(
     q: torch.Tensor,  # [n, K, γ+1, V]
     accept: torch.Tensor,  # [n, K, γ]
     fanout: int,
-) -> list[set[tuple[int, ...]]]:
-    """Per request, the prefixes x[k, :j] + [y] of its `fanout` likeliest outcomes (fewer when
-    two outcomes give one prefix: paths that share their first tokens)."""
+) -> list[list[tuple[int, ...]]]:
+    """Per request, the prefixes x[k, :j] + [y] of its `fanout` likeliest outcomes, likeliest
+    first (so its first F are the F likeliest; two outcomes may give one prefix: paths that
+    share their first tokens)."""
     n, _k, gamma = x.shape
     V = q.shape[-1]
     top = outcome_scores(x, q, accept).flatten(1).topk(fanout, dim=-1).indices  # [n, F]
@@ -54,10 +55,10 @@ def predict_outcomes(
     tau, y = rest // V, rest % V
     rows = x.tolist()
     return [
-        {
+        [
             (*rows[b][kk][:t], yy)
             for kk, t, yy in zip(*(v[b].tolist() for v in (path, tau, y)), strict=True)
-        }
+        ]
         for b in range(n)
     ]
 

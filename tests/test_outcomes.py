@@ -32,8 +32,8 @@ def test_the_likeliest_outcome_by_hand():
     scores = outcome_scores(x, q, accept)[0, 0]
     expected = torch.tensor([[0, 0.42, 0.28], [0.03, 0.03, 0.24]], dtype=torch.float64)
     torch.testing.assert_close(scores, expected)
-    assert predict_outcomes(x, q, accept, 1) == [{(1,)}]
-    assert predict_outcomes(x, q, accept, 3) == [{(1,), (2,), (0, 2)}]
+    assert predict_outcomes(x, q, accept, 1) == [[(1,)]]
+    assert predict_outcomes(x, q, accept, 3) == [[(1,), (2,), (0, 2)]]  # likeliest first
 
 
 def test_actual_outcomes_read_the_chosen_path():
