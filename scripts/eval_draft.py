@@ -97,9 +97,8 @@ def block_efficiency(prompts, results) -> dict[str, float]:
 
 
 @torch.no_grad()
-def alphas(draft_dir, target, prompts, answers, temp) -> dict[str, float]:
+def alphas(draft, target, prompts, answers, temp) -> dict[str, float]:
     """Teacher-forced α per kind (and "everyday", "all") on the target's answers at `temp`."""
-    draft = load_model(draft_dir, "float32").build()
     rows = []
     for (_, prompt), answer in zip(prompts, answers, strict=True):
         if not answer:
@@ -120,22 +119,21 @@ def report(result: dict) -> str:
     alpha, be = result["alpha"], result["block_efficiency"]
     kinds = [*list(result["prompts"]), "everyday", "all"]
     temps = sorted({k.split("T=")[1] for k in alpha}, reverse=True)
-    goal = "block K=1 gamma=4 T=1.0"
-    compared = f"compare {goal}" in be
-    head = ["kind", "prompts"] + [f"α T={t}" for t in temps] + ["BE block γ=4 T=1"]
+    goal = "block K=1 gamma=4 T=1.0"  # the issue's configuration, when the grid has it
+    columns = {f"α T={t}": (alpha, f"T={t}", "{:.3f}") for t in temps}
+    if f"draft {goal}" in be:
+        columns["BE block γ=4 T=1"] = (be, goal, "{:.2f}")
+    head = ["kind", "prompts", *columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for kind in kinds:
         n = result["prompts"].get(kind, sum(result["prompts"].values()))
         if kind == "everyday":
             n -= result["prompts"].get("humaneval", 0)
         cells = [kind, str(n)]
-        for t in temps:
-            new = alpha[f"draft T={t}"][kind]
-            old = alpha.get(f"compare T={t}", {}).get(kind)
-            cells.append(f"{new:.3f}" + (f" ({old:.3f})" if old is not None else ""))
-        new = be[f"draft {goal}"][kind]
-        old = be.get(f"compare {goal}", {}).get(kind)
-        cells.append(f"{new:.2f}" + (f" ({old:.2f})" if compared else ""))
+        for table, key, fmt in columns.values():  # the compared draft's value in parentheses
+            old = table.get(f"compare {key}", {}).get(kind)
+            cells.append(fmt.format(table[f"draft {key}"][kind]))
+            cells[-1] += "" if old is None else " (" + fmt.format(old) + ")"
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| method | K | γ | T | " + " | ".join(kinds) + " |"]
     lines.append("|" + "---|" * (4 + len(kinds)))
@@ -180,6 +178,7 @@ def main() -> None:
     eos = tok.eos_token_id
     prompts = prompts_by_kind(tok, args.humaneval, args.new_tokens, args.per_kind)
     target = load_model(args.target, "float32").build()
+    teachers = {name: load_model(path, "float32").build() for name, path in drafts.items()}
     engine = engines["draft"]
     cost = {
         name: forward_ms(e.draft.model) / forward_ms(e.target.model) for name, e in engines.items()
@@ -194,8 +193,8 @@ def main() -> None:
     )
     for temp in args.temperature:
         answers = [t for _, _, t in run(engine, prompts, "none", 1, 1, temp, args.new_tokens, eos)]
-        for name, path in drafts.items():
-            result["alpha"][f"{name} T={temp}"] = alphas(path, target, prompts, answers, temp)
+        for name, draft in teachers.items():
+            result["alpha"][f"{name} T={temp}"] = alphas(draft, target, prompts, answers, temp)
             print(name, temp, "alpha", result["alpha"][f"{name} T={temp}"], flush=True)
     configs = [
         ("draft", m, args.gbv_k if m == "gbv" else 1, g, t)
