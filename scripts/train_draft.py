@@ -73,20 +73,21 @@ from workers.models import (  # noqa: E402
 TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass at T = 1)
 
 
-def round_chats(args, tok) -> list[tuple[str, list[dict]]]:
-    """The (kind, chat) prompts of generation round `args.round` (scripts/draft_prompts.py)."""
-    if args.round == 1:
-        return draft_prompts.round_one(args.seed, args.prompts)
+def round_chats(args, tok, rnd: int, count: int) -> list[tuple[str, list[dict]]]:
+    """`count` (kind, chat) prompts of generation round `rnd` (scripts/draft_prompts.py)."""
+    if rnd == 1:
+        return draft_prompts.round_one(args.seed, count)
     answered = [
         (s["kind"], s["turns"], tok.decode(s["answer"], skip_special_tokens=True).strip())
         for s in load_answers(args.work)
         if s["prompt_round"] == 1 and s["answer"][-1] == tok.eos_token_id  # finished answers
     ]
-    return draft_prompts.round_two(args.seed, answered, args.prompts)
+    return draft_prompts.round_two(args.seed, answered, count)
 
 
-def generate(args) -> None:
-    """Sample the target's answers; record its top-k next-token log-probs at every position."""
+def generate(args, rnd: int) -> None:
+    """Round `rnd`: sample the target's answers; record its top-k next-token log-probs at every
+    position."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
     out = args.work / "answers"
@@ -94,7 +95,10 @@ def generate(args) -> None:
     tok = AutoTokenizer.from_pretrained(args.target)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
-    chats = [(k, t, render_chat(tok, t)) for k, t in round_chats(args, tok)]
+    count, minutes = (
+        (args.prompts, args.gen_minutes) if rnd == 1 else (args.round2_prompts, args.round2_minutes)
+    )
+    chats = [(k, t, render_chat(tok, t)) for k, t in round_chats(args, tok, rnd, count)]
     chats = [c for c in chats if len(c[2]) <= args.max_prompt]
     order = sorted(range(len(chats)), key=lambda i: len(chats[i][2]))  # little padding per batch
     batches = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
@@ -108,15 +112,15 @@ def generate(args) -> None:
 
     t0, made = time.time(), 0
     for b, batch in enumerate(batches):
-        shard = out / f"r{args.round}-{b:05d}.pt"
+        shard = out / f"r{rnd}-{b:05d}.pt"
         if shard.exists():
             continue
-        if time.time() - t0 > args.gen_minutes * 60:
+        if time.time() - t0 > minutes * 60:
             break
         enc = tok.pad({"input_ids": [chats[i][2] for i in batch]}, return_tensors="pt")
         rec = Record()
         rec.steps = []
-        torch.manual_seed(args.seed * 100_003 + args.round * 7919 + b)
+        torch.manual_seed(args.seed * 100_003 + rnd * 7919 + b)
         with torch.no_grad():
             seqs = model.generate(
                 **enc,
@@ -141,7 +145,7 @@ def generate(args) -> None:
                 dict(
                     kind=kind,
                     turns=turns,
-                    prompt_round=args.round,
+                    prompt_round=rnd,
                     prompt=torch.tensor(ids),
                     answer=gen[:n].clone(),
                     logp=lp[r, :n].clone(),
@@ -151,7 +155,7 @@ def generate(args) -> None:
             made += n
         torch.save(samples, shard)
         rate = made / (time.time() - t0)
-        print(f"round {args.round} batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
+        print(f"round {rnd} batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
 
 
 def load_answers(work: Path, features: bool = False) -> list[dict]:
@@ -580,12 +584,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.stage in ("generate", "all"):
-        rounds = [args.round] if args.stage == "generate" else [1, 2]
-        for r in rounds:
-            if r == 2:
-                args.prompts, args.gen_minutes = args.round2_prompts, args.round2_minutes
-            args.round = r
-            generate(args)
+        for rnd in [args.round] if args.stage == "generate" else [1, 2]:
+            generate(args, rnd)
     for stage in ("features", "train", "export"):
         if stage == "features" and args.stage == "all" and args.arch != "features":
             continue
