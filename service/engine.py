@@ -16,8 +16,10 @@ In process, the step's tensors are made on the workers' device and the host read
 once a step (`verdict_on_host`); over Ray they travel through the host anyway.
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
-its own method, K, γ, sampling settings, seed (a private torch.Generator used for both drafting
-and verification, so its output does not depend on its batch-mates) and stop conditions.
+its own method, K, γ, sampling settings, seed and stop conditions. The seed makes the request's
+verifier generator (a private torch.Generator) and its draft key (the draft's uniforms are a hash
+of the key, the step's root position, path and depth: workers/sampling.py), so its output does
+not depend on its batch-mates.
 Method ``none`` is plain autoregressive decoding with the target (the baseline). A mixed batch
 runs the draft with the largest K and γ present and each request uses its own prefix of that;
 requests with ``none`` still feed their tokens to the draft in such a batch (wasted work, kept
@@ -59,7 +61,7 @@ from service.requests import GenerationRequest, Limits, context_needed
 from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
-from workers.sampling import SamplingParams, sample
+from workers.sampling import SamplingParams, draft_key, sample
 from workers.target import TargetWorker
 from workers.tree import build_tree
 
@@ -143,6 +145,7 @@ class StepPlan:
 
     pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
     pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
+    draws: torch.Tensor  # [n, 2] int64: (draft key, root position) keying the draft's uniforms
     pending_features: torch.Tensor | None  # [n, P, E]: feature draft, the target's one back
     own_features: torch.Tensor | None  # [n] bool: feature draft, rows that read their own
     num_paths: list[int]  # [n]: each request's K (0: plain)
@@ -328,7 +331,7 @@ class LocalExecutor:
         if plan.drafted:
             x, q = self.draft.propose(
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
-                generators, plan.pending_features, own=plan.own_features,
+                plan.draws, plan.pending_features, own=plan.own_features,
             )  # fmt: skip
         laps.lap("draft")
         paths, depths = _on(dev, plan.num_paths), _on(dev, plan.depth)
@@ -361,7 +364,7 @@ class RayExecutor:
         draft_args = None
         if plan.drafted:
             draft_args = (
-                plan.pending, plan.pending_count, plan.num_paths, plan.depth,
+                plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.draws,
                 plan.pending_features, plan.own_features,
             )  # fmt: skip
         verify_here = functools.partial(verify_on_host, plan.verification)
@@ -383,7 +386,8 @@ class RayExecutor:
 class _Active:
     req: GenerationRequest
     request_id: str
-    generator: torch.Generator
+    generator: torch.Generator  # the verifier's draws
+    draft_key: int  # keys the draft's uniforms (workers/sampling.py)
     target_pending: int  # last emitted token: root of the next tree, not yet in target's cache
     draft_pending: list[int]  # emitted tokens not yet run through the draft (1 or 2)
     arm: Arm  # what the next step runs: the request's own, or what `auto` chose for it
@@ -480,6 +484,7 @@ class SpeculativeEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         gen = torch.Generator().manual_seed(seed)
+        key = draft_key(seed)
         last = req.prompt_ids[-1]
         arm, auto, gamma = Arm(req.method, req.k, req.gamma), None, req.gamma
         if req.method == AUTO:
@@ -487,7 +492,7 @@ class SpeculativeEngine:
             auto, gamma = AutoState(room, req.max_new_tokens), self.policy.max_gamma
         stats = RequestStats(accepted_per_position=[0] * max(gamma, 1))
         active = _Active(
-            req, request_id, gen, last, [last], arm, auto, stats=stats, on_tokens=on_tokens
+            req, request_id, gen, key, last, [last], arm, auto, stats=stats, on_tokens=on_tokens
         )
         self.waiting.append(active)
         return request_id
@@ -707,12 +712,16 @@ class SpeculativeEngine:
             features, own = self.feed.step_inputs(
                 [a.draft_features for a in batch], [a.own_features for a in batch]
             )
+        # the root's position: what each step's draft uniforms are keyed by, strictly growing
+        roots = [len(a.req.prompt_ids) + a.emitted - 1 for a in batch]
+        draws = torch.tensor([[a.draft_key, r] for a, r in zip(batch, roots, strict=True)])
         groups = defaultdict(list)
         for i, a in enumerate(batch):
             groups[(a.arm.method, a.arm.k, a.arm.gamma)].append(i)
         return StepPlan(
             pending=pending,
             pending_count=counts,
+            draws=draws,
             pending_features=features,
             own_features=own,
             num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],

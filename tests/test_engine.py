@@ -383,8 +383,8 @@ def test_a_reduced_head_draft_proposes_on_its_ids():
 
     def propose(whole_vocab: bool):
         lengths = worker.cache.lengths.clone()
-        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-        out = worker.propose(*args, params, gens, whole_vocab=whole_vocab)
+        draws = torch.tensor([[1, 3], [2, 2]])  # (draft key, root position) per request
+        out = worker.propose(*args, params, draws, whole_vocab=whole_vocab)
         worker.cache.lengths.copy_(lengths)  # propose appended the pending tokens: undo
         return out
 

@@ -35,7 +35,6 @@ from test_feature_draft import random_fc
 
 import service.engine
 import workers.actors as actors
-import workers.draft
 from service.engine import LocalExecutor, RayExecutor, build_engine
 from service.policy import AUTO, PLAIN
 from service.requests import GenerationRequest, Limits, make_request
@@ -286,13 +285,13 @@ def mutate(monkeypatch, owner, name: str, old: str, new: str, *also) -> None:
 
 
 DROPPED_MOVES = {
-    # the draft's uniforms, drawn on the host from each request's generator
-    "sampling.sample": (
-        workers.draft,
-        "sample",
-        "u = u.to(probs.device, non_blocking=True)",
-        "pass",
-        (service.engine,),
+    # the draft keys and root positions its uniforms hash, made on the host by the engine
+    "DraftProposer.propose": (
+        DraftProposer,
+        "propose",
+        "draft_uniforms(draws.to(self.device, non_blocking=True), k, gamma)",
+        "draft_uniforms(draws, k, gamma)",
+        (),
     ),
     # a cache's counts, arriving on the host
     "KVCache.append": (
@@ -382,9 +381,9 @@ class WiredTarget(WiredDraft):
         states = [g.get_state() for g in generators]
         drafted = None
         if draft_args is not None:
-            drafted = wire(draft.actor.propose(*wire(draft_args), params, states))
-        own = None if drafted else states
-        out = self.actor.speculate(*wire((roots, num_paths, depth, params)), drafted, own, verify)
+            drafted = wire(draft.actor.propose(*wire(draft_args), params))
+        inputs = wire((roots, num_paths, depth, params))
+        out = self.actor.speculate(*inputs, drafted, states, verify)
         x, verdict, states, seconds = wire(out)
         for g, state in zip(generators, states, strict=True):
             g.set_state(state)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from verification.tensors import chunked_cumsum64, sample_from_weights
-from workers.sampling import SamplingParams, process
+from workers.sampling import SamplingParams, draft_key, draft_uniforms, process, splitmix64
 
 LOGITS = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
 
@@ -153,3 +153,46 @@ def test_chunked_running_sums_equal_one_scan(vocab):
     weights = rows.double()
     picked = torch.searchsorted(chunked.contiguous(), (u * chunked[:, -1])[:, None], right=True)
     assert torch.equal(picked.squeeze(-1), sample_from_weights(weights, u))
+
+
+# ------------------------------------------------------------ counter-based draft uniforms
+def _splitmix64_reference(state: int) -> int:
+    """splitmix64's output for `state`, in Python integers (Vigna's reference, mod 2^64)."""
+    mask = (1 << 64) - 1
+    z = (state + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_on_tensors_equals_the_reference():
+    """int64 tensor ops wrap and shift like the unsigned reference (signs included)."""
+    states = [0, 1, 12345, (1 << 63) - 1, 1 << 62, 0xDEADBEEF << 20]
+    signed = [s - (1 << 64) if s >= 1 << 63 else s for s in map(_splitmix64_reference, states)]
+    assert splitmix64(torch.tensor(states)).tolist() == signed
+    negative = [-1, -(1 << 63)]  # the states past 2^63, as int64 holds them
+    expected = [_splitmix64_reference(s + (1 << 64)) for s in negative]
+    assert [v % (1 << 64) for v in splitmix64(torch.tensor(negative)).tolist()] == expected
+
+
+def test_draft_uniforms_are_uniform_and_keyed_by_every_coordinate():
+    """u[i, path, depth] depends on (key, root, path, depth) only: the same key and root give
+    the same bits in any batch; another root, path, depth or key gives fresh ones; and the
+    values pass a chi-square test of uniformity (64 bins, 2^16 draws; p > 1e-4)."""
+    keys = torch.tensor([draft_key(s) for s in range(256)])
+    draws = torch.stack([keys, torch.full_like(keys, 17)], dim=1)  # [256, 2]
+    u = draft_uniforms(draws, 4, 64)  # [256, 4, 64]
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(draft_uniforms(draws[5:7], 2, 3), u[5:7, :2, :3])  # batch-independent
+    moved = draft_uniforms(draws + torch.tensor([0, 1]), 4, 64)  # the next root position
+    assert not bool((moved == u).any())
+    assert u.flatten().unique().numel() == u.numel()  # no repeat over paths, depths, keys
+    counts = torch.histc(u.flatten().float(), bins=64, min=0.0, max=1.0)
+    expected = u.numel() / 64
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    assert statistic < 123.0  # chi-square, 63 dof: P(X > 123) ≈ 1e-5
+
+
+def test_draft_keys_differ_by_seed_and_stay_in_int64():
+    keys = [draft_key(s) for s in range(10_000)]
+    assert len(set(keys)) == len(keys) and all(0 <= k < 1 << 63 for k in keys)

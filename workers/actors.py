@@ -4,9 +4,10 @@
 (workers/protocols.py: a `Draft` and a `Target`: prefill, move, commit) plus one chained call
 per decode step, `RemoteTarget.speculate`, which the engine's Ray step executor makes:
 
-    coordinator --(pending tokens, generator states)--> draft actor: propose
-    draft actor --(draft tokens, states, rows q)------> target shards: tree, forward
-    target rank 0: verification (the engine's function, sent with the call), commit
+    coordinator --(pending tokens, draft keys)---------> draft actor: propose
+    draft actor --(draft tokens, rows q)---------------> target shards: tree, forward
+    coordinator --(generator states)-------------------> target rank 0: verification (the
+                                                          engine's function, sent with the call)
     target rank 0 --(emitted tokens, τ, path, states, carry)--> coordinator
 
 Each tensor moves once, from the actor that makes it to the one that reads it: the draft's rows
@@ -14,8 +15,10 @@ q ([n, K, γ, V], the largest payload) go as a numpy array, through the shared-m
 store when large (zero-copy on one node), never through the coordinator; the target's rows p
 never leave rank 0. With a feature draft, the target's features of a prefill go from rank 0 to
 the draft actor by reference; only the pending tokens' come back (`prefill_features`). The
-coordinator still drives the step and owns every request's state: its tokens, its generator
-(its state travels with the call and comes back) and its carry.
+coordinator still drives the step and owns every request's state: its tokens, its verifier's
+generator (its state travels with the call to rank 0 and comes back) and its carry. The draft
+needs no generator state: its uniforms are a hash of the request's draft key and the step's
+root position (workers/sampling.py), which travel as one [n, 2] tensor.
 
 Calls that return nothing (prefill, move, commit) are sent without waiting: Ray runs one caller's
 calls on an actor in submission order, so the next call that waits also waits for them, and any
@@ -132,20 +135,17 @@ class DraftActor:
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
     def propose(
-        self, pending, pending_count, paths, depths, features, own, params, states
+        self, pending, pending_count, paths, depths, draws, features, own, params
     ) -> Drafted:
-        """The proposer's propose, with generators rebuilt from, and returned as, their
-        states."""
+        """The proposer's propose (draws: [n, 2] draft keys and root positions)."""
         start = time.perf_counter()
-        generators = [torch.Generator().set_state(state) for state in states]
         x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
-            pending, pending_count, paths, depths, params, generators, features,
+            pending, pending_count, paths, depths, params, draws, features,
             whole_vocab=False, own=own,
         )  # fmt: skip
         rows = q.cpu().numpy()  # numpy: zero-copy through the object store, unlike torch
         rows = ray.put(rows) if rows.nbytes > STORE_BYTES else rows
-        states = [g.get_state() for g in generators]
-        return Drafted(x.cpu(), rows, states, time.perf_counter() - start)
+        return Drafted(x.cpu(), rows, time.perf_counter() - start)
 
 
 @dataclass
@@ -154,7 +154,6 @@ class Drafted:
 
     tokens: torch.Tensor  # [n, K, γ] int64
     rows: np.ndarray | ray.ObjectRef  # [n, K, γ, Vh] float32: q on the draft head's ids
-    states: list[torch.Tensor]  # [n] generator states after drafting
     seconds: float  # the draft actor's compute
 
 
@@ -230,7 +229,7 @@ class TargetShardActor:
         depth: list[int],  # [n]
         params: list[SamplingParams],
         drafted: Drafted | None,  # None: nothing drafted (a batch of plain requests)
-        states: list[torch.Tensor] | None,  # rank 0, nothing drafted: the generators' states
+        states: list[torch.Tensor] | None,  # rank 0: the verifier generators' states
         verify: Callable | None,  # rank 0: (x, q, p, generators) -> verdict; others: None
     ) -> tuple[torch.Tensor, Any, list[torch.Tensor], dict[str, float]] | None:
         """Score the step's trees on every rank; on rank 0 verify, then every rank commits.
@@ -256,7 +255,6 @@ class TargetShardActor:
         if rank0:
             q = self._draft_rows(drafted, p)  # fetching it is transfer, not a phase
             start = time.perf_counter()
-            states = drafted.states if drafted else states  # drafting advanced them
             generators = [torch.Generator().set_state(s) for s in states]
             verdict = verify(x, q, p, generators)  # path and τ on the host (verify_on_host)
             kept = torch.stack([verdict.path, verdict.num_accepted])
@@ -362,9 +360,9 @@ class RemoteDraft(_Remote):
     def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
         self._post("commit", path, keep)
 
-    def propose(self, *args, states: list[torch.Tensor]) -> ray.ObjectRef:
+    def propose(self, *args) -> ray.ObjectRef:
         """Start DraftActor.propose; the result (a `Drafted`) goes straight to the target."""
-        return self.actors[0].propose.remote(*args, states)
+        return self.actors[0].propose.remote(*args)
 
     @functools.cached_property
     def feed(self) -> DraftFeed:
@@ -430,8 +428,8 @@ class RemoteTarget(_Remote):
     def speculate(
         self,
         draft: RemoteDraft,
-        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths,
-        # pending_features [n, P, E] or None, own_features [n] or None) or None: no drafting
+        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths, draws
+        # [n, 2], pending_features [n, P, E] or None, own_features [n] or None) or None: none
         roots: torch.Tensor,  # [n] int64
         num_paths: list[int],
         depth: list[int],
@@ -447,11 +445,10 @@ class RemoteTarget(_Remote):
         states = [g.get_state() for g in generators]
         drafted = None
         if draft_args is not None:
-            drafted = draft.propose(*draft_args, params, states=states)
+            drafted = draft.propose(*draft_args, params)
         refs = []
         for rank, actor in enumerate(self.actors):
-            # Only rank 0 verifies; the states reach it with the draft's output if it drafted.
-            own = (None if drafted else states, verify) if rank == 0 else (None, None)
+            own = (states, verify) if rank == 0 else (None, None)  # only rank 0 verifies
             refs.append(actor.speculate.remote(roots, num_paths, depth, params, drafted, *own))
         try:
             posted = draft._check_posted() + self._check_posted()  # prefills, moves, commits

@@ -6,8 +6,9 @@ A draft worker is a *proposer*: a token draft (workers/token_draft.py) or a feat
 gives a draft model the one it needs.
 
 Each request drafts its own K paths of its own γ tokens (0 and 0 for a plain request that only
-catches its cache up): the batch runs as [n, max K, max γ] tensors, but a request draws random
-numbers only for its own paths and depths.
+catches its cache up): the batch runs as [n, max K, max γ] tensors. Its uniforms are
+counter-based (workers/sampling.py: a hash of its draft key, the step's root position, path and
+depth), so what it drafts depends neither on its batch-mates nor on when it is drafted.
 
 The cache holds each request's committed tokens except its *pending* ones (not yet run through
 the draft). A proposal first runs the pending tokens (they become committed), then samples K
@@ -29,7 +30,7 @@ import torch
 
 from workers.llama import KVCache, Llama
 from workers.protocols import DraftFeed
-from workers.sampling import SamplingParams, process, sample
+from workers.sampling import SamplingParams, draft_uniforms, process, sample_drafts
 
 
 class DraftProposer(ABC):
@@ -89,7 +90,7 @@ class DraftProposer(ABC):
         paths: list[int],  # per request: its K (0: a plain request, nothing drafted)
         depths: list[int],  # per request: its γ (0 likewise)
         params: list[SamplingParams],
-        generators: list[torch.Generator],
+        draws: torch.Tensor,  # [n, 2] int64: (draft key, the step's root position) per request
         pending_features: torch.Tensor | None = None,  # [n, P, E]: feature draft, one back
         whole_vocab: bool = True,  # False: rows on the head's ids only, [n, K, γ, Vh]
         own: torch.Tensor | None = None,  # [n] bool, feature draft: the row's single pending
@@ -105,9 +106,10 @@ class DraftProposer(ABC):
         k, gamma = max(paths), max(depths)
         head_vocab = self.model.head_vocab
 
+        uniforms = draft_uniforms(draws.to(self.device, non_blocking=True), k, gamma)
+
         def draw(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [n, K, Vh] -> ids [n, K]
-            drawn = [kk if depth < g else 0 for kk, g in zip(paths, depths, strict=True)]
-            picked = sample(rows, generators, drawn)
+            picked = sample_drafts(rows, uniforms[:, :, depth])
             return picked if head_vocab is None else head_vocab[picked]
 
         root = self._run_pending(pending, pending_count, pending_features, own)  # [n, E]

@@ -140,7 +140,7 @@ class LocalDraft(Draft, Protocol):
         paths: list[int],  # [n]: each request's K (0: plain, nothing drafted)
         depths: list[int],  # [n]: each request's γ (0 likewise)
         params: list[SamplingParams],  # [n]
-        generators: list[torch.Generator],  # [n]
+        draws: torch.Tensor,  # [n, 2] int64: (draft key, the step's root position)
         pending_features: torch.Tensor | None = None,  # [n, P, E]: feature draft, one back
         whole_vocab: bool = True,  # False: rows on the head's ids only, [n, K, γ, Vh]
         own: torch.Tensor | None = None,  # [n] bool: feature draft, rows reading their own

@@ -12,7 +12,17 @@ the request's settings, and the draft samples from exactly the row it reports: o
 verifier's q-ratios are wrong and the output is not lossless.
 
 :func:`sample_from_weights` (inverse CDF with uniforms the caller drew) is the one sampler of
-the project: the draft's :func:`sample` and the verifiers use it (verification/tensors.py).
+the project: the draft's :func:`sample_drafts`, the plain rows' :func:`sample` and the verifiers
+use it (verification/tensors.py).
+
+The draft's uniforms are *counter-based* (:func:`draft_uniforms`): a hash of (the request's draft
+key, the step's root position, path, depth), not a stream consumed in order. A proposal for a
+prefix is then the same bits whenever and wherever it is made (in the step that needs it, or
+ahead of it by the speculation cache, service/speculation.py), and the draft needs no generator
+state. The root position grows strictly from step to step (each step emits a token), so no key
+repeats across steps: keying by the drafted token's own position instead would hand a redraft
+the uniforms of the rejected draft at that position, which the verification outcome depended on
+(a lossy mutant, tests/test_speculation.py).
 """
 
 from __future__ import annotations
@@ -79,6 +89,57 @@ def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         one_hot = torch.zeros(len(greedy), *probs.shape[1:], device=dev).scatter_(-1, top, 1.0)
         probs = probs.index_copy(0, rows, one_hot)
     return probs.reshape(logits.shape)
+
+
+# splitmix64 (Steele, Lea & Flood 2014): a bijective 64-bit finaliser, written with int64
+# tensor ops (multiplication wraps mod 2^64; `>>` is arithmetic, so shifts mask the sign bits).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """int64 [...] -> int64 [...]: splitmix64's output for state x (elementwise, any device)."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def draft_key(seed: int) -> int:
+    """A request's draft key (what its draft uniforms hash), in [0, 2^63), from its seed: a
+    stream apart from the verifier's (a torch.Generator seeded with the same seed)."""
+    key = splitmix64(torch.tensor([seed ^ 0x5EED_D2AF7], dtype=torch.int64))
+    return int(_shr(key, 1))
+
+
+def draft_uniforms(
+    draws: torch.Tensor,  # [n, 2] int64: (the request's draft key, the step's root position)
+    k: int,
+    gamma: int,
+) -> torch.Tensor:
+    """Uniforms [n, K, γ] float64 in [0, 1) for drafting K paths of γ tokens: u[i, path, depth]
+    = hash(key_i, root_i, path, depth), independent of everything else in the batch."""
+    key, root = draws[:, 0, None, None], draws[:, 1, None, None]
+    dev = draws.device
+    path = torch.arange(k, dtype=torch.int64, device=dev)[None, :, None]
+    depth = torch.arange(gamma, dtype=torch.int64, device=dev)[None, None, :]
+    h = splitmix64(splitmix64(splitmix64(key) ^ root) ^ ((path << 32) | depth))
+    return _shr(h, 11).double() * 2.0**-53  # the top 53 bits: every double in [0, 1) of the grid
+
+
+def sample_drafts(
+    probs: torch.Tensor,  # [n, K, V]: the rows of one depth
+    u: torch.Tensor,  # [n, K] float64 on probs' device: draft_uniforms at that depth
+) -> torch.Tensor:
+    """One token per row [n, K], by inverse CDF with the counter-based uniforms."""
+    n, k, vocab = probs.shape
+    return sample_from_weights(probs.reshape(n * k, vocab), u.reshape(-1)).view(n, k)
 
 
 def sample(
