@@ -58,6 +58,7 @@ import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
+from service.speculation import Drafting, SpeculationCache
 from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
@@ -153,11 +154,20 @@ class StepPlan:
     roots: torch.Tensor  # [n] int64: each tree's root, the last emitted token
     params: list[SamplingParams]
     verification: VerifyPlan
+    request_ids: list[str]  # [n]
+    emitted: list[tuple[int, ...] | None]  # [n]: what each emitted last step (None: no step)
 
     @property
     def drafted(self) -> bool:
         """The draft model runs (a batch of plain requests skips it)."""
         return self.pending is not None
+
+    def drafting(self) -> Drafting:
+        """What the speculation cache reads of the step (service/speculation.py)."""
+        return Drafting(
+            self.request_ids, self.emitted, self.pending, self.pending_count, self.num_paths,
+            self.depth, self.params, self.draws,
+        )  # fmt: skip
 
 
 @dataclass
@@ -321,6 +331,10 @@ class LocalExecutor:
 
     draft: LocalDraft
     target: LocalTarget
+    # Proposals prepared for the likeliest outcomes of each step's verification (issue 45);
+    # None: off. In this process they are drafted after the step's own draft, in the draft
+    # phase's time: no overlap with the target on one device (service/speculation.py).
+    speculation: SpeculationCache | None = None
 
     def speculate(
         self, plan: StepPlan, generators: list[torch.Generator]
@@ -328,7 +342,11 @@ class LocalExecutor:
         laps = _Laps()
         n, q, dev = len(generators), None, self.target.device
         x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
-        if plan.drafted:
+        if plan.drafted and self.speculation is not None:
+            drafting = plan.drafting()
+            x, q = self.speculation.propose(self.draft, drafting)
+            self.speculation.prepare(self.draft, drafting, x, q)
+        elif plan.drafted:
             x, q = self.draft.propose(
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
                 plan.draws, plan.pending_features, own=plan.own_features,
@@ -398,6 +416,7 @@ class _Active:
     # against (its own features past the record's root; workers/feature_draft.py)
     own_features: bool = False
     output: list[int] = field(default_factory=list)
+    last_emitted: tuple[int, ...] | None = None  # what the last step emitted (speculation key)
     carry: TargetModification | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     emitted: int = 0  # tokens emitted so far, including any past a stop (they are in the caches)
@@ -728,6 +747,8 @@ class SpeculativeEngine:
             depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
             roots=_on(self.target.device, [a.target_pending for a in batch]),
             params=[a.req.sampling for a in batch],
+            request_ids=[a.request_id for a in batch],
+            emitted=[a.last_emitted for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
                 carries=[a.carry for a in batch],
@@ -759,6 +780,7 @@ class SpeculativeEngine:
             for pos in range(min(t, len(a.stats.accepted_per_position))):
                 a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
+            a.last_emitted = tuple(emitted)
             if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens
                 committed = min(t, run, keep[i])  # a feature draft: none, unless own_features
                 a.draft_pending = [*x[i, int(path[i]), committed:t].tolist(), emitted[-1]]
@@ -805,6 +827,20 @@ class SpeculativeEngine:
         return [results[i] for i in ids]
 
 
+def speculation_cache(draft: LocalDraft, fanout: int) -> SpeculationCache | None:
+    """The speculation cache of fan-out `fanout` for `draft` (None when 0). A feature draft is
+    refused: a proposal prepared while the target verifies cannot read the target's features
+    of the positions that verification accepts, which its law reads."""
+    if not fanout:
+        return None
+    if draft.feed.reads_features:
+        raise ValueError(
+            "speculation: the speculation cache needs a token draft; this draft reads the "
+            "target's features (a feature draft), which no proposal made before verification has"
+        )
+    return SpeculationCache(fanout)
+
+
 def build_engine(
     draft_dir: str,
     target_dir: str,
@@ -817,11 +853,14 @@ def build_engine(
     auto_arms: list[str] | None = None,
     packed: bool | None = None,
     prefix_caching: bool = True,
+    speculation: int = 0,
 ):
     """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
     at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
-    pack them (a benchmark's baseline; see workers.llama.Linear). Returns (engine, tokenizer)."""
+    pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
+    the speculation cache with that fan-out (service/speculation.py; token drafts only).
+    Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
 
@@ -830,13 +869,14 @@ def build_engine(
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
+    cache = speculation_cache(draft, speculation)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
-        LocalExecutor(draft, target),
+        LocalExecutor(draft, target, cache),
         max_batch,
         max_len,
         t.spec.vocab_size,

@@ -50,7 +50,8 @@ def predict_outcomes(
     share their first tokens)."""
     n, _k, gamma = x.shape
     V = q.shape[-1]
-    top = outcome_scores(x, q, accept).flatten(1).topk(fanout, dim=-1).indices  # [n, F]
+    scores = outcome_scores(x, q, accept).flatten(1)  # [n, K·(γ+1)·V]
+    top = scores.topk(min(fanout, scores.shape[1]), dim=-1).indices  # [n, F]
     path, rest = top // ((gamma + 1) * V), top % ((gamma + 1) * V)
     tau, y = rest // V, rest % V
     rows = x.tolist()

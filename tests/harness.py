@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from verification.tensors import sample_from_weights
+
 # The reference instances and their exact laws (docs/verification.md §12); they are recomputed
 # by scripts/reference_laws.py (tests/test_reference_numbers.py runs its check).
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
@@ -290,13 +292,15 @@ def draft_block(
     k: int,
     gamma: int,
     gen: torch.Generator | list[torch.Generator],
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft k i.i.d. paths of γ tokens after each row's context and gather the verifier inputs.
 
     seq [m, W] holds each request's tokens, count [m] how many of them are its context
     (W >= count + γ). ``gen`` is one generator for the batch or one per request (then a
-    request's draft does not depend on its batch-mates). Returns x [m, k, γ] int64,
-    q [m, k, γ, V] and p [m, k, γ+1, V] (float64, from the tables).
+    request's draft does not depend on its batch-mates); with ``uniforms`` [m, k, γ], tokens
+    are drawn by inverse CDF with them instead (the engine's counter-based draws). Returns
+    x [m, k, γ] int64, q [m, k, γ, V] and p [m, k, γ+1, V] (float64, from the tables).
     """
     m, width = seq.shape
     V = draft.V
@@ -305,7 +309,10 @@ def draft_block(
     q_rows = []
     for i in range(gamma):
         q = draft.cond(buf, start + i)  # [m, k, V]
-        if isinstance(gen, torch.Generator):
+        if uniforms is not None:
+            flat = uniforms[:, :, i].reshape(-1)
+            tok = sample_from_weights(q.reshape(-1, V).double(), flat).view(m, k)
+        elif isinstance(gen, torch.Generator):
             tok = torch.multinomial(q.reshape(-1, V), 1, generator=gen).view(m, k)
         else:
             tok = torch.stack(
@@ -351,11 +358,14 @@ def decode_loop(
     length: int,
     seed: int,
     dtype=torch.float64,
+    draft_uniforms=None,
 ) -> torch.Tensor:
     """Run n independent speculative-decoding trials, batched, until each has >= `length` tokens.
 
     Each iteration drafts k i.i.d. paths of γ tokens from the draft model given each active
-    trial's context (:func:`draft_block`), calls ``step(x, q, p, generator, carry)`` (returns a
+    trial's context (:func:`draft_block`; with ``draft_uniforms``, a function of
+    ((trial key, root position) [m, 2], k, γ) as workers.sampling.draft_uniforms, by inverse
+    CDF with its uniforms), calls ``step(x, q, p, generator, carry)`` (returns a
     VerifyOutput; see :func:`method_step`), checks the output's structure (:func:`check_output`)
     and appends the emitted tokens. Trials that have `length` tokens leave the batch, and their
     carry rows are dropped with ``TargetModification.select`` (exercised on every iteration).
@@ -371,7 +381,11 @@ def decode_loop(
     while active.numel() > 0:
         cnt = count[active]
         rows = seq[active]
-        x, q, p = draft_block(target, draft, rows, cnt, k, gamma, gen)
+        uniforms = None
+        if draft_uniforms is not None:  # the root: the last token of the context (-1: none)
+            draws = torch.stack([active + seed * n, cnt - 1], dim=1)
+            uniforms = draft_uniforms(draws, k, gamma)
+        x, q, p = draft_block(target, draft, rows, cnt, k, gamma, gen, uniforms)
         out = step(x, q.to(dtype), p.to(dtype), gen, carry)
         check_output(out, x, target.V)
         inside = offs[None, :] < out.num_tokens[:, None]

@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from service.engine import LocalExecutor, SpeculativeEngine, VerifyPlan, verify_step
 from service.policy import PLAIN
 from service.requests import GenerationRequest, InvalidArgument, make_request
+from service.speculation import SpeculationCache
 from verification import METHODS, VERIFIERS, verify
 from verification.tensors import gather_rows, rows_at
 from workers.draft import padding_groups, prefill
@@ -68,11 +69,17 @@ def tiny_pair(
 
 
 def make_engine(
-    target: Llama, draft: Llama, max_batch: int = 16, max_len: int = 128, max_sessions: int = 0
+    target: Llama,
+    draft: Llama,
+    max_batch: int = 16,
+    max_len: int = 128,
+    max_sessions: int = 0,
+    speculation: SpeculationCache | None = None,
 ):
     slots = max_batch + max_sessions
+    proposer = build_proposer(draft, slots, max_len)
     return SpeculativeEngine(
-        LocalExecutor(build_proposer(draft, slots, max_len), TargetWorker(target, slots, max_len)),
+        LocalExecutor(proposer, TargetWorker(target, slots, max_len), speculation),
         max_batch,
         max_len,
         target.spec.vocab_size,

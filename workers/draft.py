@@ -23,6 +23,7 @@ The prefill helpers at the end serve both workers (the target's too: workers/tar
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
@@ -164,6 +165,49 @@ class DraftProposer(ABC):
         )  # fmt: skip
         self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), counted)
         return hidden[torch.arange(n, device=dev), 0, pending_count - 1]
+
+    def fork(self, rows: list[int], room: int) -> DraftProposer:
+        """A proposer over the same model whose slot i holds a copy of this one's slot rows[i]
+        (a slot may repeat) and of its rows of the current proposal's path entries, with
+        `room` positions past the longest: where the speculation cache drafts for a
+        hypothesised prefix, leaving this proposer's state as it is (service/speculation.py).
+        A token draft only: a feature draft's state beside its cache is not copied."""
+        forked = copy.copy(self)  # the model shared
+        held = self.cache.host_lengths()
+        max_len = max(held[r] for r in rows) + room
+        dtype = self.cache.k.dtype
+        forked.cache = KVCache(
+            self.model.spec, self.model.kv_heads, len(rows), max_len, dtype, self.device
+        )
+        forked.cache.copy_slots(self.cache, rows, list(range(len(rows))))
+        if self._suffix is not None:
+            index = torch.tensor(rows).to(self.device, non_blocking=True)
+            forked._suffix = tuple(t.index_select(1, index) for t in self._suffix)
+        return forked
+
+    def adopt(self, parts: list[tuple[DraftProposer, list[int], list[int]]], gamma: int) -> None:
+        """Take proposals made in forks as this proposer's own: for each (fork, its rows,
+        slots), slot slots[j] gets the fork's row j cache entries and its proposal's path
+        entries, as if it had proposed here with the step's largest γ `gamma` (the next
+        `commit` keeps the accepted path's run tokens: at most γ - 1, what the engine counts)."""
+        n = sum(len(slots) for _, _, slots in parts)
+        suffixes = [(f._suffix, rows, slots) for f, rows, slots in parts if f._suffix is not None]
+        for fork, rows, slots in parts:
+            self.cache.copy_slots(fork.cache, rows, slots)
+        self._suffix = None
+        if not suffixes or gamma < 2:
+            return
+        # the batch's widest proposal: a slot's entries past its own K and γ are never read
+        shape = [max(sfx[0].shape[d] for sfx, _, _ in suffixes) for d in range(6)]
+        shape[1], shape[4] = n, gamma - 1
+        kept = [torch.zeros(shape, dtype=self.cache.k.dtype, device=self.device) for _ in "kv"]
+        for (sk, sv), rows, slots in suffixes:
+            index = torch.tensor(rows).to(self.device, non_blocking=True)
+            into = torch.tensor(slots).to(self.device, non_blocking=True)
+            k, width = sk.shape[2], min(sk.shape[4], gamma - 1)
+            for whole, part in zip(kept, (sk, sv), strict=True):
+                whole[:, into, :k, :, :width] = part.index_select(1, index)[:, :, :, :, :width]
+        self._suffix = (kept[0], kept[1])
 
     def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
         """Append the first keep[i] draft tokens of each request's accepted path, of those that

@@ -288,6 +288,25 @@ class KVCache:
             for b, m in enumerate(host):
                 self._host_lengths[slot0 + b] += m
 
+    def copy_slots(self, src: KVCache, rows: list[int], slots: list[int]) -> None:
+        """Slot slots[i] takes a copy of src's slot rows[i] (its committed entries; src may be
+        this cache): how the speculation cache forks a request's draft state and adopts one
+        (workers/draft.py)."""
+        held = src.host_lengths()
+        lengths = [held[r] for r in rows]
+        longest = max(lengths, default=0)
+        if longest > self.max_len:
+            raise ValueError(f"KV cache full: a request exceeds max_len={self.max_len}")
+        dev = self.k.device
+        index = torch.tensor(rows).to(src.k.device, non_blocking=True)
+        into = torch.tensor(slots).to(dev, non_blocking=True)
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            mine[:, into, :, :longest] = theirs[:, index, :, :longest].to(dev)
+        self.lengths[into] = src.lengths[index].to(dev)
+        if self._host_lengths is not None:
+            for slot, length in zip(slots, lengths, strict=True):
+                self._host_lengths[slot] = length
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot src into slot dst (compaction when a request leaves)."""
         self.k[:, dst] = self.k[:, src]

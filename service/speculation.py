@@ -1,0 +1,217 @@
+"""The speculation cache: proposals for the next step prepared before this step's verification
+(speculative speculative decoding, SSD / Saguaro, arXiv 2603.03251; vocabulary in
+service/outcomes.py).
+
+After step t's draft, the cache ranks each request's likeliest verification outcomes, the
+prefixes x[path, :τ] + [y], from the draft alone (`predict_outcomes`), and drafts step t + 1's
+proposal for the `fanout` likeliest in a fork of the draft's state (`DraftProposer.fork`: the
+request's committed entries plus the path's τ tokens, then the pending tokens x[path, kept:τ] +
+[y]); on a GPU that is work beside the target's pass. At step t + 1 a request whose real
+outcome was prepared takes that proposal (a *hit*: its tokens, its rows q and its draft state,
+`DraftProposer.adopt`); the others (*misses*) are drafted then, in a fork too.
+
+Why it is lossless and seeded output does not change: a proposal is a function of the prefix,
+the request's K, γ and sampling settings, and the draft's uniforms, which are counter-based
+(workers/sampling.py: a hash of the request's draft key and the step's root position, path and
+depth). A proposal prepared for the real prefix is therefore the one the step would draft on
+demand, the same bits up to the floating-point reassociation a different batch may bring (as
+for batch-mates), and verification sees the rows q it was drawn from. An entry is keyed by
+(request id, root position, the emitted prefix, K, γ): the whole history is the request's own
+tokens up to the root, so a proposal never serves another prefix (tests/test_speculation.py
+has the mutant that does, and the law test that rejects it).
+
+An entry lives one step. The in-process engine prepares after drafting, sequentially: on a
+CPU the draft and the target share the cores, so the cache costs time there and is off by
+default (`fanout` 0); what it measures on a CPU is the hit rate (`hits`, `lookups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.outcomes import predict_outcomes
+from workers.draft import DraftProposer
+from workers.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One proposal of a fork: row `row` of its draft tokens and rows."""
+
+    fork: DraftProposer
+    row: int
+    x: torch.Tensor  # [K, γ] int64
+    q: torch.Tensor  # [K, γ, V]
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What a step asks of the draft, per request: the engine's StepPlan, the parts the cache
+    reads (its rows in batch order)."""
+
+    request_ids: list[str]  # [n]
+    emitted: list[tuple[int, ...] | None]  # [n]: what the last step emitted (None: no step yet)
+    pending: torch.Tensor  # [n, P] int64
+    pending_count: torch.Tensor  # [n] int64, on the host
+    num_paths: list[int]  # [n]: K (0: plain)
+    depth: list[int]  # [n]: γ (0: plain)
+    params: list[SamplingParams]  # [n]
+    draws: torch.Tensor  # [n, 2] int64: (draft key, root position)
+
+
+EntryKey = tuple[str, int, tuple[int, ...], int, int]  # request id, root, prefix, K, γ
+
+
+class SpeculationCache:
+    """Proposals prepared for the likeliest outcomes of the step being verified (module doc)."""
+
+    def __init__(self, fanout: int):
+        if fanout < 1:
+            raise ValueError("speculation fanout must be >= 1")
+        self.fanout = fanout
+        self.entries: dict[EntryKey, Proposal] = {}
+        self.hits = 0  # drafted requests whose outcome was prepared
+        self.lookups = 0  # drafted requests that looked one up (a step after their first)
+        self.prepared = 0  # proposals prepared
+
+    @staticmethod
+    def key(request_id: str, root: int, prefix: tuple[int, ...], k: int, gamma: int) -> EntryKey:
+        return request_id, root, prefix, k, gamma
+
+    def propose(self, draft: DraftProposer, step: Drafting) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's draft tokens [n, K, γ] and rows [n, K, γ, V]: prepared ones where the
+        outcome hit, the rest drafted now; the draft's state then holds every request's
+        proposal (`adopt`), as after `propose`."""
+        roots = step.draws[:, 1].tolist()
+        found: dict[int, Proposal] = {}
+        for i, rid in enumerate(step.request_ids):
+            if step.emitted[i] is None or not step.num_paths[i]:
+                continue
+            self.lookups += 1
+            key = self.key(rid, roots[i], step.emitted[i], step.num_paths[i], step.depth[i])
+            if key in self.entries:
+                found[i] = self.entries[key]
+        self.hits += len(found)
+        self.entries = {}
+        missed = [i for i in range(len(step.request_ids)) if i not in found]
+        chosen = dict(found)
+        if missed:
+            index = torch.tensor(missed)
+            pending = step.pending[index.to(step.pending.device)]
+            now = self._draft(draft, step, missed, None, None, pending,
+                              step.pending_count[index], step.draws[index])  # fmt: skip
+            chosen.update(zip(missed, now, strict=True))
+        rows = [chosen[i] for i in range(len(step.request_ids))]
+        parts: dict[int, tuple[DraftProposer, list[int], list[int]]] = {}
+        for slot, p in enumerate(rows):
+            _, fork_rows, slots = parts.setdefault(id(p.fork), (p.fork, [], []))
+            fork_rows.append(p.row)
+            slots.append(slot)
+        # the step's shape, as `propose` gives it: a fork drafted as wide as its own batch
+        k, gamma = max(max(step.num_paths), 1), max(max(step.depth), 1)
+        draft.adopt(list(parts.values()), gamma)
+        return _stack([p.x for p in rows])[:, :k, :gamma], _stack([p.q for p in rows])[
+            :, :k, :gamma
+        ]
+
+    def prepare(
+        self,
+        draft: DraftProposer,
+        step: Drafting,
+        x: torch.Tensor,  # [n, K, γ] int64: the step's draft tokens
+        q: torch.Tensor,  # [n, K, γ, V]: their rows
+    ) -> None:
+        """Draft the next step's proposal for each drafted request's `fanout` likeliest
+        outcomes (distinct prefixes), in one fork of the draft's state after this step's
+        drafting; they wait in `entries` for the next `propose`."""
+        drafted = [i for i, k in enumerate(step.num_paths) if k]
+        if not drafted:
+            return
+        index = torch.tensor(drafted)
+        xs, qs = x[index.to(x.device)], q[index.to(q.device)]
+        _, k, gamma = xs.shape
+        # the bonus is left out: ranking it needs the draft's row after the whole path, one
+        # forward more than the step drafts (scripts/bench_outcomes.py measures with it)
+        rows = torch.cat([qs, torch.zeros_like(qs[:, :, :1])], dim=2)  # [n, K, γ+1, V]
+        confidence = qs.gather(-1, xs[..., None])[..., 0]  # [n, K, γ]: q(x), the estimate
+        # of acceptance; entries past a request's own K or γ score nothing
+        own = _mask(step, drafted, k, gamma, xs.device)
+        ranked = predict_outcomes(xs, rows * own[..., None], confidence, self.fanout * 2)
+        roots = step.draws[:, 1].tolist()
+        tokens = x.tolist()
+        slots, hypotheses, paths, keep, pending = [], [], [], [], []
+        for b, i in enumerate(drafted):
+            own_paths = [row[: step.depth[i]] for row in tokens[i][: step.num_paths[i]]]
+            taken = 0
+            for prefix in dict.fromkeys(ranked[b]):  # likeliest first, distinct
+                tau = len(prefix) - 1
+                matches = [kk for kk, row in enumerate(own_paths) if row[:tau] == list(prefix[:-1])]
+                if taken == self.fanout or tau > step.depth[i] or not matches:
+                    continue  # a padding entry's outcome, not this request's
+                kept = min(tau, step.depth[i] - 1)  # what commit keeps: the run tokens
+                slots.append(i)
+                hypotheses.append((i, prefix))
+                paths.append(matches[0])  # paths sharing the τ tokens give the same state
+                keep.append(kept)
+                pending.append(list(prefix[kept:]))
+                taken += 1
+        if not hypotheses:
+            return
+        width = max(len(p) for p in pending)
+        padded = torch.tensor([p + [0] * (width - len(p)) for p in pending])
+        counts = torch.tensor([len(p) for p in pending])
+        draws = torch.tensor(
+            [[int(step.draws[i, 0]), roots[i] + len(prefix)] for i, prefix in hypotheses]
+        )
+        proposals = self._draft(draft, step, slots, torch.tensor(paths), torch.tensor(keep),
+                                padded.to(draft.device), counts, draws)  # fmt: skip
+        for (i, prefix), proposal in zip(hypotheses, proposals, strict=True):
+            key = self.key(step.request_ids[i], roots[i] + len(prefix), prefix,
+                           step.num_paths[i], step.depth[i])  # fmt: skip
+            self.entries[key] = proposal
+        self.prepared += len(proposals)
+
+    @staticmethod
+    def _draft(
+        draft: DraftProposer,
+        step: Drafting,
+        slots: list[int],  # [H]: the batch row (draft slot) each proposal starts from
+        path: torch.Tensor | None,  # [H] int64: the path whose first tokens are kept first
+        keep: torch.Tensor | None,  # [H] int64: how many (None: an on-demand proposal)
+        pending: torch.Tensor,  # [H, P] int64, on the draft's device
+        pending_count: torch.Tensor,  # [H] int64, on the host
+        draws: torch.Tensor,  # [H, 2] int64
+    ) -> list[Proposal]:
+        """Proposals drafted in one fork of the draft's state at `slots`, each with its
+        slot's K, γ and sampling settings."""
+        # a plain request only runs its pending tokens: it drafts one token nobody reads, so
+        # that a fork of plain requests alone has a path to draft
+        paths = [max(step.num_paths[i], 1) for i in slots]
+        gammas = [max(step.depth[i], 1) for i in slots]
+        fork = draft.fork(slots, room=pending.shape[1] + max(gammas))
+        if keep is not None:  # the step's path tokens first, as its commit would keep them
+            fork.commit(path, keep)
+        x, q = fork.propose(
+            pending, pending_count, paths, gammas, [step.params[i] for i in slots], draws
+        )
+        return [Proposal(fork, h, x[h], q[h]) for h in range(len(slots))]
+
+
+def _mask(step: Drafting, rows: list[int], k: int, gamma: int, device) -> torch.Tensor:
+    """[n, K, γ+1] 1.0 where row i's path and depth are its own (and its bonus slot), else 0."""
+    paths = torch.tensor([step.num_paths[i] for i in rows])[:, None, None]
+    depths = torch.tensor([step.depth[i] for i in rows])[:, None, None]
+    k_ok = torch.arange(k)[None, :, None] < paths
+    g_ok = torch.arange(gamma + 1)[None, None, :] <= depths
+    return (k_ok & g_ok).float().to(device)
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different K and γ, zero padded to the widest: [n, K, γ, ...]."""
+    shape = [max(p.shape[d] for p in parts) for d in range(parts[0].dim())]
+    out = parts[0].new_zeros(len(parts), *shape)
+    for i, p in enumerate(parts):
+        out[(i, *(slice(0, s) for s in p.shape))] = p
+    return out

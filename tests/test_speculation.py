@@ -1,0 +1,247 @@
+"""The speculation cache (service/speculation.py) and the counter-based draft uniforms it rests
+on (workers/sampling.py), on the tiny random pairs through the in-process engine.
+
+- Seeded output is the same with the cache on and off, alone and in a batch mixing every method,
+  K and γ (plain requests included), at T = 1 and 0.7, and the cache does hit.
+- Exact output law (chi-square, the engine-level test of tests/test_engine.py: 12,000 seeded
+  requests, 4 tokens over γ = 2, so every request crosses a step) with the cache on, when every
+  outcome is prepared (forced hits: the fan-out covers all of them) and when none is (forced
+  misses: every proposal drafted on demand in a fork).
+- Two lossy mutants are rejected by the same law test: a cache whose key forgets the emitted
+  token y (a proposal reused for the wrong prefix; under greedy_block and spectr_gbv, whose
+  carried record was written against the draft's law at the real prefix), and draft uniforms
+  keyed by the drafted token's own position (a redraft then reuses the uniforms the rejected
+  block's verification read; under block verification).
+
+Power: at 12,000 trials the law test's 256 cells (V = 4, 4 tokens) reject a deviation of
+noncentrality λ ≈ 60 with probability > 0.9 at ALPHA; each mutant is required to reach a
+p-value below 1e-6, so a mutant that passed would show in the test, not hide behind chance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from harness import ALPHA, WindowModel, decode_loop, loop_law_pvalue, method_step
+from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine, tiny_pair
+
+from service.requests import GenerationRequest, make_request
+from service.speculation import SpeculationCache
+from workers.sampling import SamplingParams, _shr, draft_key, draft_uniforms, splitmix64
+
+TRIALS = 12_000
+PROMPT, GAMMA, LENGTH = [1, 3, 0], 2, 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(vocab=48)
+
+
+@functools.cache
+def narrow_pair(noise: float):
+    """The engine law tests' V = 4 pair (its draft a copy of the target with noise this large),
+    and the target's exact law of 4 tokens."""
+    _, target, draft = tiny_pair(vocab=4, seed=5, noise=noise)
+    return target, draft, exact_target_law(target, PROMPT, LENGTH, 4)
+
+
+def law_pvalue(noise: float, method: str, k: int, cache: SpeculationCache) -> float:
+    target, draft, law = narrow_pair(noise)
+    engine = make_engine(target, draft, max_batch=2_000, max_len=16, speculation=cache)
+    return engine_law_pvalue(engine, law, PROMPT, GAMMA, method, k, TRIALS)[0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_seeded_output_is_the_same_with_the_cache_on_and_off(pair, temperature):
+    _, target, draft = pair
+    sampling = SamplingParams(temperature, top_k=20 if temperature < 1 else 0)
+    cache = SpeculationCache(fanout=8)
+    off = make_engine(target, draft, max_batch=len(MIXED))
+    on = make_engine(target, draft, max_batch=len(MIXED), speculation=cache)
+
+    def requests(seed: int) -> list[GenerationRequest]:
+        return [
+            make_request(off.limits, [5, 1 + i, 7, 3], 24, m, kk, g, sampling, seed=seed + i)
+            for i, (m, kk, g) in enumerate(MIXED)
+        ]
+
+    for seed in (0, 100):
+        alone = [off.generate([r])[0].token_ids for r in requests(seed)]
+        assert [on.generate([r])[0].token_ids for r in requests(seed)] == alone, seed
+        assert [r.token_ids for r in on.generate(requests(seed))] == alone, seed
+    assert 0 < cache.hits < cache.lookups and cache.prepared >= cache.hits
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_the_drafts_state_after_each_step_is_the_one_drafting_on_demand_leaves(pair, temperature):
+    """Cache on and off in lockstep over a mixed batch whose widest request (γ = 5) finishes
+    first: after every step both drafts hold the same committed tokens (lengths, and keys and
+    values to float tolerance), so a hit leaves what a miss would have. Greedy, the others
+    accept whole blocks right after the widest leaves (a hit's proposal was drafted beside it)."""
+    _, target, draft = pair
+    cache = SpeculationCache(fanout=8)
+    engines = [
+        make_engine(target, draft, max_batch=len(MIXED)),
+        make_engine(target, draft, max_batch=len(MIXED), speculation=cache),
+    ]
+    for engine in engines:
+        for i, (m, kk, g) in enumerate(MIXED):
+            length = 2 if g == 5 else 30
+            sampling = SamplingParams(temperature)
+            engine.add(
+                make_request(engine.limits, [5, 1 + i, 7, 3], length, m, kk, g, sampling, seed=i)
+            )
+    while engines[0].active or engines[0].waiting:
+        for engine in engines:
+            engine.step()
+        off, on = (e.draft.cache for e in engines)
+        n = len(engines[0].active)
+        assert [a.output for a in engines[0].active] == [a.output for a in engines[1].active]
+        assert torch.equal(off.lengths[:n], on.lengths[:n])
+        for i, length in enumerate(off.lengths[:n].tolist()):
+            for a, b in ((off.k, on.k), (off.v, on.v)):  # entries of magnitude ~10
+                gap = (a[:, i, :, :length] - b[:, i, :, :length]).abs().max()
+                assert gap < 1e-3, (i, float(gap))
+    assert cache.hits > 0
+
+
+class NeverHits(SpeculationCache):
+    """Forced misses: nothing is prepared, every proposal is drafted on demand in a fork."""
+
+    def prepare(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("method", "k", "fanout"),
+    [("block", 1, 12), pytest.param("gbv", 2, 24, marks=pytest.mark.slow)],
+)
+def test_output_law_with_every_outcome_prepared(method, k, fanout):
+    """Forced hits: the fan-out covers every prefix a step can emit (K·(γ+1)·V = 12 per path)."""
+    cache = SpeculationCache(fanout)
+    pvalue = law_pvalue(0.3, method, k, cache)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    assert cache.hits == cache.lookups > 0
+
+
+@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("traversal", 2)])
+def test_output_law_with_every_proposal_drafted_on_demand(method, k):
+    cache = NeverHits(fanout=1)
+    pvalue = law_pvalue(0.3, method, k, cache)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    assert cache.hits == 0 and cache.lookups > 0
+
+
+class ForgetsTheToken(SpeculationCache):
+    """Mutant: entries keyed without the emitted token y, so a proposal prepared for one
+    prefix serves another that differs in its last token."""
+
+    @staticmethod
+    def key(request_id, root, prefix, k, gamma):
+        return request_id, root, prefix[:-1], k, gamma
+
+
+# The carried records of greedy_block and spectr_gbv are written against the draft's law at the
+# real prefix; a proposal drawn for another prefix is still drawn from the q it reports, so the
+# methods without a carry stay lossless under this mutant (not a case here). The pair with the
+# farther draft (noise 1.0) makes the wrong prefix's law differ enough to show at 12,000 trials;
+# on it, the real cache at the same fan-out (a mix of hits and misses) is the control.
+@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("spectr_gbv", 2)])
+def test_output_law_with_hits_and_misses(method, k):
+    cache = SpeculationCache(fanout=4)
+    pvalue = law_pvalue(1.0, method, k, cache)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    assert 0 < cache.hits < cache.lookups
+
+
+@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("spectr_gbv", 2)])
+def test_a_proposal_reused_for_the_wrong_prefix_is_rejected(method, k):
+    pvalue = law_pvalue(1.0, method, k, ForgetsTheToken(fanout=4))
+    assert pvalue < 1e-5, f"{method}: the mutant passed, p = {pvalue:.2e}"
+
+
+def uniforms_keyed_by_the_token_position(draws: torch.Tensor, k: int, gamma: int):
+    """Mutant of draft_uniforms: the drafted token's own position (root + 1 + depth) instead
+    of (root, depth), so a redraft at a position reuses the rejected draft's uniform there."""
+    key, root = draws[:, 0, None, None], draws[:, 1, None, None]
+    path = torch.arange(k)[None, :, None]
+    position = root + 1 + torch.arange(gamma)[None, None, :]
+    h = splitmix64(splitmix64(splitmix64(key) ^ position) ^ (path << 32))
+    return _shr(h, 11).double() * 2.0**-53
+
+
+# Loop-level tables (tests/harness.py), V = 3, Markov on the last token, where a reused uniform
+# shows: the draft's row is the same after every context ({0, 1} at 1/2 each), so a redraft
+# keyed by the token's position redraws exactly the token the last step drafted there, which
+# the outcome (a rejection before it) made unlikely to be one the target favours.
+FLAT_DRAFT = WindowModel.from_fn(3, 1, lambda prefix: [0.5, 0.5, 0.0])
+TARGET_ROWS = {
+    # asymmetric after 0 and 1: a block rejected at depth 0 carried a skewed second token
+    "asymmetric": {
+        None: [0.3, 0.3, 0.4],
+        0: [0.9, 0.05, 0.05],
+        1: [0.5, 0.4, 0.1],
+        2: [0.1, 0.1, 0.8],
+    },
+    # symmetric: what multi-path GBV's choice of path skews
+    "symmetric": {
+        None: [0.3, 0.3, 0.4],
+        0: [0.9, 0.05, 0.05],
+        1: [0.05, 0.9, 0.05],
+        2: [0.1, 0.1, 0.8],
+    },
+}
+LOOP_CASES = [
+    ("block", 1, "asymmetric"),
+    ("greedy_block", 1, "asymmetric"),
+    ("gbv", 2, "symmetric"),
+]
+
+
+def loop_pvalue(method: str, k: int, table: str, uniforms) -> float:
+    """The loop law (200,000 trials, γ = 2, 4 tokens) with the draft's tokens drawn from
+    counter-based uniforms (`uniforms`, keyed by each trial's key and root position)."""
+    rows = TARGET_ROWS[table]
+    target = WindowModel.from_fn(3, 1, lambda prefix: rows[prefix[-1] if prefix else None])
+    seq = decode_loop(
+        method_step(method), target, FLAT_DRAFT, 200_000, k, 2, 4, seed=3, draft_uniforms=uniforms
+    )
+    return loop_law_pvalue(seq, target)
+
+
+@pytest.mark.parametrize(("method", "k", "table"), [*LOOP_CASES, ("token", 1, "asymmetric")])
+def test_loop_law_with_the_engines_counter_based_draft_uniforms(method, k, table):
+    pvalue = loop_pvalue(method, k, table, draft_uniforms)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize(("method", "k", "table"), LOOP_CASES)
+def test_draft_uniforms_keyed_by_the_token_position_are_rejected(method, k, table):
+    """The mutant is lossy under methods whose outcome reads the block past the rejection
+    (token verification reads no further than it, and stays lossless: not a case here)."""
+    pvalue = loop_pvalue(method, k, table, uniforms_keyed_by_the_token_position)
+    assert pvalue < 1e-6, f"{method}: the mutant passed, p = {pvalue:.2e}"
+
+
+def test_the_mutant_uniforms_are_uniform_alone():
+    """The mutant's uniforms are as uniform as the real ones: what makes it lossy is only
+    their reuse across steps."""
+    draws = torch.tensor([[draft_key(s), 9] for s in range(4096)])
+    u = uniforms_keyed_by_the_token_position(draws, 2, 8)
+    counts = torch.histc(u.flatten().float(), bins=16, min=0.0, max=1.0)
+    expected = u.numel() / 16
+    assert float(((counts - expected) ** 2 / expected).sum()) < 60.0  # 15 dof: P ≈ 1e-7
+
+
+def test_a_feature_draft_is_refused_with_the_reason():
+    from test_feature_draft import random_fc
+
+    from service.engine import speculation_cache
+    from workers.proposers import build_proposer
+
+    _, _, draft = tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
+    with pytest.raises(ValueError, match="token draft"):
+        speculation_cache(build_proposer(draft, 2, 32), 4)
