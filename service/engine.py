@@ -827,10 +827,18 @@ class SpeculativeEngine:
         return [results[i] for i in ids]
 
 
-def speculation_cache(draft: LocalDraft, fanout: int) -> SpeculationCache | None:
-    """The speculation cache of fan-out `fanout` for `draft` (None when 0). A feature draft is
-    refused: a proposal prepared while the target verifies cannot read the target's features
-    of the positions that verification accepts, which its law reads."""
+def speculation_cache(
+    draft: LocalDraft, fanout: int, downweight: float = 1.0
+) -> SpeculationCache | None:
+    """The speculation cache of fan-out `fanout` for `draft` (None when 0); with `downweight`
+    < 1 the draft samples its rows with their `fanout` likeliest tokens scaled by it (Saguaro
+    sampling: a different, still lossless draft law whose rejections recover the tokens the
+    cache prepares; workers/sampling.downweight_top). A feature draft is refused: a proposal
+    prepared while the target verifies cannot read the target's features of the positions
+    that verification accepts, which its law reads."""
+    if not 0 < downweight <= 1:
+        raise ValueError("speculation: downweight must be in (0, 1]")
+    draft.downweight = (fanout, downweight) if fanout and downweight < 1 else None
     if not fanout:
         return None
     if draft.feed.reads_features:
@@ -854,12 +862,14 @@ def build_engine(
     packed: bool | None = None,
     prefix_caching: bool = True,
     speculation: int = 0,
+    speculation_downweight: float = 1.0,
 ):
     """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
     at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
     pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
-    the speculation cache with that fan-out (service/speculation.py; token drafts only).
+    the speculation cache with that fan-out (service/speculation.py; token drafts only), and
+    `speculation_downweight` < 1 Saguaro sampling (`speculation_cache`).
     Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
@@ -869,7 +879,7 @@ def build_engine(
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
-    cache = speculation_cache(draft, speculation)
+    cache = speculation_cache(draft, speculation, speculation_downweight)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:

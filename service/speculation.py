@@ -33,7 +33,7 @@ import torch
 
 from service.outcomes import predict_outcomes
 from workers.draft import DraftProposer
-from workers.sampling import SamplingParams
+from workers.sampling import SamplingParams, downweight_top
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class SpeculationCache:
 
     def __init__(self, fanout: int):
         if fanout < 1:
-            raise ValueError("speculation fanout must be >= 1")
+            raise ValueError("speculation: the fan-out must be >= 1")
         self.fanout = fanout
         self.entries: dict[EntryKey, Proposal] = {}
         self.hits = 0  # drafted requests whose outcome was prepared
@@ -134,7 +134,8 @@ class SpeculationCache:
         _, k, gamma = xs.shape
         # the bonus is left out: ranking it needs the draft's row after the whole path, one
         # forward more than the step drafts (scripts/bench_outcomes.py measures with it)
-        rows = torch.cat([qs, torch.zeros_like(qs[:, :, :1])], dim=2)  # [n, K, γ+1, V]
+        residual = qs if draft.downweight is None else residual_estimate(qs, *draft.downweight)
+        rows = torch.cat([residual, torch.zeros_like(qs[:, :, :1])], dim=2)  # [n, K, γ+1, V]
         confidence = qs.gather(-1, xs[..., None])[..., 0]  # [n, K, γ]: q(x), the estimate
         # of acceptance; entries past a request's own K or γ score nothing
         own = _mask(step, drafted, k, gamma, xs.device)
@@ -197,6 +198,21 @@ class SpeculationCache:
             pending, pending_count, paths, gammas, [step.params[i] for i in slots], draws
         )
         return [Proposal(fork, h, x[h], q[h]) for h in range(len(slots))]
+
+
+def residual_estimate(
+    q: torch.Tensor,  # [..., V]: rows a Saguaro draft sampled from (downweight_top)
+    count: int,
+    factor: float,
+) -> torch.Tensor:
+    """Where the recovered token is expected after a rejection: the residual (p̂ - q)+ with
+    the draft's own row before downweighting standing in for p (its top tokens scaled back up
+    by 1 / factor: approximate where the scaling reordered them), normalised; a row whose
+    estimate has no mass keeps q. [..., V]."""
+    undone = downweight_top(q, count, 1.0 / factor)
+    residual = (undone - q).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), q)
 
 
 def _mask(step: Drafting, rows: list[int], k: int, gamma: int, device) -> torch.Tensor:

@@ -27,9 +27,18 @@ import torch
 from harness import ALPHA, WindowModel, decode_loop, loop_law_pvalue, method_step
 from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine, tiny_pair
 
+from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
 from service.speculation import SpeculationCache
-from workers.sampling import SamplingParams, _shr, draft_key, draft_uniforms, splitmix64
+from workers.proposers import build_proposer
+from workers.sampling import (
+    SamplingParams,
+    _shr,
+    downweight_top,
+    draft_key,
+    draft_uniforms,
+    splitmix64,
+)
 
 TRIALS = 12_000
 PROMPT, GAMMA, LENGTH = [1, 3, 0], 2, 4
@@ -125,6 +134,27 @@ def test_output_law_with_every_outcome_prepared(method, k, fanout):
     pvalue = law_pvalue(0.3, method, k, cache)
     assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
     assert cache.hits == cache.lookups > 0
+
+
+def test_output_law_with_saguaro_sampling():
+    """The draft's rows with their 4 likeliest tokens scaled by 0.3 (another draft law, the
+    one it reports): the output keeps the target's law, hits and misses mixed."""
+    target, draft, law = narrow_pair(0.3)
+    engine = make_engine(target, draft, max_batch=2_000, max_len=16)
+    cache = speculation_cache(engine.draft, 4, downweight=0.3)
+    engine.executor.speculation = cache
+    pvalue = engine_law_pvalue(engine, law, PROMPT, GAMMA, "spectr_gbv", 2, TRIALS)[0]
+    assert pvalue > ALPHA, f"p = {pvalue:.2e}"
+    assert engine.draft.downweight == (4, 0.3) and 0 < cache.hits < cache.lookups
+
+
+def test_downweighted_rows_scale_the_top_tokens_and_keep_one_hot_rows():
+    rows = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.0, 1.0, 0.0, 0.0]])
+    out = downweight_top(rows, 2, 0.5)
+    expected = torch.tensor([0.1, 0.2, 0.2, 0.15]) / 0.65
+    assert torch.allclose(out[0], expected) and torch.equal(out[1], rows[1])
+    with pytest.raises(ValueError, match="downweight"):
+        speculation_cache(None, 4, downweight=0.0)
 
 
 @pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("traversal", 2)])
@@ -238,9 +268,6 @@ def test_the_mutant_uniforms_are_uniform_alone():
 
 def test_a_feature_draft_is_refused_with_the_reason():
     from test_feature_draft import random_fc
-
-    from service.engine import speculation_cache
-    from workers.proposers import build_proposer
 
     _, _, draft = tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
     with pytest.raises(ValueError, match="token draft"):

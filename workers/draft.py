@@ -31,7 +31,13 @@ import torch
 
 from workers.llama import KVCache, Llama
 from workers.protocols import DraftFeed
-from workers.sampling import SamplingParams, draft_uniforms, process, sample_drafts
+from workers.sampling import (
+    SamplingParams,
+    downweight_top,
+    draft_uniforms,
+    process,
+    sample_drafts,
+)
 
 
 class DraftProposer(ABC):
@@ -45,6 +51,9 @@ class DraftProposer(ABC):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
+        # Saguaro sampling (workers/sampling.downweight_top): (count, factor), or None: the
+        # draft's law is its processed rows as they are
+        self.downweight: tuple[int, float] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -116,7 +125,7 @@ class DraftProposer(ABC):
         root = self._run_pending(pending, pending_count, pending_features, own)  # [n, E]
         # a feature draft's output at the root stands in for the target's there
         feats = self._next_features(root[:, None, None].expand(n, k, 1, -1))
-        q_root = process(self.model.head_logits(root)[:, None], params)  # [n, 1, Vh]
+        q_root = self._law(self.model.head_logits(root)[:, None], params)  # [n, 1, Vh]
         rows = [q_root.expand(n, k, -1)]
         tokens = [draw(rows[0], 0)]  # [n, K]
         base = self.cache.lengths[:n]
@@ -131,11 +140,17 @@ class DraftProposer(ABC):
             feats = self._next_features(hidden)
             ks.append(nk)
             vs.append(nv)
-            rows.append(process(self.model.head_logits(hidden[:, :, 0]), params))
+            rows.append(self._law(self.model.head_logits(hidden[:, :, 0]), params))
             tokens.append(draw(rows[-1], i))
         self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
         q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
         return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
+
+    def _law(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The rows the draft samples from and reports: [n, R, Vh] logits processed with each
+        request's settings, then downweighted where Saguaro sampling is on."""
+        rows = process(logits, params)
+        return rows if self.downweight is None else downweight_top(rows, *self.downweight)
 
     def _run_pending(
         self,

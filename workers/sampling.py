@@ -142,6 +142,21 @@ def sample_drafts(
     return sample_from_weights(probs.reshape(n * k, vocab), u.reshape(-1)).view(n, k)
 
 
+def downweight_top(
+    probs: torch.Tensor,  # [..., V]: processed rows
+    count: int,
+    factor: float,
+) -> torch.Tensor:
+    """Saguaro sampling (SSD, arXiv 2603.03251): each row's `count` likeliest tokens scaled by
+    `factor` (< 1), renormalised: [..., V]. A draft that samples from these rows, and reports
+    them, stays lossless (verification reads the rows it drew from); after a rejection the
+    residual (p - q)+ then puts its mass where the draft ranks its top tokens, the outcomes a
+    speculation cache prepares (service/speculation.py). A one-hot row stays one-hot."""
+    top = probs.topk(min(count, probs.shape[-1]), dim=-1).indices
+    scaled = probs.scatter(-1, top, probs.gather(-1, top) * factor)
+    return scaled / scaled.sum(-1, keepdim=True)
+
+
 def sample(
     probs: torch.Tensor,  # [n, R, V]: R rows per request
     generators: list[torch.Generator],  # one per request

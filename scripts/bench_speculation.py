@@ -1,0 +1,114 @@
+"""The speculation cache on a real pair: hit rate by fan-out F and verifier, and seeded output
+with the cache on equal to it off (service/speculation.py; issue 45).
+
+The cache prepares proposals for token drafts only, so the pair is the default target with its
+token-only draft (workers/models.py: TOKEN_ONLY_DRAFT; the default feature draft is refused,
+see the module doc). For each verifier the same seeded requests (the everyday held-out prompts,
+loadtest/everyday.py) run once with the cache off, then once per F with it on; a hit is a
+drafted request whose real outcome had a prepared proposal. The draft phase's seconds include
+the preparing: in this process it runs after the step's own draft, on the same cores, so on a
+CPU the cache only costs (the wall-clock gain needs the draft and the target on separate
+devices or streams).
+
+    .venv/bin/python scripts/bench_speculation.py --json docs/speculation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadtest.everyday import everyday_ids  # noqa: E402
+from service.engine import build_engine, speculation_cache  # noqa: E402
+from service.requests import make_request  # noqa: E402
+from workers.models import DEFAULT_TARGET, TOKEN_ONLY_DRAFT  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+
+def run(engine, prompts, method, k, args, fanout: int, downweight: float = 1.0) -> dict:
+    cache = speculation_cache(engine.draft, fanout, downweight)
+    engine.executor.speculation = cache
+    engine.reset_stats()
+    sampling = SamplingParams(args.temperature)
+    reqs = [
+        make_request(engine.limits, p, args.new_tokens, method, k, args.gamma, sampling, seed=i)
+        for i, p in enumerate(prompts)
+    ]
+    start = time.perf_counter()
+    results = engine.generate(reqs)
+    wall = time.perf_counter() - start
+    calls = sum(r.stats.target_calls for r in results)
+    row = dict(
+        outputs=[r.token_ids for r in results],
+        wall_s=round(wall, 2),
+        draft_s=round(engine.times.draft, 2),
+        block_efficiency=round(sum(len(r.token_ids) for r in results) / calls, 3),
+    )
+    if cache is not None:
+        row.update(
+            hits=cache.hits,
+            lookups=cache.lookups,
+            hit_rate=round(cache.hits / max(cache.lookups, 1), 3),
+            prepared_per_lookup=round(cache.prepared / max(cache.lookups, 1), 2),
+        )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--draft", default=str(TOKEN_ONLY_DRAFT))
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--methods", nargs="+", default=["block", "gbv"])
+    ap.add_argument("--k", type=int, default=2, help="K of gbv (block: 1)")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--fanout", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument(
+        "--downweight", type=float, nargs="+", default=[1.0],
+        help="Saguaro factors: the draft's F likeliest tokens scaled by it (1: off)",
+    )  # fmt: skip
+    ap.add_argument("--per-kind", type=int, default=1, help="everyday prompts per kind")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine, tok = build_engine(args.draft, args.target, args.batch, 1024)
+    prompts = [ids for _, ids in everyday_ids(tok, 1024 - args.new_tokens - 8, args.per_kind)]
+    result = dict(prompts=len(prompts), new_tokens=args.new_tokens, rows={})
+    started = time.time()
+    for method in args.methods:
+        k = args.k if method == "gbv" else 1
+        off = run(engine, prompts, method, k, args, 0)
+        key = f"{method} K={k} gamma={args.gamma} T={args.temperature}"
+        rows = {"off": {n: v for n, v in off.items() if n != "outputs"}}
+        print(key, "off", rows["off"], flush=True)
+        for downweight in args.downweight:
+            for fanout in args.fanout:
+                on = run(engine, prompts, method, k, args, fanout, downweight)
+                outputs = on.pop("outputs")
+                if downweight == 1:  # Saguaro sampling is another draft law: other outputs
+                    on["same_output_as_off"] = outputs == off["outputs"]
+                name = f"F={fanout}" + ("" if downweight == 1 else f" downweight={downweight}")
+                rows[name] = on
+                print(key, name, on, flush=True)
+        result["rows"][key] = rows
+    result["minutes"] = round((time.time() - started) / 60, 1)
+    result["command"] = "python " + " ".join(sys.argv)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
