@@ -72,6 +72,12 @@ class ReplicaConfig(BaseModel):
     # Requests without a session reuse the longest parked prefix of their principal's earlier
     # requests and park their own KV (automatic prefix caching); False: sessions only.
     prefix_caching: bool = True
+    # Speculation cache (service/speculation.py): the draft actor prepares the next step's
+    # proposals for this many likeliest verification outcomes while the target verifies
+    # (0: off; token drafts only), sampling with its top tokens scaled by the downweight (1:
+    # plain sampling; < 1: Saguaro sampling, another lossless draft law).
+    speculation: int = Field(0, ge=0)
+    speculation_downweight: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(512, ge=1)  # per-request limit
     max_k: int = Field(4, ge=1)
     max_gamma: int = Field(16, ge=1)

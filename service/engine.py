@@ -58,7 +58,7 @@ import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
-from service.speculation import Drafting, SpeculationCache
+from service.speculation import Drafting, SpeculationCache, speculation_cache
 from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
@@ -383,7 +383,7 @@ class RayExecutor:
         if plan.drafted:
             draft_args = (
                 plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.draws,
-                plan.pending_features, plan.own_features,
+                plan.pending_features, plan.own_features, (plan.request_ids, plan.emitted),
             )  # fmt: skip
         verify_here = functools.partial(verify_on_host, plan.verification)
         return self.target.speculate(
@@ -825,28 +825,6 @@ class SpeculativeEngine:
             for res in self.step().finished:
                 results[res.request_id] = res
         return [results[i] for i in ids]
-
-
-def speculation_cache(
-    draft: LocalDraft, fanout: int, downweight: float = 1.0
-) -> SpeculationCache | None:
-    """The speculation cache of fan-out `fanout` for `draft` (None when 0); with `downweight`
-    < 1 the draft samples its rows with their `fanout` likeliest tokens scaled by it (Saguaro
-    sampling: a different, still lossless draft law whose rejections recover the tokens the
-    cache prepares; workers/sampling.downweight_top). A feature draft is refused: a proposal
-    prepared while the target verifies cannot read the target's features of the positions
-    that verification accepts, which its law reads."""
-    if not 0 < downweight <= 1:
-        raise ValueError("speculation: downweight must be in (0, 1]")
-    draft.downweight = (fanout, downweight) if fanout and downweight < 1 else None
-    if not fanout:
-        return None
-    if draft.feed.reads_features:
-        raise ValueError(
-            "speculation: the speculation cache needs a token draft; this draft reads the "
-            "target's features (a feature draft), which no proposal made before verification has"
-        )
-    return SpeculationCache(fanout)
 
 
 def build_engine(

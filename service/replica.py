@@ -90,7 +90,8 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
         cpus, gpus, custom = per_actor.num_cpus, per_actor.num_gpus, per_actor.resources
         return ActorSpec(path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus, custom)
 
-    draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len)
+    speculation = (cfg.speculation, cfg.speculation_downweight)
+    draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len, speculation)
     target_spec = actor_spec(cfg.target_dir, cfg.target_shard)
     target = start_target(target_spec, cfg.tensor_parallel, slots, max_len)
     draft.wait_ready()  # loaded while the target shards were starting

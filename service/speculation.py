@@ -200,6 +200,28 @@ class SpeculationCache:
         return [Proposal(fork, h, x[h], q[h]) for h in range(len(slots))]
 
 
+def speculation_cache(
+    draft: DraftProposer, fanout: int, downweight: float = 1.0
+) -> SpeculationCache | None:
+    """The speculation cache of fan-out `fanout` for `draft` (None when 0); with `downweight`
+    < 1 the draft samples its rows with their `fanout` likeliest tokens scaled by it (Saguaro
+    sampling: a different, still lossless draft law whose rejections recover the tokens the
+    cache prepares; workers/sampling.downweight_top). A feature draft is refused: a proposal
+    prepared while the target verifies cannot read the target's features of the positions
+    that verification accepts, which its law reads."""
+    if not 0 < downweight <= 1:
+        raise ValueError("speculation: downweight must be in (0, 1]")
+    draft.downweight = (fanout, downweight) if fanout and downweight < 1 else None
+    if not fanout:
+        return None
+    if draft.feed.reads_features:
+        raise ValueError(
+            "speculation: the speculation cache needs a token draft; this draft reads the "
+            "target's features (a feature draft), which no proposal made before verification has"
+        )
+    return SpeculationCache(fanout)
+
+
 def residual_estimate(
     q: torch.Tensor,  # [..., V]: rows a Saguaro draft sampled from (downweight_top)
     count: int,

@@ -272,3 +272,42 @@ def test_a_feature_draft_is_refused_with_the_reason():
     _, _, draft = tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
     with pytest.raises(ValueError, match="token draft"):
         speculation_cache(build_proposer(draft, 2, 32), 4)
+
+
+@pytest.mark.xdist_group("ray")
+def test_through_the_actors_the_cache_keeps_the_law_and_the_seeded_output(service, tmp_path):
+    """A replica's draft actor with a speculation cache (prepared while the target actor
+    verifies): the output law (6,000 requests, spectr_gbv K = 2: a carried method) and the
+    seeded outputs equal the in-process engine's without a cache, and the cache hit."""
+    from test_draft_kinds import GAMMA as G
+    from test_draft_kinds import LENGTH as L
+    from test_draft_kinds import PROMPT as P
+    from test_draft_kinds import VOCAB, save_pair
+
+    from service.config import ReplicaConfig
+    from service.replica import build_remote_engine
+    from tests.live_service import stop_remote_engine
+    from workers.models import load_model
+
+    draft_dir, target_dir = save_pair(tmp_path, "token")
+    target, draft = load_model(target_dir).build(), load_model(draft_dir).build()
+    law = exact_target_law(target, P, L, VOCAB)
+    cfg = ReplicaConfig(
+        draft_dir=str(draft_dir),
+        target_dir=str(target_dir),
+        max_batch=256,
+        max_sessions=0,
+        max_len=32,
+        speculation=4,
+    )
+    remote, _ = build_remote_engine(cfg)
+    try:
+        pvalue, through = engine_law_pvalue(remote, law, P, G, "spectr_gbv", 2, 6_000)
+        stats = remote.draft.speculation_stats()
+    finally:
+        stop_remote_engine(remote)
+    assert pvalue > ALPHA, f"p = {pvalue:.2e}"
+    assert 0 < stats["hits"] < stats["lookups"]
+    local = make_engine(target, draft, max_batch=256, max_len=32)
+    _, alone = engine_law_pvalue(local, law, P, G, "spectr_gbv", 2, 6_000)
+    assert [r.token_ids for r in through] == [r.token_ids for r in alone]

@@ -104,12 +104,27 @@ def _actor_device(device: str) -> str:
 
 @ray.remote
 class DraftActor:
-    def __init__(self, path: str, slots: int, max_len: int, dtype: str, device: str, threads: int):
+    def __init__(
+        self,
+        path: str,
+        slots: int,
+        max_len: int,
+        dtype: str,
+        device: str,
+        threads: int,
+        speculation: tuple[int, float] = (0, 1.0),  # fan-out and downweight (0: no cache)
+    ):
+        from service.speculation import speculation_cache
+
         use_numpy_wire()
         torch.set_num_threads(threads)
         device = _actor_device(device)
         model = load_model(path, dtype, device).build()
         self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
+        # The speculation cache lives here, beside the draft state it forks and adopts: the
+        # coordinator sends each step's request ids and emitted prefixes (the lookup keys)
+        self.speculation = speculation_cache(self.worker, *speculation)
+        self._last: tuple | None = None  # (drafting, x, q) of the last proposal: `prepare`
 
     def ready(self) -> None:
         """Returns once the constructor (model load) has run; raises what it raised."""
@@ -135,17 +150,46 @@ class DraftActor:
 
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
     def propose(
-        self, pending, pending_count, paths, depths, draws, features, own, params
+        self, pending, pending_count, paths, depths, draws, features, own, keys, params
     ) -> Drafted:
-        """The proposer's propose (draws: [n, 2] draft keys and root positions)."""
+        """The proposer's propose (draws: [n, 2] draft keys and root positions; keys: the
+        requests' ids and last emitted prefixes, what the speculation cache looks up)."""
         start = time.perf_counter()
-        x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
-            pending, pending_count, paths, depths, params, draws, features,
-            whole_vocab=False, own=own,
-        )  # fmt: skip
+        if self.speculation is not None:
+            from service.speculation import Drafting
+
+            pending = pending.to(self.worker.device, non_blocking=True)
+            drafting = Drafting(*keys, pending, pending_count, paths, depths, params, draws)
+            x, q = self.speculation.propose(self.worker, drafting)
+            self._last = (drafting, x, q)
+            head = self.worker.model.head_vocab  # q goes on the head's ids, as below
+            q = q if head is None else q.index_select(-1, head)
+        else:
+            x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
+                pending, pending_count, paths, depths, params, draws, features,
+                whole_vocab=False, own=own,
+            )  # fmt: skip
         rows = q.cpu().numpy()  # numpy: zero-copy through the object store, unlike torch
         rows = ray.put(rows) if rows.nbytes > STORE_BYTES else rows
         return Drafted(x.cpu(), rows, time.perf_counter() - start)
+
+    def speculation_stats(self) -> dict[str, int]:
+        """The speculation cache's counters (service/speculation.py); empty without one."""
+        cache = self.speculation
+        if cache is None:
+            return {}
+        return dict(hits=cache.hits, lookups=cache.lookups, prepared=cache.prepared)
+
+    @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
+    def prepare(self) -> tuple[None, float]:
+        """Prepare the next step's proposals for the last proposal's likeliest outcomes
+        (service/speculation.py). Posted right after `propose`, so it runs here while the
+        target shards score and verify that proposal; the engine's commit comes after it."""
+        start = time.perf_counter()
+        if self._last is not None:
+            self.speculation.prepare(self.worker, *self._last)
+            self._last = None
+        return None, time.perf_counter() - start
 
 
 @dataclass
@@ -360,9 +404,22 @@ class RemoteDraft(_Remote):
     def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
         self._post("commit", path, keep)
 
+    def __init__(self, launch: Callable[[], list], speculating: bool = False):
+        super().__init__(launch)
+        self.speculating = speculating  # the actor keeps a speculation cache
+
     def propose(self, *args) -> ray.ObjectRef:
-        """Start DraftActor.propose; the result (a `Drafted`) goes straight to the target."""
-        return self.actors[0].propose.remote(*args)
+        """Start DraftActor.propose; the result (a `Drafted`) goes straight to the target.
+        With a speculation cache, its `prepare` is posted next: the draft works while the
+        target verifies."""
+        drafted = self.actors[0].propose.remote(*args)
+        if self.speculating:
+            self._unwaited.append(self.actors[0].prepare.remote())
+        return drafted
+
+    def speculation_stats(self) -> dict[str, int]:
+        """The actor's speculation cache counters: hits, lookups, prepared ({}: no cache)."""
+        return ray.get(self.actors[0].speculation_stats.remote())
 
     @functools.cached_property
     def feed(self) -> DraftFeed:
@@ -429,7 +486,8 @@ class RemoteTarget(_Remote):
         self,
         draft: RemoteDraft,
         draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths, draws
-        # [n, 2], pending_features [n, P, E] or None, own_features [n] or None) or None: none
+        # [n, 2], pending_features [n, P, E] or None, own_features [n] or None, (request ids,
+        # last emitted prefixes)) or None: no drafting
         roots: torch.Tensor,  # [n] int64
         num_paths: list[int],
         depth: list[int],
@@ -490,15 +548,18 @@ def _gather(refs: list[ray.ObjectRef]) -> list:
     return ray.get(refs)
 
 
-def start_draft(spec: ActorSpec, slots: int, max_len: int) -> RemoteDraft:
-    """The draft actor, loading (`wait_ready` waits for it)."""
+def start_draft(
+    spec: ActorSpec, slots: int, max_len: int, speculation: tuple[int, float] = (0, 1.0)
+) -> RemoteDraft:
+    """The draft actor, loading (`wait_ready` waits for it); `speculation`: its speculation
+    cache's fan-out (0: none) and downweight (service/speculation.py)."""
 
     def launch() -> list:
         options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)
-        args = (spec.path, slots, max_len, spec.dtype, spec.device, spec.threads)
+        args = (spec.path, slots, max_len, spec.dtype, spec.device, spec.threads, speculation)
         return [DraftActor.options(**options).remote(*args)]
 
-    return RemoteDraft(launch)
+    return RemoteDraft(launch, speculating=speculation[0] > 0)
 
 
 def start_target(
