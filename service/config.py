@@ -78,6 +78,9 @@ class ReplicaConfig(BaseModel):
     # plain sampling; < 1: Saguaro sampling, another lossless draft law).
     speculation: int = Field(0, ge=0)
     speculation_downweight: float = Field(1.0, gt=0, le=1)
+    # Steps with more drafted requests prepare nothing: the draft's extra work would take the
+    # device's throughput from the target (not yet calibrated on a GPU).
+    speculation_max_batch: int = Field(4, ge=1)
     max_new_tokens: int = Field(512, ge=1)  # per-request limit
     max_k: int = Field(4, ge=1)
     max_gamma: int = Field(16, ge=1)

@@ -841,13 +841,15 @@ def build_engine(
     prefix_caching: bool = True,
     speculation: int = 0,
     speculation_downweight: float = 1.0,
+    speculation_max_batch: int | None = None,
 ):
     """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
     at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
     pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
     the speculation cache with that fan-out (service/speculation.py; token drafts only), and
-    `speculation_downweight` < 1 Saguaro sampling (`speculation_cache`).
+    `speculation_downweight` < 1 Saguaro sampling, preparing at batches of at most
+    `speculation_max_batch` drafted requests (None: any; `speculation_cache`).
     Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
@@ -857,7 +859,7 @@ def build_engine(
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
-    cache = speculation_cache(draft, speculation, speculation_downweight)
+    cache = speculation_cache(draft, speculation, speculation_downweight, speculation_max_batch)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:

@@ -90,7 +90,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
         cpus, gpus, custom = per_actor.num_cpus, per_actor.num_gpus, per_actor.resources
         return ActorSpec(path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus, custom)
 
-    speculation = (cfg.speculation, cfg.speculation_downweight)
+    speculation = (cfg.speculation, cfg.speculation_downweight, cfg.speculation_max_batch)
     draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len, speculation)
     target_spec = actor_spec(cfg.target_dir, cfg.target_shard)
     target = start_target(target_spec, cfg.tensor_parallel, slots, max_len)

@@ -67,10 +67,15 @@ EntryKey = tuple[str, int, tuple[int, ...], int, int]  # request id, root, prefi
 class SpeculationCache:
     """Proposals prepared for the likeliest outcomes of the step being verified (module doc)."""
 
-    def __init__(self, fanout: int):
+    def __init__(self, fanout: int, max_batch: int | None = None):
         if fanout < 1:
             raise ValueError("speculation: the fan-out must be >= 1")
         self.fanout = fanout
+        # The policy: a step with more drafted requests than this prepares nothing (its next
+        # step drafts as without a cache). Preparing costs F proposals' draft work per request:
+        # hidden behind the target's pass at small batches, it takes the device's throughput
+        # from the target at large ones. None: no limit.
+        self.max_batch = max_batch
         self.entries: dict[EntryKey, Proposal] = {}
         self.hits = 0  # drafted requests whose outcome was prepared
         self.lookups = 0  # drafted requests that looked one up (a step after their first)
@@ -95,6 +100,11 @@ class SpeculationCache:
                 found[i] = self.entries[key]
         self.hits += len(found)
         self.entries = {}
+        if not found:  # all drafted now: in place, as without a cache (no fork to copy into)
+            return draft.propose(
+                step.pending, step.pending_count, step.num_paths, step.depth, step.params,
+                step.draws,
+            )  # fmt: skip
         missed = [i for i in range(len(step.request_ids)) if i not in found]
         chosen = dict(found)
         if missed:
@@ -127,7 +137,7 @@ class SpeculationCache:
         outcomes (distinct prefixes), in one fork of the draft's state after this step's
         drafting; they wait in `entries` for the next `propose`."""
         drafted = [i for i, k in enumerate(step.num_paths) if k]
-        if not drafted:
+        if not drafted or (self.max_batch is not None and len(drafted) > self.max_batch):
             return
         index = torch.tensor(drafted)
         xs, qs = x[index.to(x.device)], q[index.to(q.device)]
@@ -201,10 +211,11 @@ class SpeculationCache:
 
 
 def speculation_cache(
-    draft: DraftProposer, fanout: int, downweight: float = 1.0
+    draft: DraftProposer, fanout: int, downweight: float = 1.0, max_batch: int | None = None
 ) -> SpeculationCache | None:
-    """The speculation cache of fan-out `fanout` for `draft` (None when 0); with `downweight`
-    < 1 the draft samples its rows with their `fanout` likeliest tokens scaled by it (Saguaro
+    """The speculation cache of fan-out `fanout` for `draft` (None when 0), preparing only at
+    batches of at most `max_batch` drafted requests; with `downweight` < 1 the draft samples
+    its rows with their `fanout` likeliest tokens scaled by it (Saguaro
     sampling: a different, still lossless draft law whose rejections recover the tokens the
     cache prepares; workers/sampling.downweight_top). A feature draft is refused: a proposal
     prepared while the target verifies cannot read the target's features of the positions
@@ -219,7 +230,7 @@ def speculation_cache(
             "speculation: the speculation cache needs a token draft; this draft reads the "
             "target's features (a feature draft), which no proposal made before verification has"
         )
-    return SpeculationCache(fanout)
+    return SpeculationCache(fanout, max_batch)
 
 
 def residual_estimate(

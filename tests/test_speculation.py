@@ -117,8 +117,33 @@ def test_the_drafts_state_after_each_step_is_the_one_drafting_on_demand_leaves(p
     assert cache.hits > 0
 
 
+def test_above_its_batch_limit_the_cache_prepares_nothing(pair):
+    """The policy: a step with more drafted requests than max_batch prepares nothing (once
+    the batch has shrunk under it, it prepares again), and the output stays the one without
+    a cache."""
+    _, target, draft = pair
+    cache = SpeculationCache(fanout=4, max_batch=3)
+    on = make_engine(target, draft, max_batch=8, speculation=cache)
+    off = make_engine(target, draft, max_batch=8)
+    sampling = SamplingParams(1.0)
+    reqs = [
+        make_request(off.limits, [5, 1 + i, 7], 6 + 4 * i, "block", 1, 3, sampling, seed=i)
+        for i in range(8)
+    ]
+    ids = [on.add(r) for r in reqs]
+    finished = {}
+    while on.active or on.waiting:
+        drafting = len(on.active or on.waiting)
+        before = cache.prepared
+        finished.update((r.request_id, r.token_ids) for r in on.step().finished)
+        assert drafting <= 3 or cache.prepared == before, drafting
+    assert cache.prepared > 0
+    assert [finished[i] for i in ids] == [r.token_ids for r in off.generate(reqs)]
+
+
 class NeverHits(SpeculationCache):
-    """Forced misses: nothing is prepared, every proposal is drafted on demand in a fork."""
+    """Forced misses: nothing is prepared, every proposal is drafted on demand (as without a
+    cache: no hit in the step)."""
 
     def prepare(self, *args) -> None:
         pass
@@ -299,6 +324,7 @@ def test_through_the_actors_the_cache_keeps_the_law_and_the_seeded_output(servic
         max_sessions=0,
         max_len=32,
         speculation=4,
+        speculation_max_batch=256,
     )
     remote, _ = build_remote_engine(cfg)
     try:

@@ -112,7 +112,7 @@ class DraftActor:
         dtype: str,
         device: str,
         threads: int,
-        speculation: tuple[int, float] = (0, 1.0),  # fan-out and downweight (0: no cache)
+        speculation: tuple = (0,),  # fan-out (0: no cache), downweight, max batch
     ):
         from service.speculation import speculation_cache
 
@@ -549,10 +549,10 @@ def _gather(refs: list[ray.ObjectRef]) -> list:
 
 
 def start_draft(
-    spec: ActorSpec, slots: int, max_len: int, speculation: tuple[int, float] = (0, 1.0)
+    spec: ActorSpec, slots: int, max_len: int, speculation: tuple = (0,)
 ) -> RemoteDraft:
     """The draft actor, loading (`wait_ready` waits for it); `speculation`: its speculation
-    cache's fan-out (0: none) and downweight (service/speculation.py)."""
+    cache's fan-out (0: none), downweight and max batch (service/speculation.py)."""
 
     def launch() -> list:
         options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)
