@@ -8,7 +8,8 @@ proposal for the `fanout` likeliest in a fork of the draft's state (`DraftPropos
 request's committed entries plus the path's τ tokens, then the pending tokens x[path, kept:τ] +
 [y]); on a GPU that is work beside the target's pass. At step t + 1 a request whose real
 outcome was prepared takes that proposal (a *hit*: its tokens, its rows q and its draft state,
-`DraftProposer.adopt`); the others (*misses*) are drafted then, in a fork too.
+`DraftProposer.adopt`); the others (*misses*) are drafted then: in a fork beside the hits, or
+in place, as without a cache, in a step with no hit.
 
 Why it is lossless and seeded output does not change: a proposal is a function of the prefix,
 the request's K, γ and sampling settings, and the draft's uniforms, which are counter-based
@@ -20,9 +21,12 @@ for batch-mates), and verification sees the rows q it was drawn from. An entry i
 tokens up to the root, so a proposal never serves another prefix (tests/test_speculation.py
 has the mutant that does, and the law test that rejects it).
 
-An entry lives one step. The in-process engine prepares after drafting, sequentially: on a
-CPU the draft and the target share the cores, so the cache costs time there and is off by
-default (`fanout` 0); what it measures on a CPU is the hit rate (`hits`, `lookups`).
+An entry lives one step. Over Ray the draft actor holds the cache and prepares while the target
+shards verify (workers/actors.py: `prepare` is posted right after `propose`). The in-process
+engine prepares after drafting, sequentially. On a CPU the draft and the target share the
+cores either way, so the cache costs time there and is off by default (`fanout` 0); what a CPU
+measures is the hit rate (`hits`, `lookups`). Steps with more drafted requests than
+`max_batch` prepare nothing (the policy: see `SpeculationCache`).
 """
 
 from __future__ import annotations
@@ -122,9 +126,8 @@ class SpeculationCache:
         # the step's shape, as `propose` gives it: a fork drafted as wide as its own batch
         k, gamma = max(max(step.num_paths), 1), max(max(step.depth), 1)
         draft.adopt(list(parts.values()), gamma)
-        return _stack([p.x for p in rows])[:, :k, :gamma], _stack([p.q for p in rows])[
-            :, :k, :gamma
-        ]
+        x = _stack([p.x for p in rows])[:, :k, :gamma]
+        return x, _stack([p.q for p in rows])[:, :k, :gamma]
 
     def prepare(
         self,
@@ -215,9 +218,9 @@ def speculation_cache(
 ) -> SpeculationCache | None:
     """The speculation cache of fan-out `fanout` for `draft` (None when 0), preparing only at
     batches of at most `max_batch` drafted requests; with `downweight` < 1 the draft samples
-    its rows with their `fanout` likeliest tokens scaled by it (Saguaro
-    sampling: a different, still lossless draft law whose rejections recover the tokens the
-    cache prepares; workers/sampling.downweight_top). A feature draft is refused: a proposal
+    its rows with their `fanout` likeliest tokens scaled by it (Saguaro sampling: a different,
+    still lossless draft law whose rejections recover the tokens the cache prepares;
+    workers/sampling.downweight_top). A feature draft is refused: a proposal
     prepared while the target verifies cannot read the target's features of the positions
     that verification accepts, which its law reads."""
     if not 0 < downweight <= 1:
