@@ -1,5 +1,5 @@
 """How often a speculation cache of F entries would hold the step's real outcome (its hit rate),
-per verifier, on the default pair (service/outcomes.py has the vocabulary and the predictor).
+per verifier, on the default pair (workers/outcomes.py has the vocabulary and the predictor).
 
 The engine runs every request with one more draft token than it verifies (γ + 1 drafted, the
 first γ verified, exactly as a γ request: the extra token is never read), so that the draft's
@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO))
 import service.engine as engine_module  # noqa: E402
 from loadtest.everyday import everyday_ids  # noqa: E402
 from service.engine import build_engine  # noqa: E402
-from service.outcomes import actual_outcomes, predict_outcomes  # noqa: E402
 from service.requests import make_request  # noqa: E402
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
+from workers.outcomes import actual_outcomes, predict_outcomes  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 PREDICTORS = ("constant", "confidence")

@@ -1,5 +1,5 @@
 """The speculation cache on a real pair: hit rate by fan-out F and verifier, and seeded output
-with the cache on equal to it off (service/speculation.py; issue 45).
+with the cache on equal to it off (workers/speculation.py; issue 45).
 
 The cache prepares proposals for token drafts only, so the pair is the default target with its
 token-only draft (workers/models.py: TOKEN_ONLY_DRAFT; the default feature draft is refused,

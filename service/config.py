@@ -72,7 +72,7 @@ class ReplicaConfig(BaseModel):
     # Requests without a session reuse the longest parked prefix of their principal's earlier
     # requests and park their own KV (automatic prefix caching); False: sessions only.
     prefix_caching: bool = True
-    # Speculation cache (service/speculation.py): the draft actor prepares the next step's
+    # Speculation cache (workers/speculation.py): the draft actor prepares the next step's
     # proposals for this many likeliest verification outcomes while the target verifies
     # (0: off; token drafts only), sampling with its top tokens scaled by the downweight (1:
     # plain sampling; < 1: Saguaro sampling, another lossless draft law).

@@ -58,11 +58,11 @@ import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
-from service.speculation import Drafting, SpeculationCache, speculation_cache
 from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
 from workers.sampling import SamplingParams, draft_key, sample
+from workers.speculation import Drafting, SpeculationCache, speculation_cache
 from workers.target import TargetWorker
 from workers.tree import build_tree
 
@@ -163,7 +163,7 @@ class StepPlan:
         return self.pending is not None
 
     def drafting(self) -> Drafting:
-        """What the speculation cache reads of the step (service/speculation.py)."""
+        """What the speculation cache reads of the step (workers/speculation.py)."""
         return Drafting(
             self.request_ids, self.emitted, self.pending, self.pending_count, self.num_paths,
             self.depth, self.params, self.draws,
@@ -333,7 +333,7 @@ class LocalExecutor:
     target: LocalTarget
     # Proposals prepared for the likeliest outcomes of each step's verification (issue 45);
     # None: off. In this process they are drafted after the step's own draft, in the draft
-    # phase's time: no overlap with the target on one device (service/speculation.py).
+    # phase's time: no overlap with the target on one device (workers/speculation.py).
     speculation: SpeculationCache | None = None
 
     def speculate(
@@ -847,7 +847,7 @@ def build_engine(
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
     at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
     pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
-    the speculation cache with that fan-out (service/speculation.py; token drafts only), and
+    the speculation cache with that fan-out (workers/speculation.py; token drafts only), and
     `speculation_downweight` < 1 Saguaro sampling, preparing at batches of at most
     `speculation_max_batch` drafted requests (None: any; `speculation_cache`).
     Returns (engine, tokenizer)."""

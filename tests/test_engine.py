@@ -21,13 +21,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from service.engine import LocalExecutor, SpeculativeEngine, VerifyPlan, verify_step
 from service.policy import PLAIN
 from service.requests import GenerationRequest, InvalidArgument, make_request
-from service.speculation import SpeculationCache
 from verification import METHODS, VERIFIERS, verify
 from verification.tensors import gather_rows, rows_at
 from workers.draft import padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.proposers import build_proposer
 from workers.sampling import SamplingParams, sample
+from workers.speculation import SpeculationCache
 from workers.target import TargetWorker
 from workers.tree import build_tree
 

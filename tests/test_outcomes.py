@@ -1,10 +1,10 @@
-"""The verification-outcome predictor (service/outcomes.py): a speculation cache's keys."""
+"""The verification-outcome predictor (workers/outcomes.py): a speculation cache's keys."""
 
 from __future__ import annotations
 
 import torch
 
-from service.outcomes import actual_outcomes, outcome_scores, predict_outcomes
+from workers.outcomes import actual_outcomes, outcome_scores, predict_outcomes
 
 
 def rows(n, k, depth, V, seed=0):

@@ -1,4 +1,4 @@
-"""The speculation cache (service/speculation.py) and the counter-based draft uniforms it rests
+"""The speculation cache (workers/speculation.py) and the counter-based draft uniforms it rests
 on (workers/sampling.py), on the tiny random pairs through the in-process engine.
 
 - Seeded output is the same with the cache on and off, alone and in a batch mixing every method,
@@ -29,7 +29,6 @@ from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine,
 
 from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
-from service.speculation import SpeculationCache
 from workers.proposers import build_proposer
 from workers.sampling import (
     SamplingParams,
@@ -39,6 +38,7 @@ from workers.sampling import (
     draft_uniforms,
     splitmix64,
 )
+from workers.speculation import SpeculationCache
 
 TRIALS = 12_000
 PROMPT, GAMMA, LENGTH = [1, 3, 0], 2, 4

@@ -52,6 +52,7 @@ from workers.models import DTYPES, load_model
 from workers.proposers import build_proposer
 from workers.protocols import DraftFeed, DraftPrefill
 from workers.sampling import SamplingParams
+from workers.speculation import Drafting, speculation_cache
 from workers.target import path_rows
 from workers.tensor_parallel import TargetShard, join_group, loopback_store
 from workers.tree import build_tree
@@ -114,8 +115,6 @@ class DraftActor:
         threads: int,
         speculation: tuple = (0,),  # fan-out (0: no cache), downweight, max batch
     ):
-        from service.speculation import speculation_cache
-
         use_numpy_wire()
         torch.set_num_threads(threads)
         device = _actor_device(device)
@@ -156,8 +155,6 @@ class DraftActor:
         requests' ids and last emitted prefixes, what the speculation cache looks up)."""
         start = time.perf_counter()
         if self.speculation is not None:
-            from service.speculation import Drafting
-
             pending = pending.to(self.worker.device, non_blocking=True)
             drafting = Drafting(*keys, pending, pending_count, paths, depths, params, draws)
             x, q = self.speculation.propose(self.worker, drafting)
@@ -174,7 +171,7 @@ class DraftActor:
         return Drafted(x.cpu(), rows, time.perf_counter() - start)
 
     def speculation_stats(self) -> dict[str, int]:
-        """The speculation cache's counters (service/speculation.py); empty without one."""
+        """The speculation cache's counters (workers/speculation.py); empty without one."""
         cache = self.speculation
         if cache is None:
             return {}
@@ -183,7 +180,7 @@ class DraftActor:
     @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
     def prepare(self) -> tuple[None, float]:
         """Prepare the next step's proposals for the last proposal's likeliest outcomes
-        (service/speculation.py). Posted right after `propose`, so it runs here while the
+        (workers/speculation.py). Posted right after `propose`, so it runs here while the
         target shards score and verify that proposal; the engine's commit comes after it."""
         start = time.perf_counter()
         if self._last is not None:
@@ -552,7 +549,7 @@ def start_draft(
     spec: ActorSpec, slots: int, max_len: int, speculation: tuple = (0,)
 ) -> RemoteDraft:
     """The draft actor, loading (`wait_ready` waits for it); `speculation`: its speculation
-    cache's fan-out (0: none), downweight and max batch (service/speculation.py)."""
+    cache's fan-out (0: none), downweight and max batch (workers/speculation.py)."""
 
     def launch() -> list:
         options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)

@@ -185,7 +185,7 @@ class DraftProposer(ABC):
         """A proposer over the same model whose slot i holds a copy of this one's slot rows[i]
         (a slot may repeat) and of its rows of the current proposal's path entries, with
         `room` positions past the longest: where the speculation cache drafts for a
-        hypothesised prefix, leaving this proposer's state as it is (service/speculation.py).
+        hypothesised prefix, leaving this proposer's state as it is (workers/speculation.py).
         A token draft only: a feature draft's state beside its cache is not copied."""
         forked = copy.copy(self)  # the model shared
         held = self.cache.host_lengths()

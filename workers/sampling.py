@@ -18,7 +18,7 @@ use it (verification/tensors.py).
 The draft's uniforms are *counter-based* (:func:`draft_uniforms`): a hash of (the request's draft
 key, the step's root position, path, depth), not a stream consumed in order. A proposal for a
 prefix is then the same bits whenever and wherever it is made (in the step that needs it, or
-ahead of it by the speculation cache, service/speculation.py), and the draft needs no generator
+ahead of it by the speculation cache, workers/speculation.py), and the draft needs no generator
 state. The root position grows strictly from step to step (each step emits a token), so no key
 repeats across steps: keying by the drafted token's own position instead would hand a redraft
 the uniforms of the rejected draft at that position, which the verification outcome depended on
@@ -151,7 +151,7 @@ def downweight_top(
     `factor` (< 1), renormalised: [..., V]. A draft that samples from these rows, and reports
     them, stays lossless (verification reads the rows it drew from); after a rejection the
     residual (p - q)+ then puts its mass where the draft ranks its top tokens, the outcomes a
-    speculation cache prepares (service/speculation.py). A one-hot row stays one-hot."""
+    speculation cache prepares (workers/speculation.py). A one-hot row stays one-hot."""
     top = probs.topk(min(count, probs.shape[-1]), dim=-1).indices
     scaled = probs.scatter(-1, top, probs.gather(-1, top) * factor)
     return scaled / scaled.sum(-1, keepdim=True)

@@ -1,6 +1,6 @@
 """The speculation cache: proposals for the next step prepared before this step's verification
 (speculative speculative decoding, SSD / Saguaro, arXiv 2603.03251; vocabulary in
-service/outcomes.py).
+workers/outcomes.py).
 
 After step t's draft, the cache ranks each request's likeliest verification outcomes, the
 prefixes x[path, :τ] + [y], from the draft alone (`predict_outcomes`), and drafts step t + 1's
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from service.outcomes import predict_outcomes
 from workers.draft import DraftProposer
+from workers.outcomes import predict_outcomes
 from workers.sampling import SamplingParams, downweight_top
 
 
