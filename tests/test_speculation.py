@@ -182,7 +182,9 @@ def test_downweighted_rows_scale_the_top_tokens_and_keep_one_hot_rows():
         speculation_cache(None, 4, downweight=0.0)
 
 
-@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("traversal", 2)])
+@pytest.mark.parametrize(
+    ("method", "k"), [("greedy_block", 1), pytest.param("traversal", 2, marks=pytest.mark.slow)]
+)
 def test_output_law_with_every_proposal_drafted_on_demand(method, k):
     cache = NeverHits(fanout=1)
     pvalue = law_pvalue(0.3, method, k, cache)
@@ -204,7 +206,9 @@ class ForgetsTheToken(SpeculationCache):
 # methods without a carry stay lossless under this mutant (not a case here). The pair with the
 # farther draft (noise 1.0) makes the wrong prefix's law differ enough to show at 12,000 trials;
 # on it, the real cache at the same fan-out (a mix of hits and misses) is the control.
-@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("spectr_gbv", 2)])
+@pytest.mark.parametrize(
+    ("method", "k"), [pytest.param("greedy_block", 1, marks=pytest.mark.slow), ("spectr_gbv", 2)]
+)
 def test_output_law_with_hits_and_misses(method, k):
     cache = SpeculationCache(fanout=4)
     pvalue = law_pvalue(1.0, method, k, cache)
@@ -300,10 +304,11 @@ def test_a_feature_draft_is_refused_with_the_reason():
 
 
 @pytest.mark.xdist_group("ray")
-def test_through_the_actors_the_cache_keeps_the_law_and_the_seeded_output(service, tmp_path):
+def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service, tmp_path):
     """A replica's draft actor with a speculation cache (prepared while the target actor
-    verifies): the output law (6,000 requests, spectr_gbv K = 2: a carried method) and the
-    seeded outputs equal the in-process engine's without a cache, and the cache hit."""
+    verifies): 1,000 seeded requests (spectr_gbv K = 2, a carried method, 3 tokens over γ = 2)
+    write exactly what the in-process engine writes without a cache, whose law the tests
+    above and tests/test_engine.py check; and the cache hit."""
     from test_draft_kinds import GAMMA as G
     from test_draft_kinds import LENGTH as L
     from test_draft_kinds import PROMPT as P
@@ -320,20 +325,19 @@ def test_through_the_actors_the_cache_keeps_the_law_and_the_seeded_output(servic
     cfg = ReplicaConfig(
         draft_dir=str(draft_dir),
         target_dir=str(target_dir),
-        max_batch=256,
+        max_batch=128,
         max_sessions=0,
         max_len=32,
         speculation=4,
-        speculation_max_batch=256,
+        speculation_max_batch=128,
     )
     remote, _ = build_remote_engine(cfg)
     try:
-        pvalue, through = engine_law_pvalue(remote, law, P, G, "spectr_gbv", 2, 6_000)
+        _, through = engine_law_pvalue(remote, law, P, G, "spectr_gbv", 2, 1_000)
         stats = remote.draft.speculation_stats()
     finally:
         stop_remote_engine(remote)
-    assert pvalue > ALPHA, f"p = {pvalue:.2e}"
     assert 0 < stats["hits"] < stats["lookups"]
-    local = make_engine(target, draft, max_batch=256, max_len=32)
-    _, alone = engine_law_pvalue(local, law, P, G, "spectr_gbv", 2, 6_000)
+    local = make_engine(target, draft, max_batch=128, max_len=32)
+    _, alone = engine_law_pvalue(local, law, P, G, "spectr_gbv", 2, 1_000)
     assert [r.token_ids for r in through] == [r.token_ids for r in alone]
