@@ -54,6 +54,12 @@ class DraftProposer(ABC):
         # Saguaro sampling (workers/sampling.downweight_top): (count, factor), or None: the
         # draft's law is its processed rows as they are
         self.downweight: tuple[int, float] | None = None
+        # Keep `beliefs` [n, K, γ, V] beside each proposal: the draft's rows at temperature 1
+        # before the requests' processing (what the speculation cache ranks a greedy request's
+        # recovered tokens by: its processed rows are one-hot)
+        self.keep_beliefs = False
+        self.beliefs: torch.Tensor | None = None
+        self._beliefs: list[torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +123,7 @@ class DraftProposer(ABC):
         head_vocab = self.model.head_vocab
 
         uniforms = draft_uniforms(draws.to(self.device, non_blocking=True), k, gamma)
+        self._beliefs = [] if self.keep_beliefs else None
 
         def draw(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [n, K, Vh] -> ids [n, K]
             picked = sample_drafts(rows, uniforms[:, :, depth])
@@ -144,11 +151,16 @@ class DraftProposer(ABC):
             tokens.append(draw(rows[-1], i))
         self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
         q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
+        if self._beliefs is not None:
+            self._beliefs[0] = self._beliefs[0].expand(n, k, -1)
+            self.beliefs = self.model.to_vocab(torch.stack(self._beliefs, dim=2), 0.0)
         return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
 
     def _law(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The rows the draft samples from and reports: [n, R, Vh] logits processed with each
         request's settings, then downweighted where Saguaro sampling is on."""
+        if self._beliefs is not None:
+            self._beliefs.append(logits.float().softmax(-1))
         rows = process(logits, params)
         return rows if self.downweight is None else downweight_top(rows, *self.downweight)
 

@@ -48,6 +48,7 @@ class Proposal:
     row: int
     x: torch.Tensor  # [K, γ] int64
     q: torch.Tensor  # [K, γ, V]
+    beliefs: torch.Tensor  # [K, γ, V]: the draft's rows at temperature 1 (DraftProposer)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class SpeculationCache:
         # from the target at large ones. None: no limit.
         self.max_batch = max_batch
         self.entries: dict[EntryKey, Proposal] = {}
+        self.beliefs: torch.Tensor | None = None  # [n, K, γ, V] of the last proposal
         self.hits = 0  # drafted requests whose outcome was prepared
         self.lookups = 0  # drafted requests that looked one up (a step after their first)
         self.prepared = 0  # proposals prepared
@@ -93,6 +95,7 @@ class SpeculationCache:
         """The step's draft tokens [n, K, γ] and rows [n, K, γ, V]: prepared ones where the
         outcome hit, the rest drafted now; the draft's state then holds every request's
         proposal (`adopt`), as after `propose`."""
+        draft.keep_beliefs = True  # what `prepare` ranks greedy requests by (forks inherit it)
         roots = step.draws[:, 1].tolist()
         found: dict[int, Proposal] = {}
         for i, rid in enumerate(step.request_ids):
@@ -105,10 +108,12 @@ class SpeculationCache:
         self.hits += len(found)
         self.entries = {}
         if not found:  # all drafted now: in place, as without a cache (no fork to copy into)
-            return draft.propose(
+            x, q = draft.propose(
                 step.pending, step.pending_count, step.num_paths, step.depth, step.params,
                 step.draws,
             )  # fmt: skip
+            self.beliefs = draft.beliefs
+            return x, q
         missed = [i for i in range(len(step.request_ids)) if i not in found]
         chosen = dict(found)
         if missed:
@@ -127,6 +132,7 @@ class SpeculationCache:
         k, gamma = max(max(step.num_paths), 1), max(max(step.depth), 1)
         draft.adopt(list(parts.values()), gamma)
         x = _stack([p.x for p in rows])[:, :k, :gamma]
+        self.beliefs = _stack([p.beliefs for p in rows])[:, :k, :gamma]
         return x, _stack([p.q for p in rows])[:, :k, :gamma]
 
     def prepare(
@@ -148,9 +154,18 @@ class SpeculationCache:
         # the bonus is left out: ranking it needs the draft's row after the whole path, one
         # forward more than the step drafts (scripts/bench_outcomes.py measures with it)
         residual = qs if draft.downweight is None else residual_estimate(qs, *draft.downweight)
+        # a greedy request's rows are one-hot: its recovered token is ranked by the draft's
+        # beliefs instead (the target's argmax is likely among the draft's next choices)
+        greedy = torch.tensor([step.params[i].temperature == 0 for i in drafted])
+        belief = qs  # whose probability of x estimates its acceptance
+        if bool(greedy.any()):
+            beliefs = self.beliefs[index.to(qs.device)]
+            one_hot = greedy.to(qs.device)[:, None, None, None]
+            residual = torch.where(one_hot, beliefs, residual)
+            belief = torch.where(one_hot, beliefs, qs)
         rows = torch.cat([residual, torch.zeros_like(qs[:, :, :1])], dim=2)  # [n, K, γ+1, V]
-        confidence = qs.gather(-1, xs[..., None])[..., 0]  # [n, K, γ]: q(x), the estimate
-        # of acceptance; entries past a request's own K or γ score nothing
+        confidence = belief.gather(-1, xs[..., None])[..., 0]  # [n, K, γ]: the estimate of
+        # acceptance; entries past a request's own K or γ score nothing
         own = _mask(step, drafted, k, gamma, xs.device)
         ranked = predict_outcomes(xs, rows * own[..., None], confidence, self.fanout * 2)
         roots = step.draws[:, 1].tolist()
@@ -200,17 +215,19 @@ class SpeculationCache:
     ) -> list[Proposal]:
         """Proposals drafted in one fork of the draft's state at `slots`, each with its
         slot's K, γ and sampling settings."""
-        # a plain request only runs its pending tokens: it drafts one token nobody reads, so
-        # that a fork of plain requests alone has a path to draft
+        # One token deeper than any row's γ: a proposal's path entries then hold every one of
+        # its own γ tokens, as many as the engine counts as run when a wider batch-mate sets
+        # the step's γ (it commits up to min(τ, that γ - 1); `adopt` trims to it). A plain
+        # request likewise drafts a token nobody reads: a fork of plain rows has a path.
         paths = [max(step.num_paths[i], 1) for i in slots]
-        gammas = [max(step.depth[i], 1) for i in slots]
-        fork = draft.fork(slots, room=pending.shape[1] + max(gammas))
+        depths = [max(step.depth[i], 1) + 1 for i in slots]
+        fork = draft.fork(slots, room=pending.shape[1] + max(depths))
         if keep is not None:  # the step's path tokens first, as its commit would keep them
             fork.commit(path, keep)
         x, q = fork.propose(
-            pending, pending_count, paths, gammas, [step.params[i] for i in slots], draws
+            pending, pending_count, paths, depths, [step.params[i] for i in slots], draws
         )
-        return [Proposal(fork, h, x[h], q[h]) for h in range(len(slots))]
+        return [Proposal(fork, h, x[h], q[h], fork.beliefs[h]) for h in range(len(slots))]
 
 
 def speculation_cache(
