@@ -16,6 +16,7 @@ devices or streams).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -33,11 +34,11 @@ from workers.models import DEFAULT_TARGET, TOKEN_ONLY_DRAFT  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 
-def run(engine, prompts, method, k, args, fanout: int, downweight: float = 1.0) -> dict:
+def run(engine, prompts, method, k, args, temperature, fanout: int, downweight=1.0) -> dict:
     cache = speculation_cache(engine.draft, fanout, downweight)
     engine.executor.speculation = cache
     engine.reset_stats()
-    sampling = SamplingParams(args.temperature)
+    sampling = SamplingParams(temperature)
     reqs = [
         make_request(engine.limits, p, args.new_tokens, method, k, args.gamma, sampling, seed=i)
         for i, p in enumerate(prompts)
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["block", "gbv"])
     ap.add_argument("--k", type=int, default=2, help="K of gbv (block: 1)")
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0])
     ap.add_argument("--fanout", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument(
         "--downweight", type=float, nargs="+", default=[1.0],
@@ -88,15 +89,15 @@ def main() -> None:
     prompts = [ids for _, ids in everyday_ids(tok, 1024 - args.new_tokens - 8, args.per_kind)]
     result = dict(prompts=len(prompts), new_tokens=args.new_tokens, rows={})
     started = time.time()
-    for method in args.methods:
+    for temperature, method in itertools.product(args.temperature, args.methods):
         k = args.k if method == "gbv" else 1
-        off = run(engine, prompts, method, k, args, 0)
-        key = f"{method} K={k} gamma={args.gamma} T={args.temperature}"
+        off = run(engine, prompts, method, k, args, temperature, 0)
+        key = f"{method} K={k} gamma={args.gamma} T={temperature}"
         rows = {"off": {n: v for n, v in off.items() if n != "outputs"}}
         print(key, "off", rows["off"], flush=True)
         for downweight in args.downweight:
             for fanout in args.fanout:
-                on = run(engine, prompts, method, k, args, fanout, downweight)
+                on = run(engine, prompts, method, k, args, temperature, fanout, downweight)
                 outputs = on.pop("outputs")
                 if downweight == 1:  # Saguaro sampling is another draft law: other outputs
                     on["same_output_as_off"] = outputs == off["outputs"]
