@@ -175,9 +175,11 @@ class SpeculationCache:
             own_paths = [row[: step.depth[i]] for row in tokens[i][: step.num_paths[i]]]
             taken = 0
             for prefix in dict.fromkeys(ranked[b]):  # likeliest first, distinct
+                if taken == self.fanout:
+                    break
                 tau = len(prefix) - 1
                 matches = [kk for kk, row in enumerate(own_paths) if row[:tau] == list(prefix[:-1])]
-                if taken == self.fanout or tau > step.depth[i] or not matches:
+                if tau > step.depth[i] or not matches:
                     continue  # a padding entry's outcome, not this request's
                 kept = min(tau, step.depth[i] - 1)  # what commit keeps: the run tokens
                 slots.append(i)
