@@ -298,19 +298,16 @@ def test_loop_law_with_the_engines_counter_based_draft_uniforms(method, k, table
 @pytest.mark.parametrize(("method", "k", "table"), LOOP_CASES)
 def test_draft_uniforms_keyed_by_the_token_position_are_rejected(method, k, table):
     """The mutant is lossy under methods whose outcome reads the block past the rejection
-    (token verification reads no further than it, and stays lossless: not a case here)."""
-    pvalue = loop_pvalue(method, k, table, uniforms_keyed_by_the_token_position)
-    assert pvalue < 1e-6, f"{method}: the mutant passed, p = {pvalue:.2e}"
-
-
-def test_the_mutant_uniforms_are_uniform_alone():
-    """The mutant's uniforms are as uniform as the real ones: what makes it lossy is only
-    their reuse across steps."""
+    (token verification reads no further than it, and stays lossless: not a case here).
+    Its uniforms alone are as uniform as the real ones (checked first): what makes it lossy
+    is only their reuse across steps."""
     draws = torch.tensor([[draft_key(s), 9] for s in range(4096)])
     u = uniforms_keyed_by_the_token_position(draws, 2, 8)
     counts = torch.histc(u.flatten().float(), bins=16, min=0.0, max=1.0)
     expected = u.numel() / 16
     assert float(((counts - expected) ** 2 / expected).sum()) < 60.0  # 15 dof: P ≈ 1e-7
+    pvalue = loop_pvalue(method, k, table, uniforms_keyed_by_the_token_position)
+    assert pvalue < 1e-6, f"{method}: the mutant passed, p = {pvalue:.2e}"
 
 
 def test_a_feature_draft_is_refused_with_the_reason():
