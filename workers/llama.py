@@ -647,6 +647,8 @@ class Llama(nn.Module):
         slot0: int = 0,
         features: torch.Tensor | None = None,  # [n, R, T, E]: a feature draft's input features
         head: bool = True,  # False: no logits (prefill reads none: ~10% of its work, V·E/token)
+        window: int | None = None,  # prefix positions read (>= the longest committed length);
+        # None: exactly the longest. Wider reads masked keys: a static shape (workers/graphs.py)
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (logits [n, R, T, V] float32 or None, new k, new v [L, n, R, H_kv, T, D],
         features [n, R, T, E]: the final-norm hidden states the head reads, which a feature
@@ -654,7 +656,7 @@ class Llama(nn.Module):
         h = self._inputs(tokens, features)  # [n, R, T, E]
         cos, sin = rope_tables(self.inv_freq, positions, h.dtype)  # [n, R, T, D]
         rope = cos[:, :, None], sin[:, :, None]  # the same for every head
-        seen = self._seen_keys(tokens, cache, slot0, mask, suffix)
+        seen = self._seen_keys(tokens, cache, slot0, mask, suffix, window)
         new_k, new_v = [], []
         for layer, layer_seen in zip(self.layers, seen, strict=True):
             h, k, v = layer(h, rope, layer_seen)
@@ -684,13 +686,15 @@ class Llama(nn.Module):
         slot0: int,
         mask: torch.Tensor,  # [n, R, T, T] bool (without a suffix: broadcastable to it)
         suffix: tuple[torch.Tensor, torch.Tensor] | None,  # [L, n, R, H_kv, S, D] k, v
+        window: int | None,
     ) -> list[SeenKeys]:
         """Per layer, what the new tokens attend to besides each other: the slots' committed
-        prefix, up to the longest one (the others' tails hidden), and the suffix, which every
-        new token sees."""
+        prefix, up to the longest one or `window` positions (the others' tails hidden), and the
+        suffix, which every new token sees."""
         n, R, T = tokens.shape
         lengths = cache.lengths[slot0 : slot0 + n]
-        plen = cache.prefix_length(slot0, n)  # off the CPU: from the host, where known
+        # off the CPU: from the host, where known; a window is read on trust (graphs.py)
+        plen = cache.prefix_length(slot0, n) if window is None else window
         device = tokens.device
         prefix_valid = torch.arange(plen, device=device)[None, :] < lengths[:, None]  # [n, P]
         visible = [mask]
@@ -699,11 +703,11 @@ class Llama(nn.Module):
             visible.insert(0, torch.ones(n, R, T, S, dtype=torch.bool, device=device))
         prefix_hidden = ~prefix_valid[:, None, None, None, None, :]
         new_hidden = ~torch.cat(visible, dim=-1)[:, :, None, None]
-        window = slice(slot0, slot0 + n)
+        slots = slice(slot0, slot0 + n)
         return [
             SeenKeys(
-                prefix_k=cache.k[i, window, :, :plen],
-                prefix_v=cache.v[i, window, :, :plen],
+                prefix_k=cache.k[i, slots, :, :plen],
+                prefix_v=cache.v[i, slots, :, :plen],
                 prefix_hidden=prefix_hidden,
                 suffix_k=None if suffix is None else suffix[0][i],
                 suffix_v=None if suffix is None else suffix[1][i],
