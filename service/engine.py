@@ -842,6 +842,7 @@ def build_engine(
     speculation: int = 0,
     speculation_downweight: float = 1.0,
     speculation_max_batch: int | None = None,
+    cuda_graphs: bool = True,
 ):
     """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
@@ -849,7 +850,9 @@ def build_engine(
     pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
     the speculation cache with that fan-out (workers/speculation.py; token drafts only), and
     `speculation_downweight` < 1 Saguaro sampling, preparing at batches of at most
-    `speculation_max_batch` drafted requests (None: any; `speculation_cache`).
+    `speculation_max_batch` drafted requests (None: any; `speculation_cache`). On a CUDA
+    device `cuda_graphs` replays the decode step's forwards from CUDA graphs (workers/graphs.py;
+    the in-process target only: tensor-parallel ranks run eagerly).
     Returns (engine, tokenizer)."""
     from workers.models import DTYPES, load_pair
     from workers.tensor_parallel import TensorParallelTarget
@@ -864,6 +867,10 @@ def build_engine(
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
+    if cuda_graphs and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        draft.use_graphs()
+        if isinstance(target, TargetWorker):
+            target.use_graphs()
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
         LocalExecutor(draft, target, cache),

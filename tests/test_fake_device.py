@@ -222,6 +222,24 @@ def test_a_mixed_batch_decodes_on_the_device_as_on_the_cpu(tiny):
     assert max(per_step) <= host_sync_bound(set(methods)), (per_step, sites)
 
 
+def test_replayed_forwards_decode_on_the_device_with_no_more_host_syncs(tiny):
+    """The decode forwards replayed from static buffers (workers/graphs.py, emulated: capture
+    needs a GPU) on the device: the CPU's tokens, and within the same host-sync bound (a graph
+    replays without reading the host; choosing one reads only the host's lengths)."""
+    cpu, _ = tiny
+    common = dict(max_batch=MAX_BATCH, max_len=MAX_LEN, max_sessions=1, packed=False)
+    with FakeCuda():
+        fake, _ = build_engine(str(TINY_DRAFT), str(TINY_TARGET), device="cuda", **common)
+        fake.draft.use_graphs(emulate=True)
+        fake.target.use_graphs(emulate=True)
+    methods = ["block", "spectr_gbv", PLAIN, "traversal"]
+    expected = run_cpu(cpu, requests(methods))
+    out, per_step, sites = run_fake(fake, requests(methods))
+    assert out == expected
+    assert fake.draft.forward.replays > 0 and fake.target.forward.replays > 0
+    assert max(per_step) <= host_sync_bound(set(methods)), (per_step, sites)
+
+
 def test_a_session_follow_up_decodes_on_the_device_as_on_the_cpu(tiny):
     cpu, fake = tiny
 

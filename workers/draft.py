@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
+from workers.graphs import ForwardGraphs
 from workers.llama import KVCache, Llama
 from workers.protocols import DraftFeed
 from workers.sampling import (
@@ -50,6 +51,7 @@ class DraftProposer(ABC):
     ):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
+        self.forward: Llama | ForwardGraphs = model  # the decode step's (see use_graphs)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
         # Saguaro sampling (workers/sampling.downweight_top): (count, factor), or None: the
         # draft's law is its processed rows as they are
@@ -65,6 +67,11 @@ class DraftProposer(ABC):
     def device(self) -> torch.device:
         """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
         return self.cache.lengths.device
+
+    def use_graphs(self, emulate: bool = False) -> None:
+        """Replay the pending run and each depth's forward from CUDA graphs
+        (workers/graphs.py; a fork's forwards, over its own cache, stay eager)."""
+        self.forward = ForwardGraphs(self.model, self.cache, emulate)
 
     def prefill(
         self,
@@ -141,7 +148,7 @@ class DraftProposer(ABC):
         for i in range(1, gamma):
             suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
             pos = (base + i - 1)[:, None, None].expand(n, k, 1)
-            _, nk, nv, hidden = self.model(
+            _, nk, nv, hidden = self.forward(
                 tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats, head=False
             )
             feats = self._next_features(hidden)
@@ -186,7 +193,7 @@ class DraftProposer(ABC):
             (steps[None, :] < pending_count[:, None, None])
             | torch.eye(P, dtype=torch.bool, device=dev)
         )
-        _, new_k, new_v, hidden = self.model(
+        _, new_k, new_v, hidden = self.forward(
             pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
             features=self._pending_features(features, own, pending_count), head=False,
         )  # fmt: skip

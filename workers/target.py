@@ -17,6 +17,7 @@ import torch
 from verification.tensors import gather_rows
 from workers.draft import prefill, prefill_groups
 from workers.feature_draft import feed_draft
+from workers.graphs import ForwardGraphs
 from workers.llama import KVCache, Llama
 from workers.protocols import DraftPrefill
 from workers.sampling import SamplingParams, process
@@ -31,12 +32,17 @@ class TargetWorker:
     ):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
+        self.forward: Llama | ForwardGraphs = model  # the decode step's (see use_graphs)
         self._new: tuple[torch.Tensor, ...] | None = None  # k, v, node_of, features
 
     @property
     def device(self) -> torch.device:
         """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
         return self.cache.lengths.device
+
+    def use_graphs(self, emulate: bool = False) -> None:
+        """Replay the tree pass from CUDA graphs (workers/graphs.py)."""
+        self.forward = ForwardGraphs(self.model, self.cache, emulate)
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
@@ -79,7 +85,7 @@ class TargetWorker:
         tree = tree.to(self.device)
         n = tree.tokens.shape[0]
         positions = self.cache.lengths[:n, None] + tree.depth
-        logits, k, v, hidden = self.model(
+        logits, k, v, hidden = self.forward(
             tree.tokens[:, None], positions[:, None], self.cache, tree.mask[:, None]
         )
         self._new = (k[:, :, 0], v[:, :, 0], tree.node_of, hidden[:, 0])

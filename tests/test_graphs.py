@@ -1,0 +1,164 @@
+"""workers/graphs.py on the CPU: the decode step's forwards replayed from static buffers.
+
+``emulate=True`` runs what a CUDA graph would (the padded batch, the bucketed prefix window, the
+static input buffers refilled each call, the outputs copied out of buffers the next replay
+overwrites) without capturing, so a wrong pad, a stale buffer or a window too narrow shows here;
+the capture itself needs a GPU (scripts/bench_engine_gpu.py runs the engine with and without
+graphs there, greedy parity included). The windows are narrowed to 8 positions so that a
+generation crosses several of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import MIXED, make_engine, tiny_pair
+
+import workers.graphs as graphs
+from service.requests import make_request
+from workers.graphs import ForwardGraphs, batch_bucket, window_bucket
+from workers.llama import KVCache
+from workers.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(vocab=48)
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    monkeypatch.setattr(graphs, "MIN_WINDOW", 8)
+
+
+def test_buckets():
+    assert [window_bucket(n, 1024) for n in (0, 1, 256, 257, 900, 1024)] == [256] * 3 + [
+        512,
+        1024,
+        1024,
+    ]
+    assert window_bucket(300, 400) == 400
+    assert [batch_bucket(b, 16) for b in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert batch_bucket(5, 6) == 5  # no slots to pad into
+
+
+def committed_cache(model, lengths: list[int], slots: int = 6, seed: int = 0) -> KVCache:
+    """A cache whose first slots hold random contexts of these lengths (the rest stale)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(model.spec, model.kv_heads, slots, 64, torch.float32, "cpu")
+    cache.k.normal_(generator=gen)  # stale entries past every length: must stay unseen
+    cache.v.normal_(generator=gen)
+    tokens = torch.randint(0, 48, (slots, 1, max(lengths)), generator=gen)
+    steps = torch.arange(max(lengths))
+    mask = (steps[:, None] >= steps[None, :])[None, None].expand(slots, 1, -1, -1)
+    feats = None if model.feature_fc is None else torch.randn(slots, 1, max(lengths), 64)
+    _, k, v, _ = model(tokens, steps.expand(slots, 1, -1), cache, mask, features=feats, head=False)
+    counts = torch.tensor(lengths + [0] * (slots - len(lengths)))
+    cache.append(k[:, :, 0], v[:, :, 0], steps.expand(slots, -1), counts)
+    return cache
+
+
+def tree_inputs(n: int, nodes: int, cache: KVCache, seed: int):
+    """A random tree pass: tokens, positions, an ancestor mask (each node sees itself and a
+    random subset of the earlier nodes)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 48, (n, 1, nodes), generator=gen)
+    depth = torch.randint(0, 3, (n, nodes), generator=gen)
+    positions = (cache.lengths[:n, None] + depth)[:, None]
+    seen = torch.rand(n, nodes, nodes, generator=gen) < 0.5
+    mask = (seen.tril(-1) | torch.eye(nodes, dtype=torch.bool))[:, None]
+    return tokens, positions, mask
+
+
+def assert_same(replayed, eager):
+    for a, b in zip(replayed, eager, strict=True):
+        if b is None:
+            assert a is None
+        else:
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # summation order
+
+
+def test_a_replayed_tree_pass_equals_the_eager_one_call_after_call(pair, narrow):
+    _, target, _ = pair
+    cache = committed_cache(target, [5, 9, 2])
+    forward = ForwardGraphs(target, cache, emulate=True)
+    for seed in range(3):  # the same shape: one graph, its buffers refilled each call
+        inputs = tree_inputs(3, 7, cache, seed)
+        assert_same(forward(*inputs[:2], cache, inputs[2]), target(*inputs[:2], cache, inputs[2]))
+    assert len(forward) == 1 and forward.replays == 3
+    # the cache grows past the window (16): a new graph (window 32), same outputs
+    cache.lengths[1] = 20
+    cache._host_lengths = None
+    inputs = tree_inputs(3, 7, cache, 9)
+    assert_same(forward(*inputs[:2], cache, inputs[2]), target(*inputs[:2], cache, inputs[2]))
+    assert len(forward) == 2
+
+
+def test_a_replayed_draft_depth_with_suffix_and_features_equals_the_eager_one(narrow):
+    _, _, draft = tiny_pair(vocab=48, draft_fc=torch.randn(64, 128) * 0.1)
+    cache = committed_cache(draft, [4, 7, 1, 3, 6])  # 5 requests: padded to 8 > 6 slots: 5
+    forward = ForwardGraphs(draft, cache, emulate=True)
+    gen = torch.Generator().manual_seed(1)
+    n, k, s = 5, 3, 2
+    shape = (draft.spec.num_layers, n, k, draft.kv_heads, s, draft.spec.head_dim)
+    suffix = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    tokens = torch.randint(0, 48, (n, k, 1), generator=gen)
+    positions = (cache.lengths[:n] + s)[:, None, None].expand(n, k, 1)
+    features = torch.randn(n, k, 1, 64, generator=gen)
+    ones = torch.ones(n, k, 1, 1, dtype=torch.bool)
+    args = (tokens, positions, cache, ones, suffix)
+    replayed = forward(*args, features=features, head=False)
+    assert_same(replayed, draft(*args, features=features, head=False))
+    assert forward.replays == 1
+    # another cache (a speculation fork's) runs eagerly
+    other = committed_cache(draft, [4, 7, 1, 3, 6])
+    forward(tokens, positions, other, ones, suffix, features=features, head=False)
+    assert forward.replays == 1 and len(forward) == 1
+
+
+def requests(engine, seed: int, sampling: SamplingParams, new: int = 40):
+    return [
+        make_request(engine.limits, [5, 1 + i, 7, 3], new, m, k, g, sampling, seed=seed + i)
+        for i, (m, k, g) in enumerate(MIXED)
+    ]
+
+
+@pytest.mark.parametrize(
+    "feature, temperature, buckets",
+    [(False, 1.0, True), (False, 0.0, True), (True, 0.0, True), (True, 1.0, False)],
+    ids=["token-draft", "token-draft-greedy", "feature-draft-greedy", "feature-draft-exact"],
+)
+def test_the_engine_writes_the_same_tokens_with_replayed_forwards(
+    feature, temperature, buckets, narrow, monkeypatch
+):
+    """Seeded, mixing every method, K and γ in one batch (and alone): the same tokens with the
+    decode forwards replayed (batch buckets from 16 down to 1 as requests finish, windows from
+    8 to 64 positions) as eagerly.
+
+    Why the feature draft at T = 1 replays exact shapes (the batch unpadded, the window the
+    longest length): there a carried record (greedy_block, spectr_gbv) meets residuals of
+    nearly no mass (the tiny feature draft is close to its target), whose normalised rows the
+    last bits of p and q decide, so a wider window's summation order changes which token a
+    seed draws (the law is the same). Exact shapes then compute bit for bit what the eager
+    forwards do, which checks the replays' features and buffers exactly."""
+    if not buckets:
+        monkeypatch.setattr(graphs, "batch_bucket", lambda batch, slots: batch)
+        monkeypatch.setattr(graphs, "window_bucket", lambda length, max_len: max(length, 1))
+    fc = torch.randn(64, 128) * 0.1 if feature else None
+    _, target, draft = tiny_pair(vocab=48, draft_fc=fc)
+    sampling = SamplingParams(temperature)
+    eager = make_engine(target, draft, max_batch=16)
+    replayed = make_engine(target, draft, max_batch=16)
+    replayed.draft.use_graphs(emulate=True)
+    replayed.target.use_graphs(emulate=True)
+    for seed in (0, 50):
+        want = [r.token_ids for r in eager.generate(requests(eager, seed, sampling))]
+        assert [r.token_ids for r in replayed.generate(requests(eager, seed, sampling))] == want
+    alone = requests(eager, 7, sampling)[5]
+    assert replayed.generate([alone])[0].token_ids == eager.generate([alone])[0].token_ids
+    draft_graphs, target_graphs = replayed.draft.forward, replayed.target.forward
+    assert draft_graphs.replays > 0 and target_graphs.replays > 0
+    if buckets:
+        windows = {key[1] for key in target_graphs._graphs}
+        assert {8, 16, 32} <= windows, windows

@@ -1,0 +1,173 @@
+"""CUDA graphs for the decode step's forward passes: one captured ``Llama`` forward per static
+shape, replayed each step.
+
+Why: on a GPU a small model's decode forward is bound by kernel launches and the Python between
+them, not by its weights (docs/gpu.md: a SmolLM2-135M step took 25-70 ms on an H200 whose
+bandwidth reads those weights in ~0.1 ms). A graph replays all of a forward's kernels with one
+launch and none of its Python.
+
+A forward's shape is static once two things are: its inputs' shapes, and the prefix window its
+new tokens attend over. The window is the longest committed length rounded up to a bucket
+(`window_bucket`): keys past a request's own length are masked (``Llama._seen_keys``), so a
+wider window computes the same rows up to summation order. The batch is padded to a power of
+two where the cache has the slots: pad rows run on the slots past the active ones (whatever
+those hold), see every new token (a finite softmax), and are cut from the outputs.
+
+Captured: the forwards of a decode step, all at slot 0 over the worker's own cache: the
+target's tree pass, the draft's pending-token run and each of its depths. Prefill stays eager
+(its shapes are the prompts'), and so do forwards over another cache (a speculation fork's).
+``emulate=True`` runs the same static buffers and replays on any device without capturing
+(how the CPU tests check the padding, the window and the output copies).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from workers.llama import KVCache, Llama
+
+log = logging.getLogger(__name__)
+
+# The narrowest window: a few buckets cover a context (256, 512, 1024, ...), and below this the
+# masked keys cost less than another graph.
+MIN_WINDOW = 256
+# Graphs per worker at most (least recently used dropped): buckets of batch x window x shape.
+MAX_GRAPHS = 256
+
+
+def window_bucket(length: int, max_len: int) -> int:
+    """The prefix window read for a longest committed `length`: the next power of two, at least
+    MIN_WINDOW (read at call time: tests narrow it), at most the cache's max_len."""
+    return min(max_len, max(MIN_WINDOW, 1 << max(length - 1, 0).bit_length()))
+
+
+def batch_bucket(batch: int, slots: int) -> int:
+    """The padded batch: the next power of two, or `batch` itself when the cache lacks slots."""
+    padded = 1 << (batch - 1).bit_length()
+    return padded if padded <= slots else batch
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    inputs: list[torch.Tensor]  # static buffers: tokens, positions, mask, [suffix k, v], [features]
+    outputs: tuple  # what a replay writes: logits or None, k, v, hidden
+
+
+class ForwardGraphs:
+    """``model(...)`` over `cache` for decode shapes, replayed from captured CUDA graphs; a call
+    with another cache, a slot other than 0 or a failed capture runs eagerly. Same signature
+    and outputs as ``Llama.forward``; the outputs are copies (the next replay overwrites the
+    graph's own). Graphs share one memory pool and replay one at a time on the current stream."""
+
+    def __init__(self, model: Llama, cache: KVCache, emulate: bool = False):
+        self.model, self.cache, self.emulate = model, cache, emulate
+        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
+        self._pool = None
+        self.replays = 0  # calls served by a graph (for tests and benchmarks)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [n, R, T] int64
+        positions: torch.Tensor,  # [n, R, T] int64
+        cache: KVCache,
+        mask: torch.Tensor,  # [n, R or 1, T or 1, S + T or 1] bool
+        suffix: tuple[torch.Tensor, torch.Tensor] | None = None,  # [L, n, R, H_kv, S, D] k, v
+        slot0: int = 0,
+        features: torch.Tensor | None = None,  # [n, R, T, E]
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = tokens.shape[0]
+        if cache is not self.cache or slot0 != 0 or n == 0:
+            return self.model(tokens, positions, cache, mask, suffix, slot0, features, head)
+        batch = [tokens, positions, mask]  # batch-first
+        if suffix is not None:
+            batch += list(suffix)  # [L, n, ...]: batch second
+        if features is not None:
+            batch.append(features)
+        bucket = batch_bucket(n, cache.k.shape[1])
+        window = window_bucket(cache.prefix_length(0, n), cache.max_len)
+        shapes = tuple((t.shape, t.dtype) for t in batch)
+        key = (bucket, window, head, suffix is not None, features is not None, shapes)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(batch, bucket, window, suffix, features, head)
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)  # the least recently used
+        self._graphs.move_to_end(key)
+        entry = self._graphs[key]
+        if entry is None:
+            return self.model(tokens, positions, cache, mask, suffix, 0, features, head)
+        for i, (static, t) in enumerate(zip(entry.inputs, batch, strict=True)):
+            _rows(static, i, suffix)[:n].copy_(_rows(t, i, suffix))
+        entry.replay()
+        self.replays += 1
+        logits, k, v, hidden = entry.outputs
+        return (
+            None if logits is None else logits[:n].clone(),
+            k[:, :n].clone(),
+            v[:, :n].clone(),
+            hidden[:n].clone(),
+        )
+
+    def _capture(self, batch, bucket, window, suffix, features, head) -> _Graph | None:
+        n = batch[0].shape[0]
+        static = []
+        for i, t in enumerate(batch):
+            shape = list(t.shape)
+            shape[1 if _in_suffix(i, suffix) else 0] = bucket
+            # pad rows: token 0 at position 0, seeing every new token, empty suffix features
+            buf = t.new_ones(shape) if t.dtype == torch.bool else t.new_zeros(shape)
+            _rows(buf, i, suffix)[:n].copy_(_rows(t, i, suffix))
+            static.append(buf)
+
+        def call():
+            tokens, positions, mask = static[:3]
+            sfx = (static[3], static[4]) if suffix is not None else None
+            feats = static[-1] if features is not None else None
+            return self.model(tokens, positions, self.cache, mask, sfx, 0, feats, head, window)
+
+        if self.emulate:
+            outputs = call()
+
+            def recompute() -> None:
+                for mine, fresh in zip(outputs, call(), strict=True):
+                    if mine is not None:
+                        mine.copy_(fresh)
+
+            return _Graph(recompute, static, outputs)
+        device = batch[0].device
+        try:
+            # Warm up off the capture: first calls initialise lazily (kernel loads, handles).
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                call()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA work does not break the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                outputs = call()
+        except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
+            log.warning("forward stays eager at batch %d, window %d: %s", bucket, window, err)
+            return None
+        self._pool = graph.pool()
+        return _Graph(graph.replay, static, outputs)
+
+
+def _in_suffix(i: int, suffix) -> bool:
+    """Whether input i is a suffix tensor ([L, n, ...]: batch second)."""
+    return suffix is not None and i in (3, 4)
+
+
+def _rows(t: torch.Tensor, i: int, suffix) -> torch.Tensor:
+    """Input i with its batch dimension first (a view)."""
+    return t.transpose(0, 1) if _in_suffix(i, suffix) else t
