@@ -114,7 +114,8 @@ def join_group(
     """Join the default process group of `world` ranks whose store is on 127.0.0.1:port.
 
     Rank 0 passes its :func:`loopback_store`; the others connect to it as clients. Blocks until
-    every rank has joined. gloo on CPU, NCCL on CUDA, both restricted to loopback.
+    every rank has joined. gloo on CPU, NCCL on CUDA (unless BLOCKSPEC_TP_BACKEND names
+    another), both restricted to loopback.
     """
     if dist.is_initialized():
         raise RuntimeError(
@@ -127,7 +128,9 @@ def join_group(
     dev = rank_device(device, rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    # NCCL refuses two ranks on one GPU: BLOCKSPEC_TP_BACKEND=gloo runs them there anyway (gloo
+    # all-reduces CUDA tensors through the host), how a machine of one GPU checks TP > 1.
+    backend = os.environ.get("BLOCKSPEC_TP_BACKEND") or ("nccl" if dev.type == "cuda" else "gloo")
     _use_loopback()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
