@@ -62,6 +62,8 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from functools import partial
@@ -80,6 +82,7 @@ from service.requests import make_request
 from verification import VERIFIERS, VerifyGraphs, verify
 from workers import models as wm
 from workers.draft import prefill
+from workers.graphs import ForwardGraphs
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams, process
 from workers.target import path_rows
@@ -217,7 +220,10 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
 
     dev = args.device
     n = args.parity_prompts
-    engine, tokenizer = build_engine(draft, target, n, args.max_len, "float32", dev)
+    graphs = args.graphs != "off"  # the decode forwards replayed from CUDA graphs
+    engine, tokenizer = build_engine(
+        draft, target, n, args.max_len, "float32", dev, cuda_graphs=graphs
+    )
     room = engine.max_len - args.parity_tokens - args.parity_gamma - 2
     prompts, source = load_prompts(tokenizer, args.prompt_source, n, room)
     hf = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=torch.float32)
@@ -232,6 +238,7 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
             break
         k, gamma = method_shape(method, args.parity_k, args.parity_gamma)
         case = dict(pair=name, method=method, k=k, gamma=gamma, prompts=len(prompts))
+        case["graphs"] = graphs
         case["prompt_source"] = source
         greedy = SamplingParams(0.0)
         reqs = [
@@ -246,7 +253,9 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
             case.update(ok=False, error=error_tail())
             errors[f"parity {name} {method}"] = case["error"]
             print(f"FAIL parity {name} {method}: raised\n{case['error']}", flush=True)
-            engine, _ = build_engine(draft, target, n, args.max_len, "float32", dev)  # fresh
+            engine, _ = build_engine(
+                draft, target, n, args.max_len, "float32", dev, cuda_graphs=graphs
+            )  # fresh
             cases.append(case)
             continue
         diffs = []
@@ -314,7 +323,7 @@ def run_engine(engine, prompts, method, k, gamma, args, new_tokens, budget_s, fi
                 new_tokens[lo + i],
                 method,
                 k,
-                gamma,
+                max(gamma, 1),  # plain decoding's γ (0 in the tables) is refused below 1
                 SamplingParams(args.temperature),
                 seed=first_seed + lo + i,
             )
@@ -445,13 +454,43 @@ def hf_rows(args, pair: dict, prompts: list[list[int]], budget_s: float, errors:
     return rows
 
 
+def host_syncs(engine, prompt: list[int], method: str, k: int, gamma: int, args) -> dict:
+    """Host syncs of one seeded request (its prefill included) as CUDA reports them
+    (torch.cuda.set_sync_debug_mode: a warning per synchronising call): per engine step, and
+    the five sites that synced most."""
+    req = make_request(
+        engine.limits, prompt, 32, method, k, gamma, SamplingParams(args.temperature), seed=7
+    )
+    engine.reset_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate([req])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    total = sum(sites.values())
+    return dict(syncs=total, steps=engine.steps, sites=dict(sites.most_common(5)))
+
+
 def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, errors: dict):
     dev = args.device
-    engines = {}
-    for b in args.batch:
-        engines[b] = build_engine(pair["draft"], pair["target"], b, args.max_len, args.dtype, dev)
-    tokenizer = engines[args.batch[0]][1]
-    room = engines[args.batch[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
+    # eager rows first: a CUDA error in a replay (it ends the process's context) leaves them
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
+    if not dev.startswith("cuda"):
+        modes = [False]  # graphs are CUDA's
+
+    def make(b: int, graphs: bool):
+        return build_engine(
+            pair["draft"], pair["target"], b, args.max_len, args.dtype, dev, cuda_graphs=graphs
+        )
+
+    engines = {(b, g): make(b, g) for b in args.batch for g in modes}
+    tokenizer = engines[args.batch[0], modes[0]][1]
+    room = engines[args.batch[0], modes[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
     prompts, source = load_prompts(tokenizer, args.prompt_source, args.prompts, room)
     result.update(
         pair=pair,
@@ -464,10 +503,13 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
     )
     rows = result["rows"]
     configs = []
-    for method in args.methods:
-        for k in sorted({method_shape(method, k, 4)[0] for k in args.k}):
-            for gamma in args.gamma if method != "none" else [0]:
-                configs += [(method, k, gamma, b) for b in args.batch]
+    for graphs in modes:
+        for method in args.methods:
+            if not graphs and len(modes) > 1 and method not in args.eager_methods:
+                continue  # beside graphs, eager rows only as the baseline
+            for k in sorted({method_shape(method, k, 4)[0] for k in args.k}):
+                for gamma in args.gamma if method != "none" else [0]:
+                    configs += [(method, k, gamma, b, graphs) for b in args.batch]
     hf_budget = 0.0 if args.no_hf else args.hf_budget_s
     if not args.no_hf and 1 in args.batch:
         print(f"HF generate, batch 1, {args.dtype}:", flush=True)
@@ -475,34 +517,37 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
         free_memory(dev)
         save()
     stop_at = args.deadline_s - (args.proj_reserve_s if "projection" in args.sections else 0)
-    header = "| method | K | γ | batch | prompts | BE | tok/s | ms/step |"
+    header = "| method | K | γ | batch | graphs | prompts | BE | tok/s | ms/step | syncs/step |"
     print(f"\nengine, {args.dtype} on {dev}, T = {args.temperature}:\n{header}", flush=True)
-    for i, (method, k, gamma, b) in enumerate(configs):
+    for i, (method, k, gamma, b, graphs) in enumerate(configs):
         left = stop_at - clock.elapsed()
         budget = min(args.config_budget_s, left / (len(configs) - i)) if left > 0 else 0
         if budget < 0.5:
-            result["skipped"].append([method, k, gamma, b])
+            result["skipped"].append([method, k, gamma, b, graphs])
             continue
-        engine = engines[b][0]
+        engine = engines[b, graphs][0]
         take = prompts[: args.batch1_prompts] if b == 1 else prompts
-        # Warm-up: the same batch, fewer tokens, staggered so that the batch shrinks through
-        # every size (each verify-graph bucket is captured here, not in the timed run).
-        warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
         try:
-            run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
+            if graphs:  # capture every graph the timed run needs (each batch and window bucket)
+                run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget, 10**6)
+            else:  # staggered so that the batch shrinks through every verify-graph bucket
+                warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
+                run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
             res = run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget)
+            if b == 1 and dev.startswith("cuda"):
+                res["host_syncs"] = host_syncs(engine, take[0], method, k, max(gamma, 1), args)
         except Exception:
-            errors[f"speed {method} K={k} γ={gamma} b={b}"] = tail = error_tail()
-            print(f"ERROR {method} K={k} γ={gamma} batch {b}:\n{tail}", flush=True)
-            engines[b] = build_engine(
-                pair["draft"], pair["target"], b, args.max_len, args.dtype, dev
-            )
+            errors[f"speed {method} K={k} γ={gamma} b={b} graphs={graphs}"] = tail = error_tail()
+            print(f"ERROR {method} K={k} γ={gamma} batch {b} graphs {graphs}:\n{tail}", flush=True)
+            engines[b, graphs] = make(b, graphs)
             continue
-        rows.append(dict(method=method, k=k, gamma=gamma, batch=b, **res))
+        rows.append(dict(method=method, k=k, gamma=gamma, batch=b, graphs=graphs, **res))
+        syncs = res.get("host_syncs")
+        per_step = f"{syncs['syncs'] / max(syncs['steps'], 1):.1f}" if syncs else "-"
         print(
-            f"| {method} | {k} | {gamma} | {b} | {res['prompts']} | "
-            f"{res['block_efficiency']:.2f} | {res['tokens_per_s']:.1f} | "
-            f"{res['ms_per_step']:.2f} |",
+            f"| {method} | {k} | {gamma} | {b} | {'on' if graphs else 'off'} | {res['prompts']} "
+            f"| {res['block_efficiency']:.2f} | {res['tokens_per_s']:.1f} | "
+            f"{res['ms_per_step']:.2f} | {per_step} |",
             flush=True,
         )
         save()
@@ -694,14 +739,24 @@ def section_projection(args, be_rows: list[dict], be_source: str, clock: Clock, 
             break
         models = (target, draft)
         label = f"projection b={b}"
-        res = guarded(label, errors, step_costs, args, b, shapes, models, caches, features)
+        graphed = args.graphs != "off" and dev.startswith("cuda")
+        costs = partial(step_costs, args, b, shapes, models, caches, features)
+        eager = None  # first: a CUDA error in a replay ends the process's context
+        if not graphed or args.graphs == "both":
+            eager = guarded(f"{label} eager", errors, costs, False)
+        res = guarded(label, errors, costs, True) if graphed else None
+        if res is None:
+            res = eager
+        elif eager is not None:
+            res["eager"] = eager
         free_memory(dev)
         if res is None:
             continue
         per_batch[str(b)] = res
         res["verify_ms"] = verify_times(args, b, shapes, clock, errors)
         print(
-            f"  batch {b}: T1 {res['t1_ms']:.2f} ms; tree (K,γ) {fmt_ms(res['tree_ms'])}; "
+            f"  batch {b} (graphs {res['graphs']}): T1 {res['t1_ms']:.2f} ms; "
+            f"tree (K,γ) {fmt_ms(res['tree_ms'])}; "
             f"draft depth (K) {fmt_ms(res['draft_ms'])}; verify {fmt_ms(res['verify_ms'])}",
             flush=True,
         )
@@ -715,35 +770,40 @@ def fmt_ms(times: dict[str, float]) -> str:
     return ", ".join(f"{key}: {ms:.2f}" for key, ms in times.items())
 
 
-def plain_step(target: Llama, cache: KVCache, tok, pos, mask, params) -> torch.Tensor:
+def plain_step(forward, cache: KVCache, tok, pos, mask, params) -> torch.Tensor:
     """Plain decoding's target work: one token's forward and its row's softmax."""
-    return process(target(tok, pos, cache, mask)[0][:, 0], params)
+    return process(forward(tok, pos, cache, mask)[0][:, 0], params)
 
 
-def tree_step(target: Llama, cache: KVCache, tree, params) -> torch.Tensor:
+def tree_step(forward, cache: KVCache, tree, params) -> torch.Tensor:
     """A speculative step's target work: the tree's forward and the rows along its paths."""
     pos = (cache.lengths[: tree.tokens.shape[0], None] + tree.depth)[:, None]
-    logits = target(tree.tokens[:, None], pos, cache, tree.mask[:, None])[0]
+    logits = forward(tree.tokens[:, None], pos, cache, tree.mask[:, None])[0]
     return path_rows(logits[:, 0], tree, params)
 
 
-def draft_depth(draft: Llama, cache: KVCache, tok, pos, mask, features, params) -> torch.Tensor:
+def draft_depth(draft: Llama, forward, cache: KVCache, tok, pos, mask, features, params):
     """One depth of drafting: the K rows' forward, the (reduced) head and its softmax."""
-    hidden = draft(tok, pos, cache, mask, features=features, head=False)[3]
+    hidden = forward(tok, pos, cache, mask, features=features, head=False)[3]
     return process(draft.head_logits(hidden[:, :, 0]), params)
 
 
-def step_costs(args, b: int, shapes, models, caches, features: bool) -> dict:
-    """T1, Ttree per (K, γ) and D per K at batch b (ms, see the module's docstring)."""
+def step_costs(args, b: int, shapes, models, caches, features: bool, graphed: bool) -> dict:
+    """T1, Ttree per (K, γ) and D per K at batch b (ms, see the module's docstring); with
+    `graphed`, the forwards replayed from CUDA graphs as the engine's (workers/graphs.py)."""
     dev, reps = args.device, args.proj_repeats
     (target, draft), (cache_t, cache_d) = models, caches
+    fwd_t, fwd_d = target, draft
+    if graphed:
+        fwd_t, fwd_d = ForwardGraphs(target, cache_t), ForwardGraphs(draft, cache_d)
     params = [SamplingParams(args.temperature)] * b
     ctx, E = args.proj_context, args.proj_hidden
     root = torch.zeros(b, 1, 1, dtype=torch.int64, device=dev)
     pos = torch.full((b, 1, 1), ctx, device=dev)
     one = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=dev)
     res = dict(
-        t1_ms=cuda_ms(partial(plain_step, target, cache_t, root, pos, one, params), reps, dev),
+        graphs=graphed,
+        t1_ms=cuda_ms(partial(plain_step, fwd_t, cache_t, root, pos, one, params), reps, dev),
         tree_ms={},
         draft_ms={},
     )
@@ -753,7 +813,7 @@ def step_costs(args, b: int, shapes, models, caches, features: bool) -> dict:
         paths[:, :, 0] = torch.arange(k, device=dev)  # K distinct paths: 1 + Kγ nodes
         full = torch.full((b,), k, device=dev), torch.full((b,), g, device=dev)
         tree = build_tree(root[:, 0, 0], paths, *full)
-        step = partial(tree_step, target, cache_t, tree, params)
+        step = partial(tree_step, fwd_t, cache_t, tree, params)
         res["tree_ms"][f"{k},{g}"] = cuda_ms(step, reps, dev)
     dtype = wm.DTYPES[args.dtype]
     for k in sorted({k for k, _ in shapes}):
@@ -761,7 +821,7 @@ def step_costs(args, b: int, shapes, models, caches, features: bool) -> dict:
         pos = torch.full((b, k, 1), ctx, device=dev)
         mask = torch.ones(b, k, 1, 1, dtype=torch.bool, device=dev)
         f = torch.zeros(b, k, 1, E, device=dev, dtype=dtype) if features else None
-        step = partial(draft_depth, draft, cache_d, tok, pos, mask, f, params)
+        step = partial(draft_depth, draft, fwd_d, cache_d, tok, pos, mask, f, params)
         res["draft_ms"][str(k)] = cuda_ms(step, reps, dev)
     return res
 
@@ -817,6 +877,58 @@ def projection_rows(args, be_rows: list[dict], per_batch: dict) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------- 4. tp
+def section_tp(args, pair: dict) -> dict:
+    """Tensor parallelism on this one device: the target split over the fewest ranks > 1 its
+    heads allow (SmolLM2-135M: 3; all on this device; gloo, since NCCL refuses two ranks on one
+    GPU) against the whole target, float32: a prompt's prefill, then a draft tree's logits
+    (K = 2 paths of γ = 4)."""
+    from transformers import AutoConfig
+
+    from workers.tensor_parallel import TensorParallelTarget
+
+    dev = args.device
+    if dev == "cuda":
+        dev = "cuda:0"  # both ranks on it (a bare "cuda" puts rank r on GPU r)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    os.environ["BLOCKSPEC_TP_BACKEND"] = "gloo"
+    gen = torch.Generator().manual_seed(0)
+    vocab = json.loads((Path(pair["target"]) / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(0, vocab, (48,), generator=gen)
+    paths = torch.randint(0, vocab, (1, 2, 4), generator=gen)
+    paths[:, :, 0] = torch.tensor([1, 2])  # 2 distinct paths: 9 nodes
+    tree = build_tree(prompt[-1:], paths, torch.tensor([2]), torch.tensor([4]))
+    spec = LlamaSpec.from_hf_config(AutoConfig.from_pretrained(pair["target"]))
+    split = next(w for w in (2, 3, 4, 6, 8) if not guarded_split(spec, w))
+    logits = {}
+    for world in (1, split):
+        start = time.perf_counter()
+        with TensorParallelTarget(pair["target"], world, 1, 256, "float32", dev) as target:
+            target.prefill(0, [prompt[:-1]])
+            logits[world] = target.score_logits(tree).float().cpu()
+        print(f"  TP = {world}: {time.perf_counter() - start:.1f} s (start, prefill, tree)")
+    diff = (logits[split] - logits[1]).abs().max().item()
+    same_top = bool((logits[split].argmax(-1) == logits[1].argmax(-1)).all())
+    ok = diff < 1e-3 and same_top
+    print(
+        f"{'PASS' if ok else 'FAIL'} TP = {split} vs 1 on {dev}: max |Δ logit| {diff:.2e}, "
+        f"argmax equal {same_top}",
+        flush=True,
+    )
+    return dict(
+        world=split, device=dev, backend="gloo", max_abs_diff=diff, argmax_equal=same_top, ok=ok
+    )
+
+
+def guarded_split(spec: LlamaSpec, world: int) -> str | None:
+    """Why `spec` cannot split over `world` ranks, or None."""
+    try:
+        spec.check_divisible(world)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 # --------------------------------------------------------------------------------- tables
 def tables(result: dict) -> str:
     out = []
@@ -834,21 +946,35 @@ def tables(result: dict) -> str:
             )
     speed = result.get("speed") or {}
     if speed.get("rows"):
-        base = {r["batch"]: r["tokens_per_s"] for r in speed["rows"] if r["method"] == "none"}
+
+        def mode(r: dict) -> str:  # HF rows have none
+            return {True: "on", False: "off"}.get(r.get("graphs"), "-")
+
+        base = {
+            (r["batch"], mode(r)): r["tokens_per_s"] for r in speed["rows"] if r["method"] == "none"
+        }
+        eager = {b: tps for (b, m), tps in base.items() if m == "off"}
         out.append(
             f"\n## speed: {speed.get('pair_name')} pair, {speed.get('dtype')}, T = "
             f"{speed.get('temperature')}, {speed.get('new_tokens')} new tokens, "
             f"{speed.get('prompt_source')} prompts"
         )
-        out.append("| method | K | γ | batch | prompts | BE | tok/s | × none | ms/step |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append(
+            "| method | K | γ | batch | graphs | prompts | BE | tok/s | × none | × none eager "
+            "| ms/step | syncs/step |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in speed["rows"]:
-            ratio = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
+            b, m = r["batch"], mode(r)
+            ratio = r["tokens_per_s"] / base.get((b, m), base.get((b, "on"), float("nan")))
+            vs_eager = r["tokens_per_s"] / eager[b] if b in eager else float("nan")
             step = f"{r['ms_per_step']:.2f}" if "ms_per_step" in r else "-"
+            syncs = r.get("host_syncs")
+            per_step = f"{syncs['syncs'] / max(syncs['steps'], 1):.1f}" if syncs else "-"
             out.append(
-                f"| {r['method']} | {r['k']} | {r['gamma']} | {r['batch']} | "
+                f"| {r['method']} | {r['k']} | {r['gamma']} | {b} | {m} | "
                 f"{r['prompts']} | {r['block_efficiency']:.2f} | {r['tokens_per_s']:.1f}"
-                f" | {ratio:.2f} | {step} |"
+                f" | {ratio:.2f} | {vs_eager:.2f} | {step} | {per_step} |"
             )
         if speed.get("skipped"):
             out.append(f"skipped (time): {speed['skipped']}")
@@ -860,12 +986,16 @@ def tables(result: dict) -> str:
             f"V {t['vocab_size']}, {proj['dtype']}, context {proj['context']}; "
             f"draft {proj['draft']}; BE from {proj['be_source']}"
         )
-        out.append("| batch | T1 ms | tree ms (K,γ) | draft ms/depth (K) |")
-        out.append("|---|---|---|---|")
+        out.append("| batch | graphs | T1 ms | tree ms (K,γ) | draft ms/depth (K) |")
+        out.append("|---|---|---|---|---|")
         for b, res in proj["per_batch"].items():
-            tree = ", ".join(f"{k}: {v:.2f}" for k, v in res["tree_ms"].items())
-            drf = ", ".join(f"{k}: {v:.2f}" for k, v in res["draft_ms"].items())
-            out.append(f"| {b} | {res['t1_ms']:.2f} | {tree} | {drf} |")
+            for r in (res, res.get("eager")):
+                if not r:
+                    continue
+                tree = ", ".join(f"{k}: {v:.2f}" for k, v in r["tree_ms"].items())
+                drf = ", ".join(f"{k}: {v:.2f}" for k, v in r["draft_ms"].items())
+                on = "on" if r.get("graphs") else "off"
+                out.append(f"| {b} | {on} | {r['t1_ms']:.2f} | {tree} | {drf} |")
         out.append(
             "\n| method | K | γ | batch | BE | c | verify/T1 | tree/T1 | speed-up | "
             "speed-up (tree) |"
@@ -878,6 +1008,13 @@ def tables(result: dict) -> str:
                 f"{r['tree_over_t1']:.2f} | {r['speedup']:.2f} | "
                 f"{r['speedup_tree']:.2f} |"
             )
+    tp = result.get("tp") or {}
+    if tp:
+        out.append(
+            f"\n## TP = {tp['world']} vs 1 on {tp['device']} ({tp['backend']}): max |Δ logit| "
+            f"{tp['max_abs_diff']:.2e}, argmax equal {tp['argmax_equal']}: "
+            f"{'PASS' if tp['ok'] else 'FAIL'}"
+        )
     if result.get("errors"):
         out.append(f"\nerrors in: {', '.join(result['errors'])} (tracebacks in the JSON)")
     return "\n".join(out)
@@ -925,12 +1062,18 @@ def parse_args(argv=None):
     a(
         "--sections",
         nargs="+",
-        default=["parity", "speed", "projection"],
-        choices=["parity", "speed", "projection"],
+        default=["parity", "speed", "projection", "tp"],
+        choices=["parity", "speed", "projection", "tp"],
     )
     a("--deadline-s", type=float, default=330, help="the whole run's wall-clock budget")
     a("--max-len", type=int, default=1024, help="engine context (capped at the models')")
     a("--prompt-source", default="auto", choices=["auto", "humaneval", "builtin"])
+    a(
+        "--graphs",
+        default="both",
+        choices=["both", "on", "off"],
+        help="the engine's decode forwards from CUDA graphs (parity: on unless off)",
+    )
     g = ap.add_argument_group("1. parity")
     g.add_argument("--parity-pairs", nargs="+", default=["default", "tiny"])
     g.add_argument("--parity-methods", nargs="+", default=METHODS, choices=METHODS)
@@ -951,6 +1094,12 @@ def parse_args(argv=None):
     g.add_argument("--config-budget-s", type=float, default=10.0, help="at most, per config")
     g.add_argument("--hf-budget-s", type=float, default=8.0, help="per HF configuration")
     g.add_argument("--no-hf", action="store_true", help="skip the HF generate rows")
+    g.add_argument(
+        "--eager-methods",
+        nargs="+",
+        default=["none", "block", "spectr"],
+        help="with --graphs both: the methods also timed without graphs (the baseline)",
+    )
     g.add_argument(
         "--be-json",
         default=str(REPO / "docs" / "benchmarks.json"),
@@ -1039,6 +1188,11 @@ def main(argv=None) -> None:
         result["projection"] = guarded(
             "projection", errors, section_projection, args, be_rows, source, clock, errors
         )
+        save()
+    if "tp" in args.sections:
+        print(f"\n== 4. tensor parallelism on one device ({clock.elapsed():.0f} s)", flush=True)
+        pair = default if "default" in pairs else dict(target=str(wm.TINY_TARGET))
+        result["tp"] = guarded("tp", errors, section_tp, args, pair)
         save()
     print(f"\n# done in {clock.elapsed():.0f} s; JSON: {args.json}\n", flush=True)
     if not args.no_tables:

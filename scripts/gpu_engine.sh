@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine with no network: the engine's GPU numbers in one call (~6 min, <= 8 min).
+# On a CUDA machine with no network: the engine's GPU numbers in one call (~7 min, <= 8 min).
 #   bash scripts/gpu_engine.sh [extra bench_engine_gpu.py flags]      (PYTHON=... picks python)
 # Expects, relative to the repository root:
 #   .whl/*.whl            wheels to install first: gguf (the GGUF reader transformers needs);
@@ -50,10 +50,12 @@ bench() {  # bench TIMEOUT_S DEADLINE_S SECTION [flags]
 }
 # Each section's own deadline (seconds; it shares its time among its configurations) and a
 # hard timeout 20 s above it.
-parity_s=${PARITY_S:-55} speed_s=${SPEED_S:-180} projection_s=${PROJECTION_S:-70}
+parity_s=${PARITY_S:-50} speed_s=${SPEED_S:-200} projection_s=${PROJECTION_S:-75}
+tp_s=${TP_S:-40}
 bench $((parity_s + 20)) "$parity_s" parity --no-tables "$@"
 bench $((speed_s + 30)) "$speed_s" speed --no-tables "$@"
 bench $((projection_s + 20)) "$projection_s" projection --no-tables "$@"
+bench $((tp_s + 20)) "$tp_s" tp --no-tables "$@"
 echo "== done in $((SECONDS - start)) s, status $status"
 echo
 "$py" scripts/bench_engine_gpu.py --json "$out/engine_gpu.json" --tables || status=1
