@@ -1,4 +1,5 @@
-"""workers/graphs.py on the CPU: the decode step's forwards replayed from static buffers.
+"""The decode path's GPU machinery, on the CPU: forwards replayed from static buffers
+(workers/graphs.py), and the fused kernels a CUDA forward runs (workers/llama.fused_kernels).
 
 ``emulate=True`` runs what a CUDA graph would (the padded batch, the bucketed prefix window, the
 static input buffers refilled each call, the outputs copied out of buffers the next replay
@@ -15,6 +16,7 @@ import torch
 from test_engine import MIXED, make_engine, tiny_pair
 
 import workers.graphs as graphs
+import workers.llama as llama
 from service.requests import make_request
 from workers.graphs import ForwardGraphs, batch_bucket, window_bucket
 from workers.llama import KVCache
@@ -162,3 +164,25 @@ def test_the_engine_writes_the_same_tokens_with_replayed_forwards(
     if buckets:
         windows = {key[1] for key in target_graphs._graphs}
         assert {8, 16, 32} <= windows, windows
+
+
+def test_the_fused_kernels_compute_the_composed_forward(monkeypatch):
+    """F.rms_norm and one scaled_dot_product_attention call per layer (with the masks as one
+    additive bias) give the composed forward's outputs: a tree pass over a ragged prefix, and
+    a feature draft's depth with K rows over a suffix (GQA: 2 query heads a kv head)."""
+    _, target, draft = tiny_pair(vocab=48, draft_fc=torch.randn(64, 128) * 0.1)
+    cache = committed_cache(target, [5, 9, 2])
+    tree = tree_inputs(3, 7, cache, 4)
+    composed = target(*tree[:2], cache, tree[2], window=16)
+    d_cache = committed_cache(draft, [4, 7, 1])
+    gen = torch.Generator().manual_seed(2)
+    shape = (draft.spec.num_layers, 3, 2, draft.kv_heads, 2, draft.spec.head_dim)
+    suffix = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    tokens = torch.randint(0, 48, (3, 2, 1), generator=gen)
+    positions = (d_cache.lengths[:3] + 2)[:, None, None].expand(3, 2, 1)
+    features = torch.randn(3, 2, 1, 64, generator=gen)
+    depth = (tokens, positions, d_cache, torch.ones(3, 2, 1, 1, dtype=torch.bool), suffix)
+    composed_depth = draft(*depth, features=features)
+    monkeypatch.setattr(llama, "fused_kernels", lambda device: True)
+    assert_same(target(*tree[:2], cache, tree[2], window=16), composed)
+    assert_same(draft(*depth, features=features), composed_depth)

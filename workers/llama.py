@@ -317,6 +317,13 @@ class KVCache:
 
 
 # ------------------------------------------------------------------------------ building blocks
+def fused_kernels(device: torch.device) -> bool:
+    """Whether forwards on `device` run RMSNorm and attention as fused kernels (F.rms_norm,
+    scaled_dot_product_attention): on a GPU a decode step is bound by kernel launches; on a
+    CPU the composed ops read the prefix in place (tree_attention) and are measured faster."""
+    return device.type == "cuda"
+
+
 def rope_tables(
     inv_freq: torch.Tensor,  # [D/2] float32
     positions: torch.Tensor,  # [...] int64
@@ -349,7 +356,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., X]
         xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if fused_kernels(x.device):  # one kernel (aten._fused_rms_norm) where these launch five
+            normed = F.rms_norm(xf, xf.shape[-1:], eps=self.eps)
+        else:
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
 
 
@@ -465,6 +475,9 @@ class SeenKeys:
     suffix_k: torch.Tensor | None  # [n, R, H_kv, S, D]: the row's earlier (draft-path) tokens
     suffix_v: torch.Tensor | None  # [n, R, H_kv, S, D]
     new_hidden: torch.Tensor  # [n, R, 1, 1, T, S+T] bool: new token t does not see token s
+    # On CUDA: both masks as one additive bias [n·R, 1, T, P+S+T] (0 seen, -inf hidden) for
+    # scaled_dot_product_attention (see tree_attention); None elsewhere
+    bias: torch.Tensor | None = None
 
 
 def _per_kv_head(x: torch.Tensor) -> torch.Tensor:
@@ -493,6 +506,8 @@ def tree_attention(
     every row and grouped head as the rows of one matrix per (request, kv head). Broadcast
     over rows and heads instead, matmul copied the prefix R·g times a layer (14% of a batch-8
     step on the default pair). The new part is small and per row: its keys are concatenated."""
+    if seen.bias is not None:
+        return _fused_tree_attention(q, k, v, seen)
     _, R, _, group, _, d = q.shape
     scale = d**-0.5
     plen = seen.prefix_k.shape[2]
@@ -509,6 +524,37 @@ def tree_attention(
     probs = torch.cat([s_prefix, s_new], dim=-1).float().softmax(-1).to(q.dtype)
     out_prefix = _per_row(_per_kv_head(probs[..., :plen]) @ seen.prefix_v, R, group)
     return out_prefix + probs[..., plen:] @ vv
+
+
+def _fused_tree_attention(
+    q: torch.Tensor,  # [n, R, H_kv, g, T, D]
+    k: torch.Tensor,  # [n, R, H_kv, T, D]
+    v: torch.Tensor,  # [n, R, H_kv, T, D]
+    seen: SeenKeys,
+) -> torch.Tensor:  # [n, R, H_kv, g, T, D]
+    """tree_attention on CUDA: one scaled_dot_product_attention call per layer (a fused
+    kernel with the masks as an additive bias) where the matmuls, masks and softmax launch
+    ~15 kernels. The keys are copied once into [prefix; suffix; new] per row and grouped
+    head (one cat each for k and v): on a GPU a decode step is bound by launches, not by
+    copying a bucketed window of the prefix (workers/graphs.py)."""
+    n, R, kv_heads, group, T, d = q.shape
+    plen = seen.prefix_k.shape[2]
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [n, R, H_kv, X, D] -> [n, R, H_kv, g, X, D]
+        return x[:, :, :, None].expand(n, R, kv_heads, group, x.shape[3], d)
+
+    def joined(prefix, suffix, new) -> torch.Tensor:  # [n·R, H, P+S+T, D]
+        parts = [rows(prefix[:, None].expand(n, R, kv_heads, plen, d))]
+        parts += [rows(suffix)] if suffix is not None else []
+        parts.append(rows(new))
+        return torch.cat(parts, dim=4).view(n * R, kv_heads * group, -1, d)
+
+    keys = joined(seen.prefix_k, seen.suffix_k, k)
+    values = joined(seen.prefix_v, seen.suffix_v, v)
+    out = F.scaled_dot_product_attention(
+        q.reshape(n * R, kv_heads * group, T, d), keys, values, attn_mask=seen.bias
+    )
+    return out.view(n, R, kv_heads, group, T, d)
 
 
 # ------------------------------------------------------------------------------ the model
@@ -540,13 +586,14 @@ class Attention(nn.Module):
         """Returns (output [n, R, T, E], the new tokens' k and v [n, R, H_kv, T, D])."""
         n, R, T, _ = x.shape
         d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
-        q, k, v = self.qkv(x).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        q = q.view(n, R, T, heads, d)
-        k = k.view(n, R, T, kv_heads, d)
+        qk, v = self.qkv(x).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+        qk = qk.view(n, R, T, heads + kv_heads, d)
         if self.q_norm is not None:  # each head normalized on its own, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(2, 3), *rope)  # [n, R, H, T, D]
-        k = apply_rope(k.transpose(2, 3), *rope)  # [n, R, Hkv, T, D]
+            q, k = qk.split([heads, kv_heads], dim=3)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=3)
+        # q's and k's heads rotated together: the same elementwise work in half the launches
+        qk = apply_rope(qk.transpose(2, 3), *rope)  # [n, R, H + Hkv, T, D]
+        q, k = qk.split([heads, kv_heads], dim=2)  # [n, R, H, T, D], [n, R, Hkv, T, D]
         v = v.view(n, R, T, kv_heads, d).transpose(2, 3)
         grouped = q.view(n, R, kv_heads, heads // kv_heads, T, d)  # GQA: under their kv head
         out = tree_attention(grouped, k, v, seen)
@@ -703,6 +750,17 @@ class Llama(nn.Module):
             visible.insert(0, torch.ones(n, R, T, S, dtype=torch.bool, device=device))
         prefix_hidden = ~prefix_valid[:, None, None, None, None, :]
         new_hidden = ~torch.cat(visible, dim=-1)[:, :, None, None]
+        bias = None
+        if fused_kernels(device):  # once a forward, for every layer's fused attention
+            hidden = torch.cat(
+                [
+                    prefix_hidden[:, :, 0, 0].expand(n, R, T, plen),
+                    new_hidden[:, :, 0, 0].expand(n, R, T, new_hidden.shape[-1]),
+                ],
+                dim=-1,
+            )  # [n, R, T, P+S+T]; a broadcast mask expands to every row and token
+            bias = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=device)
+            bias = bias.masked_fill(hidden, -torch.inf).view(n * R, 1, T, -1)
         slots = slice(slot0, slot0 + n)
         return [
             SeenKeys(
@@ -712,6 +770,7 @@ class Llama(nn.Module):
                 suffix_k=None if suffix is None else suffix[0][i],
                 suffix_v=None if suffix is None else suffix[1][i],
                 new_hidden=new_hidden,
+                bias=bias,
             )
             for i in range(self.spec.num_layers)
         ]
