@@ -59,6 +59,7 @@ import torch
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
 from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
+from workers.graphs import graphs_available
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
 from workers.sampling import SamplingParams, draft_key, sample
@@ -867,7 +868,7 @@ def build_engine(
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
-    if cuda_graphs and torch.device(device).type == "cuda" and torch.cuda.is_available():
+    if cuda_graphs and graphs_available(device):
         draft.use_graphs()
         if isinstance(target, TargetWorker):
             target.use_graphs()

@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.draft import padding_groups
 from workers.feature_draft import split_groups
+from workers.graphs import graphs_available
 from workers.models import DTYPES, load_model
 from workers.proposers import build_proposer
 from workers.protocols import DraftFeed, DraftPrefill
@@ -120,6 +121,8 @@ class DraftActor:
         device = _actor_device(device)
         model = load_model(path, dtype, device).build()
         self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
+        if graphs_available(device):  # the decode forwards replayed (workers/graphs.py)
+            self.worker.use_graphs()
         # The speculation cache lives here, beside the draft state it forks and adopts: the
         # coordinator sends each step's request ids and emitted prefixes (the lookup keys)
         self.speculation = speculation_cache(self.worker, *speculation)

@@ -40,6 +40,12 @@ MIN_WINDOW = 256
 MAX_GRAPHS = 256
 
 
+def graphs_available(device: str | torch.device) -> bool:
+    """Whether decode forwards on `device` can replay from CUDA graphs: a CUDA device on a
+    machine with one (the tests' fake device reports cuda without it, and runs eagerly)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
 def window_bucket(length: int, max_len: int) -> int:
     """The prefix window read for a longest committed `length`: the next power of two, at least
     MIN_WINDOW (read at call time: tests narrow it), at most the cache's max_len."""

@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 from workers.draft import padding_groups
 from workers.feature_draft import feed_draft
+from workers.graphs import graphs_available
 from workers.llama import LlamaSpec
 from workers.models import DTYPES, load_model
 from workers.protocols import DraftPrefill
@@ -163,6 +164,8 @@ class TargetShard:
         model = loaded.build(rank, world)  # ValueError when the heads or the MLP do not split
         del loaded  # the shard keeps its slices only (plus the unsharded embeddings/lm_head)
         self.worker = TargetWorker(model, max_batch, max_len, DTYPES[dtype], self.device)
+        if world == 1 and graphs_available(self.device):  # a split forward all-reduces: eager
+            self.worker.use_graphs()
 
     def execute(self, op: str, args: tuple) -> Any:
         if op not in OPS:  # ops come from our own proxies only: a wrong one is our bug
