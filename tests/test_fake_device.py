@@ -50,12 +50,13 @@ from workers.token_draft import TokenFeed
 MAX_BATCH, MAX_LEN = 4, 96
 
 # Host syncs per decode step (reads of device data, and blocking copies to it), at most: the
-# tree's size (build_tree), the step's one copy of the verdict back to the host
-# (verdict_on_host), and per verify call its draft-token range check
-# (verification.common.check_inputs). The methods that carry a target modification read
-# nothing more: off the CPU their records pass over all rows, masked, and are pruned by a
-# bound on their age (verification.modification); they took 2 more reads a step before.
-TREE_AND_VERDICT = 2
+# step's one copy of the verdict back to the host (verdict_on_host), and per verify call its
+# draft-token range check (verification.common.check_inputs). Off the CPU the tree keeps
+# 1 + Kγ nodes instead of reading its real size back (build_tree: one more before). The
+# methods that carry a target modification read nothing more: off the CPU their records
+# pass over all rows, masked, and are pruned by a bound on their age
+# (verification.modification); they took 2 more reads a step before.
+VERDICT = 1
 PER_VERIFY_CALL = 1
 PER_CARRY_CALL = 0
 
@@ -64,7 +65,7 @@ def host_sync_bound(methods: set[str]) -> int:
     """Bound for a step whose batch verifies with `methods` (one group each)."""
     drafted = methods - {PLAIN}
     carrying = {m for m in drafted if m in VERIFIERS and VERIFIERS[m].modifies_target}
-    return TREE_AND_VERDICT + PER_VERIFY_CALL * len(drafted) + PER_CARRY_CALL * len(carrying)
+    return VERDICT + PER_VERIFY_CALL * len(drafted) + PER_CARRY_CALL * len(carrying)
 
 
 def paths_for(method: str) -> int:

@@ -3,7 +3,8 @@
 Node 0 of every request is its *root*: the last emitted token, not yet in the target's cache.
 Node (k, d), d = 1..γ, is the prefix of length d of path k; identical prefixes are one node,
 owned by the first path that has it. Nodes are numbered by (depth, owner path), padded to
-the batch's largest tree. The target scores every node in one forward pass: node i attends to
+the batch's largest tree on the CPU, to 1 + Kγ nodes elsewhere (padding sees only itself and
+is never read). The target scores every node in one forward pass: node i attends to
 node j iff j is an ancestor of i or i itself.
 
 The engine (service/engine.py) builds the trees; the target workers (target.py, actors.py,
@@ -61,7 +62,11 @@ def build_tree(
         [torch.zeros(n, K, 1, dtype=torch.int64, device=dev), node_of], dim=2
     )  # [n, K, γ+1]
     num_nodes = 1 + canonical.sum((1, 2))
-    size = int(num_nodes.max())
+    # On the CPU the tree is cut to the batch's largest real one (padding nodes cost the target
+    # CPU time). Elsewhere every path keeps its nodes (1 + Kγ; the shared ones padding): the
+    # real size would be read back from the device, a wait, and a static size is one graph
+    # per (K, γ) for the tree pass (workers/graphs.py).
+    size = int(num_nodes.max()) if dev.type == "cpu" else 1 + K * gamma
 
     # Scattered, never indexed by a boolean mask (on a GPU such an index reads the mask back):
     # the entries that are not canonical land on the root's column, which is written last.
