@@ -94,7 +94,8 @@ def generate(args, rnd: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.target)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
+    model = model.to(args.device).eval()
     count, minutes = (
         (args.prompts, args.gen_minutes) if rnd == 1 else (args.round2_prompts, args.round2_minutes)
     )
@@ -118,6 +119,7 @@ def generate(args, rnd: int) -> None:
         if time.time() - t0 > minutes * 60:
             break
         enc = tok.pad({"input_ids": [chats[i][2] for i in batch]}, return_tensors="pt")
+        enc = {key: t.to(args.device) for key, t in enc.items()}
         rec = Record()
         rec.steps = []
         torch.manual_seed(args.seed * 100_003 + rnd * 7919 + b)
@@ -133,8 +135,9 @@ def generate(args, rnd: int) -> None:
                 pad_token_id=tok.pad_token_id,
             )
         P = enc["input_ids"].shape[1]
-        lp = torch.stack([s[0] for s in rec.steps], 1)  # [B, G, TOPK]
-        ix = torch.stack([s[1] for s in rec.steps], 1)
+        seqs = seqs.cpu()
+        lp = torch.stack([s[0] for s in rec.steps], 1).cpu()  # [B, G, TOPK]
+        ix = torch.stack([s[1] for s in rec.steps], 1).cpu()
         samples = []
         for r, i in enumerate(batch):
             gen = seqs[r, P:]
@@ -170,19 +173,22 @@ def load_answers(work: Path, features: bool = False) -> list[dict]:
     return samples
 
 
-def target_hidden(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+def target_hidden(model, seqs: list[torch.Tensor], batch: int = 8) -> list[torch.Tensor]:
     """The target's last hidden state (after its final norm: what its head reads) [T_i, E] at
-    every position of each sequence [T_i], teacher-forced 8 sequences at a time."""
+    every position of each sequence [T_i], teacher-forced `batch` sequences at a time, on
+    the model's device (returned on the CPU)."""
     out = []
-    for i in range(0, len(seqs), 8):
-        chunk = seqs[i : i + 8]
+    for i in range(0, len(seqs), batch):
+        chunk = seqs[i : i + batch]
         T = max(len(x) for x in chunk)
         ids = torch.zeros(len(chunk), T, dtype=torch.long)
         attn = torch.zeros(len(chunk), T, dtype=torch.long)
         for b, x in enumerate(chunk):
             ids[b, : len(x)], attn[b, : len(x)] = x, 1
         with torch.no_grad():
-            h = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+            h = model.model(
+                input_ids=ids.to(model.device), attention_mask=attn.to(model.device)
+            ).last_hidden_state.cpu()
         out += [h[b, : len(x)].clone() for b, x in enumerate(chunk)]
     return out
 
@@ -194,13 +200,14 @@ def features(args) -> None:
 
     out = args.work / "features"
     out.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
+    model = model.to(args.device).eval()
     t0, done = time.time(), 0
     for f in sorted((args.work / "answers").glob("*.pt")):
         if (out / f.name).exists():
             continue
         seqs = [torch.cat([s["prompt"], s["answer"]]) for s in torch.load(f)]
-        torch.save(target_hidden(model, seqs), out / f.name)
+        torch.save(target_hidden(model, seqs, args.feature_batch), out / f.name)
         done += sum(len(x) for x in seqs)
         print(f"{f.name}: {done} tokens, {done / (time.time() - t0):.0f} tok/s", flush=True)
 
@@ -314,6 +321,13 @@ def collate(batch, vocab_pos: torch.Tensor, pad: int):
     return ids, attn, feats, targets
 
 
+def to_device(obj, device: torch.device):
+    """collate's tensors (nested in tuples; None stays) on `device`."""
+    if isinstance(obj, tuple):
+        return tuple(to_device(x, device) for x in obj)
+    return obj if obj is None else obj.to(device, non_blocking=True)
+
+
 def distill_loss(logits, rows, cols, lp, ix):
     """Cross-entropy to the teacher's top-k probabilities (mass outside the kept vocab can't be
     matched: q = 0 there), and the acceptance rate sum_x min(p, q) on the top-k."""
@@ -329,7 +343,7 @@ def losses(draft, batch, vocab_pos, pad: int, reg_weight: float):
     [depth 1, depth 2]). A feature draft runs twice: first on the target's features (depth 1,
     as after every verification), then on its own outputs one position back, detached (what
     it reads from depth 2 on); the first pass's outputs also regress onto the features."""
-    ids, attn, feats, targets = collate(batch, vocab_pos, pad)
+    ids, attn, feats, targets = to_device(collate(batch, vocab_pos, pad), draft.head.device)
     if feats is None:
         ce, acc = distill_loss(draft(ids, attn), *targets)
         return ce, [acc.item()]
@@ -362,7 +376,8 @@ def calibration(draft, val, vocab_pos, pad: int) -> dict:
     sums = torch.zeros(len(CALIBRATION_TEMPERATURES), len(CALIBRATION_SCALES), dtype=torch.float64)
     count = 0
     for batch in batches_of(val, 4096, random.Random(0)):
-        ids, attn, feats, (rows, cols, lp, ix) = collate(batch, vocab_pos, pad)
+        collated = to_device(collate(batch, vocab_pos, pad), draft.head.device)
+        ids, attn, feats, (rows, cols, lp, ix) = collated
         if feats is None:
             passes = [draft(ids, attn)]
         else:
@@ -420,6 +435,7 @@ def train(args) -> None:
     else:
         draft = Draft(target, layers, vocab)
     del target
+    draft = draft.to(args.device)
     if args.init_draft:  # warm start: an earlier draft's layers and norm (same shapes)
         from safetensors.torch import load_file
 
@@ -434,7 +450,7 @@ def train(args) -> None:
             # the committed fc has its feature scale folded in (export); unfold with ours
             fc = load_file(args.init_draft / FEATURE_FC)["weight"].float()  # [E, 2E]
             E = fc.shape[0]
-            fc[:, :E] /= draft.feat_scale
+            fc[:, :E] /= draft.feat_scale.cpu()
             draft.fc.weight.data.copy_(fc)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -510,20 +526,21 @@ def train(args) -> None:
         args={k: str(v) for k, v in vars(args).items()},
         log=log,
     )
-    torch.save(dict(state=draft.state_dict(), meta=meta), args.work / "draft.pt")
+    state = {k: v.cpu() for k, v in draft.state_dict().items()}
+    torch.save(dict(state=state, meta=meta), args.work / "draft.pt")
 
 
 def export(args) -> None:
     """Commit only what the draft trained (layers, norm) in bf16, its config and kept vocab."""
     from safetensors.torch import save_file
 
-    ckpt = torch.load(args.work / "draft.pt")
+    ckpt = torch.load(args.work / "draft.pt", map_location="cpu")
     state = {
         k.removeprefix("hf."): v.to(torch.bfloat16).contiguous()
         for k, v in ckpt["state"].items()
         if k.startswith("hf.model.") and "embed_tokens" not in k
     }
-    out = SMOLLM2_DRAFT_WEIGHTS
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     from transformers import AutoConfig
@@ -581,6 +598,11 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--train-minutes", type=float, default=35)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="where the target and the draft run")
+    ap.add_argument("--feature-batch", type=int, default=8, help="features: sequences a forward")
+    ap.add_argument(
+        "--out", type=Path, default=SMOLLM2_DRAFT_WEIGHTS, help="export: the draft's directory"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.stage in ("generate", "all"):
