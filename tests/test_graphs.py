@@ -97,6 +97,22 @@ def test_a_replayed_tree_pass_equals_the_eager_one_call_after_call(pair, narrow)
     assert len(forward) == 2
 
 
+def test_graphs_beyond_the_memory_bound_are_dropped_least_recent_first(pair, narrow):
+    _, target, _ = pair
+    cache = committed_cache(target, [5, 9, 2])
+    forward = ForwardGraphs(target, cache, emulate=True)
+    for nodes in (3, 4):
+        inputs = tree_inputs(3, nodes, cache, nodes)
+        forward(*inputs[:2], cache, inputs[2])
+    one = forward.buffer_bytes // 2  # about one graph's buffers
+    forward.max_buffer_bytes = int(one * 1.5)
+    inputs = tree_inputs(3, 5, cache, 5)
+    replayed = forward(*inputs[:2], cache, inputs[2])
+    assert len(forward) == 1  # both older graphs dropped: each alone fits, not two
+    assert_same(replayed, target(*inputs[:2], cache, inputs[2]))
+    assert [key[-1][0][0][2] for key in forward._graphs] == [5]  # the newest stays
+
+
 def test_a_replayed_draft_depth_with_suffix_and_features_equals_the_eager_one(narrow):
     _, _, draft = tiny_pair(vocab=48, draft_fc=torch.randn(64, 128) * 0.1)
     cache = committed_cache(draft, [4, 7, 1, 3, 6])  # 5 requests: padded to 8 > 6 slots: 5

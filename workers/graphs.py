@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 MIN_WINDOW = 256
 # Graphs per worker at most (least recently used dropped): buckets of batch x window x shape.
 MAX_GRAPHS = 256
+# Their static inputs and outputs together at most (least recently used dropped first): they sit
+# beside the weights and KV caches, and a tree pass's logits at batch 16 alone are ~30 MB.
+MAX_BUFFER_BYTES = 2 << 30
 
 
 def graphs_available(device: str | torch.device) -> bool:
@@ -64,6 +67,11 @@ class _Graph:
     inputs: list[torch.Tensor]  # static buffers: tokens, positions, mask, [suffix k, v], [features]
     outputs: tuple  # what a replay writes: logits or None, k, v, hidden
 
+    @property
+    def nbytes(self) -> int:
+        held = [*self.inputs, *(o for o in self.outputs if o is not None)]
+        return sum(t.numel() * t.element_size() for t in held)
+
 
 class ForwardGraphs:
     """``model(...)`` over `cache` for decode shapes, replayed from captured CUDA graphs; a call
@@ -71,14 +79,26 @@ class ForwardGraphs:
     and outputs as ``Llama.forward``; the outputs are copies (the next replay overwrites the
     graph's own). Graphs share one memory pool and replay one at a time on the current stream."""
 
-    def __init__(self, model: Llama, cache: KVCache, emulate: bool = False):
+    def __init__(
+        self,
+        model: Llama,
+        cache: KVCache,
+        emulate: bool = False,
+        max_buffer_bytes: int = MAX_BUFFER_BYTES,
+    ):
         self.model, self.cache, self.emulate = model, cache, emulate
+        self.max_buffer_bytes = max_buffer_bytes
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
         self._pool = None
         self.replays = 0  # calls served by a graph (for tests and benchmarks)
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device memory held by the graphs' static inputs and outputs."""
+        return sum(g.nbytes for g in self._graphs.values() if g is not None)
 
     @torch.inference_mode()
     def __call__(
@@ -106,8 +126,10 @@ class ForwardGraphs:
         key = (bucket, window, head, suffix is not None, features is not None, shapes)
         if key not in self._graphs:
             self._graphs[key] = self._capture(batch, bucket, window, suffix, features, head)
-            while len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)  # the least recently used
+            while len(self._graphs) > 1 and (
+                len(self._graphs) > MAX_GRAPHS or self.buffer_bytes > self.max_buffer_bytes
+            ):
+                self._graphs.popitem(last=False)  # the least recently used; never the new one
         self._graphs.move_to_end(key)
         entry = self._graphs[key]
         if entry is None:
