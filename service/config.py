@@ -62,6 +62,8 @@ class ReplicaConfig(BaseModel):
     target_dir: str = str(DEFAULT_TARGET)
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"  # "cuda" on GPU nodes: each actor gets its own GPU from Ray
+    # on CUDA, the actors replay the decode step's forwards from CUDA graphs (workers/graphs.py)
+    cuda_graphs: bool = True
     tensor_parallel: int = Field(1, ge=1)  # target shards (one actor each, one placement group)
     torch_threads: int = Field(1, ge=1)  # intra-op threads per actor (oversubscription is costly)
     max_batch: int = Field(8, ge=1)  # requests per decode step

@@ -88,7 +88,9 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
 
     def actor_spec(path: str, per_actor: Resources) -> ActorSpec:
         cpus, gpus, custom = per_actor.num_cpus, per_actor.num_gpus, per_actor.resources
-        return ActorSpec(path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus, custom)
+        return ActorSpec(
+            path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus, custom, cfg.cuda_graphs
+        )
 
     speculation = (cfg.speculation, cfg.speculation_downweight, cfg.speculation_max_batch)
     draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len, speculation)

@@ -202,3 +202,24 @@ def test_the_fused_kernels_compute_the_composed_forward(monkeypatch):
     monkeypatch.setattr(llama, "fused_kernels", lambda device: True)
     assert_same(target(*tree[:2], cache, tree[2], window=16), composed)
     assert_same(draft(*depth, features=features), composed_depth)
+
+
+def test_a_target_shard_replays_where_asked_and_unsplit(monkeypatch):
+    """The service's switch (ReplicaConfig.cuda_graphs, through ActorSpec): a shard replays its
+    tree pass where graphs are available (faked here: the capture itself needs a GPU) unless
+    told not to, and never when split (its forward all-reduces)."""
+    from service.config import ReplicaConfig
+    from workers import tensor_parallel
+    from workers.models import TINY_TARGET
+    from workers.tensor_parallel import TargetShard
+
+    assert ReplicaConfig().cuda_graphs and not ReplicaConfig(cuda_graphs=False).cuda_graphs
+    monkeypatch.setattr(tensor_parallel, "graphs_available", lambda device: True)
+    forward = {
+        (world, flag): type(
+            TargetShard(TINY_TARGET, 0, world, 2, 64, cuda_graphs=flag).worker.forward
+        )
+        for world, flag in ((1, True), (1, False), (2, True))
+    }
+    assert forward[1, True] is ForwardGraphs
+    assert forward[1, False] is not ForwardGraphs and forward[2, True] is not ForwardGraphs

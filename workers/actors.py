@@ -115,13 +115,14 @@ class DraftActor:
         device: str,
         threads: int,
         speculation: tuple = (0,),  # fan-out (0: no cache), downweight, max batch
+        cuda_graphs: bool = True,
     ):
         use_numpy_wire()
         torch.set_num_threads(threads)
         device = _actor_device(device)
         model = load_model(path, dtype, device).build()
         self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
-        if graphs_available(device):  # the decode forwards replayed (workers/graphs.py)
+        if cuda_graphs and graphs_available(device):  # decode forwards replayed (graphs.py)
             self.worker.use_graphs()
         # The speculation cache lives here, beside the draft state it forks and adopts: the
         # coordinator sends each step's request ids and emitted prefixes (the lookup keys)
@@ -213,11 +214,12 @@ class TargetShardActor:
         dtype: str,
         device: str,
         threads: int,
+        cuda_graphs: bool = True,
     ):
         use_numpy_wire()
         torch.set_num_threads(threads)
         self.device = _actor_device(device)
-        self.shard = TargetShard(path, rank, world, slots, max_len, dtype, self.device)
+        self.shard = TargetShard(path, rank, world, slots, max_len, dtype, self.device, cuda_graphs)
         self._store = None
         self._draft_vocab: torch.Tensor | None = None  # [Vh]: see use_draft
         self._send_features = False  # see use_draft
@@ -536,6 +538,7 @@ class ActorSpec:
     num_cpus: float  # Ray resources per actor
     num_gpus: float
     resources: dict[str, float] = field(default_factory=dict)  # custom ones: where it may run
+    cuda_graphs: bool = True  # on CUDA: decode forwards replayed (workers/graphs.py)
 
 
 def _gather(refs: list[ray.ObjectRef]) -> list:
@@ -557,7 +560,7 @@ def start_draft(
     def launch() -> list:
         options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)
         args = (spec.path, slots, max_len, spec.dtype, spec.device, spec.threads, speculation)
-        return [DraftActor.options(**options).remote(*args)]
+        return [DraftActor.options(**options).remote(*args, cuda_graphs=spec.cuda_graphs)]
 
     return RemoteDraft(launch, speculating=speculation[0] > 0)
 
@@ -580,7 +583,17 @@ def start_target(
                 num_gpus=spec.num_gpus,
                 resources=spec.resources,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
-            ).remote(spec.path, rank, world, slots, max_len, spec.dtype, spec.device, spec.threads)
+            ).remote(
+                spec.path,
+                rank,
+                world,
+                slots,
+                max_len,
+                spec.dtype,
+                spec.device,
+                spec.threads,
+                spec.cuda_graphs,
+            )
             for rank in range(world)
         ]
         try:

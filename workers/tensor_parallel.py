@@ -157,6 +157,7 @@ class TargetShard:
         max_len: int,
         dtype: str = "float32",
         device: str | torch.device = "cpu",
+        cuda_graphs: bool = True,  # on CUDA with one rank: decode forwards replayed
     ):
         self.rank, self.world = rank, world
         self.device = rank_device(device, rank)
@@ -164,7 +165,8 @@ class TargetShard:
         model = loaded.build(rank, world)  # ValueError when the heads or the MLP do not split
         del loaded  # the shard keeps its slices only (plus the unsharded embeddings/lm_head)
         self.worker = TargetWorker(model, max_batch, max_len, DTYPES[dtype], self.device)
-        if world == 1 and graphs_available(self.device):  # a split forward all-reduces: eager
+        # a split forward all-reduces through the group: it stays eager
+        if cuda_graphs and world == 1 and graphs_available(self.device):
             self.worker.use_graphs()
 
     def execute(self, op: str, args: tuple) -> Any:
