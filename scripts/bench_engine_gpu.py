@@ -1,9 +1,10 @@
-"""The engine on one GPU in one short run: greedy parity, every verifier's speed, an 8B projection.
+"""The engine on one GPU in one short run: greedy parity, every verifier's speed, an 8B
+projection, a split target's logits.
 
     PYTHONPATH=. python3 scripts/bench_engine_gpu.py --json engine_gpu.json
         [--models DIR]      the default pair as scripts/gpu_models.py writes it (else the
                             model cache of workers.models, BLOCKSPEC_MODEL_CACHE)
-        [--sections parity speed projection] [--deadline-s 330]
+        [--sections parity speed projection tp] [--deadline-s 330] [--graphs both|on|off]
 
 Built for a ~6-minute slot on an H100/H200 (scripts/gpu_engine.sh runs it there); on a CPU it
 runs end to end with tiny settings (docs/gpu.md has the smoke command). Each section runs in
@@ -11,7 +12,8 @@ its own try: a failure prints its traceback's tail and the run goes on; the JSON
 after every section and every speed row, and the compact tables are printed last.
 
 1. parity: greedy decoding (T = 0, SamplingParams(0.0)) through the engine in float32 on the
-   device, method `none` and every verifier (K = --parity-k for multi-path ones, γ =
+   device (the decode forwards replayed from CUDA graphs unless --graphs off), methods `none`,
+   `auto` (the default arms) and every verifier (K = --parity-k for multi-path ones, γ =
    --parity-gamma), against Hugging Face ``generate(do_sample=False)`` on the same device in
    float32 (TF32 off for both), --parity-prompts prompts x --parity-tokens tokens, for the
    default pair and the tiny pair (models/tiny). A case passes when the engine's tokens equal
@@ -21,8 +23,11 @@ after every section and every speed row, and the compact tables are printed last
    off, --new-tokens per request; method `none` and every verifier (single-path ones K = 1,
    multi-path K = --k; γ = --gamma) at each --batch size (1 and 16). Reports block efficiency
    BE (emitted tokens per target call), tok/s (wall clock, synchronised), ms per engine step,
-   and × none at the same batch size. Each configuration is warmed up first (CUDA init,
-   cuBLAS, verify-graph capture) and stops after its share of the time left. Also HF
+   and × none at the same batch size; with --graphs both (the default), every method with
+   the decode forwards replayed from CUDA graphs and --eager-methods without, the eager rows
+   first. Each configuration is warmed up first (CUDA init, cuBLAS, graph capture: a graph
+   row over its whole timed run) and stops after its share of the time left; each batch-1
+   row also counts its host syncs per step (CUDA's sync debug mode, with their sites). Also HF
    ``generate`` at batch 1: plain sampling, and assisted by the token-only draft (HF's default
    schedule, and a constant γ), with BE counted from the target's forward calls.
 3. projection: step costs at a Llama-3.1-8B shape (--proj-*: hidden 4096, 32 layers, 32
@@ -30,7 +35,8 @@ after every section and every speed row, and the compact tables are printed last
    --dtype, through the project's own ``workers.llama.Llama``; the draft is the default
    draft's shape at that width (its layer count, its reduced head's rows, its feature
    projection). CUDA events, median of --proj-repeats after a warm-up, each request with a
-   KV cache of --proj-context tokens, at each --proj-batch:
+   KV cache of --proj-context tokens, at each --proj-batch, the forwards replayed from CUDA
+   graphs and eagerly (--graphs):
 
      T1     target forward of 1 token + its softmax (plain decoding's step)
      Ttree  target forward of the draft tree (K paths of γ, 1 + Kγ nodes) + path rows
@@ -48,6 +54,9 @@ after every section and every speed row, and the compact tables are printed last
    The BE is the 135M pair's: the projection says what this pair's acceptance would buy at
    8B step costs, not what an 8B pair would accept. With no section-2 rows (engine failed),
    BE comes from --be-json (a bench_engine.py or bench_engine_gpu.py JSON).
+4. tp: the target split over the fewest ranks > 1 its heads allow, every rank on this one
+   device (gloo: NCCL refuses two ranks on one GPU), against the whole target, float32: the
+   largest logit difference of a prefill and a draft tree, and whether the argmax agrees.
 """
 
 from __future__ import annotations
