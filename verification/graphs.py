@@ -132,16 +132,7 @@ class VerifyGraphs:
             return fn(*args)
 
         try:
-            # Warm up off the capture: first calls initialise lazily (kernel loads, handles).
-            side = torch.cuda.Stream(tensors[0].device)
-            side.wait_stream(torch.cuda.current_stream(tensors[0].device))
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream(tensors[0].device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA work (a worker's) does not break the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = call()
+            graph, out = capture(call, tensors[0].device, self._pool)
         except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
             log.warning("verify %s stays eager at %s: capture failed: %s", method, bucket, err)
             return None
@@ -151,6 +142,23 @@ class VerifyGraphs:
             log.warning("verify %s stays eager: an output is not batch-first", method)
             return None
         return _Graph(graph, static, outputs, spec)
+
+
+def capture(call: Callable, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `call()` on `device` (its memory from `pool`, when given) and the outputs
+    its replays write. `call` runs once before, on a side stream: first calls initialise lazily
+    (kernel loads, handles), which a capture may not. Raises RuntimeError when `call` does what
+    a capture refuses (a host read, say). Also the decode forwards' (workers/graphs.py)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA work (a worker's) does not break the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = call()
+    return graph, out
 
 
 def _flatten(inputs: tuple) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verification.graphs import capture
 from workers.llama import KVCache, Llama
 
 log = logging.getLogger(__name__)
@@ -172,18 +173,8 @@ class ForwardGraphs:
                         mine.copy_(fresh)
 
             return _Graph(recompute, static, outputs)
-        device = batch[0].device
         try:
-            # Warm up off the capture: first calls initialise lazily (kernel loads, handles).
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA work does not break the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outputs = call()
+            graph, outputs = capture(call, batch[0].device, self._pool)
         except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
             log.warning("forward stays eager at batch %d, window %d: %s", bucket, window, err)
             return None
