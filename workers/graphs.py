@@ -65,7 +65,7 @@ def batch_bucket(batch: int, slots: int) -> int:
 @dataclass
 class _Graph:
     replay: Callable[[], None]
-    inputs: list[torch.Tensor]  # static buffers: tokens, positions, mask, [suffix k, v], [features]
+    inputs: list[torch.Tensor]  # static, batch-first: tokens, positions, mask, [suffix], [feats]
     outputs: tuple  # what a replay writes: logits or None, k, v, hidden
 
     @property
@@ -116,9 +116,9 @@ class ForwardGraphs:
         n = tokens.shape[0]
         if cache is not self.cache or slot0 != 0 or n == 0:
             return self.model(tokens, positions, cache, mask, suffix, slot0, features, head)
-        batch = [tokens, positions, mask]  # batch-first
+        batch = [tokens, positions, mask]  # every input batch-first
         if suffix is not None:
-            batch += list(suffix)  # [L, n, ...]: batch second
+            batch += [t.transpose(0, 1) for t in suffix]  # [n, L, R, H_kv, S, D] views
         if features is not None:
             batch.append(features)
         bucket = batch_bucket(n, cache.k.shape[1])
@@ -135,8 +135,8 @@ class ForwardGraphs:
         entry = self._graphs[key]
         if entry is None:
             return self.model(tokens, positions, cache, mask, suffix, 0, features, head)
-        for i, (static, t) in enumerate(zip(entry.inputs, batch, strict=True)):
-            _rows(static, i, suffix)[:n].copy_(_rows(t, i, suffix))
+        for static, t in zip(entry.inputs, batch, strict=True):
+            static[:n].copy_(t)
         entry.replay()
         self.replays += 1
         logits, k, v, hidden = entry.outputs
@@ -150,17 +150,16 @@ class ForwardGraphs:
     def _capture(self, batch, bucket, window, suffix, features, head) -> _Graph | None:
         n = batch[0].shape[0]
         static = []
-        for i, t in enumerate(batch):
-            shape = list(t.shape)
-            shape[1 if _in_suffix(i, suffix) else 0] = bucket
+        for t in batch:
+            shape = (bucket, *t.shape[1:])
             # pad rows: token 0 at position 0, seeing every new token, empty suffix features
             buf = t.new_ones(shape) if t.dtype == torch.bool else t.new_zeros(shape)
-            _rows(buf, i, suffix)[:n].copy_(_rows(t, i, suffix))
+            buf[:n].copy_(t)
             static.append(buf)
 
         def call():
             tokens, positions, mask = static[:3]
-            sfx = (static[3], static[4]) if suffix is not None else None
+            sfx = (static[3].transpose(0, 1), static[4].transpose(0, 1)) if suffix else None
             feats = static[-1] if features is not None else None
             return self.model(tokens, positions, self.cache, mask, sfx, 0, feats, head, window)
 
@@ -180,13 +179,3 @@ class ForwardGraphs:
             return None
         self._pool = graph.pool()
         return _Graph(graph.replay, static, outputs)
-
-
-def _in_suffix(i: int, suffix) -> bool:
-    """Whether input i is a suffix tensor ([L, n, ...]: batch second)."""
-    return suffix is not None and i in (3, 4)
-
-
-def _rows(t: torch.Tensor, i: int, suffix) -> torch.Tensor:
-    """Input i with its batch dimension first (a view)."""
-    return t.transpose(0, 1) if _in_suffix(i, suffix) else t
