@@ -113,7 +113,7 @@ def generate(args, rnd: int) -> None:
 
     t0, made = time.time(), 0
     for b, batch in enumerate(batches):
-        shard = out / f"r{rnd}-{b:05d}.pt"
+        shard = out / f"r{rnd}-s{args.seed}-{b:05d}.pt"  # runs with other seeds add shards
         if shard.exists():
             continue
         if time.time() - t0 > minutes * 60:
