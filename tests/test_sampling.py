@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from verification.tensors import chunked_cumsum64, sample_from_weights
-from workers.sampling import SamplingParams, draft_key, draft_uniforms, process, splitmix64
+from workers.sampling import (
+    SamplingParams,
+    apply_law,
+    draft_key,
+    draft_uniforms,
+    law_of,
+    process,
+    splitmix64,
+)
 
 LOGITS = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
 
@@ -196,3 +204,19 @@ def test_draft_uniforms_are_uniform_and_keyed_by_every_coordinate():
 def test_draft_keys_differ_by_seed_and_stay_in_int64():
     keys = [draft_key(s) for s in range(10_000)]
     assert len(set(keys)) == len(keys) and all(0 <= k < 1 << 63 for k in keys)
+
+
+def test_a_law_over_other_tensors_processes_as_its_params():
+    """The draft's proposal graph processes its rows from a Law's static copies (Law.on): the
+    rows of `process`, bit for bit, and the law's key (`steps`) names every step that runs,
+    not the values (one graph serves any temperatures, top-k and top-p of those steps)."""
+    gen = torch.Generator().manual_seed(4)
+    settings = [SamplingParams(0.7, 5, 0.9), SamplingParams(0.0), SamplingParams(1.0, 0, 0.5)]
+    logits = 3 * torch.randn(len(settings), 2, 40, generator=gen)  # [n, R, V]
+    law = law_of(settings, 40, logits.device)
+    copies = law.on([t.clone() for t in law.tensors])
+    assert copies.steps == law.steps == (True, True, True, True, 40)
+    assert torch.equal(apply_law(logits, copies), process(logits, settings))
+    plain = law_of([SamplingParams()] * 3, 40, logits.device)
+    assert plain.tensors == [] and plain.steps == (False, False, False, False, 0)
+    assert law_of([SamplingParams(0.5, 3)] * 3, 40, logits.device).steps[:2] == (True, True)

@@ -47,47 +47,90 @@ class SamplingParams:
             raise ValueError(f"sampling parameters out of range: {self}")
 
 
-def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [n, ..., V] (one SamplingParams per leading row) -> probabilities, same shape.
+@dataclass(frozen=True)
+class Law:
+    """The requests' processing settings (one row each) as device tensors: what
+    :func:`apply_law` reads. A step no request asks for is None and does not run, decided on
+    the host from the params (no device read): a whole-vocabulary temporary costs a pass and,
+    above glibc's mmap threshold, fresh pages, so the common batch (T = 1, no top-k/top-p,
+    nobody greedy) is one softmax, ~11x cheaper than running every step on every row
+    ([8, 5, 49152]: 38.8 -> 3.5 ms). Skipped steps are identities (x / 1.0 == x), so the rows
+    are the same bits either way. Which steps run (`steps`) is host data: a CUDA graph of a
+    law is one per `steps` (the draft's proposal, workers/draft.py)."""
 
-    Only the steps some request asks for run, decided from ``params`` on the host (no device
-    read): a whole-vocabulary temporary costs a pass and, above glibc's mmap threshold, fresh
-    pages, so the common batch (T = 1, no top-k/top-p, nobody greedy) is one softmax, ~11x
-    cheaper than running every step on every row ([8, 5, 49152]: 38.8 -> 3.5 ms). Skipped steps
-    are identities (x / 1.0 == x), so the rows are the same bits either way."""
-    n, vocab = logits.shape[0], logits.shape[-1]
-    dev = logits.device
+    divisor: torch.Tensor | None  # [n] float32: each temperature (1 for a greedy row)
+    top_k: torch.Tensor | None  # [n] int64 in [1, V]
+    top_p: torch.Tensor | None  # [n] float64
+    greedy: torch.Tensor | None  # [n] bool: one-hot on the argmax
+    max_k: int = 0  # the largest top-k (the width of topk's output)
 
-    def on_dev(values: list, dtype=None) -> torch.Tensor:  # a copy that does not wait for dev
-        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The steps' tensors, each [n, ...]."""
+        return [t for t in (self.divisor, self.top_k, self.top_p, self.greedy) if t is not None]
 
-    scaled = logits.float().reshape(n, -1, vocab)
+    @property
+    def steps(self) -> tuple:
+        """Which steps run, and topk's width: everything but the tensors' values."""
+        present = (self.divisor, self.top_k, self.top_p, self.greedy)
+        return (*(t is not None for t in present), self.max_k)
+
+    def on(self, tensors: list[torch.Tensor]) -> Law:
+        """The same steps over other tensors (in `tensors`' order: a graph's static inputs)."""
+        given = iter(tensors)
+        present = (self.divisor, self.top_k, self.top_p, self.greedy)
+        return Law(*(None if t is None else next(given) for t in present), max_k=self.max_k)
+
+
+def law_of(params: list[SamplingParams], vocab: int, device: torch.device) -> Law:
+    """The Law of `params` (one per row) over `vocab` tokens, its tensors on `device` (copied
+    without waiting for it)."""
+
+    def on_dev(values: list, dtype=None) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
     temps = [p.temperature for p in params]
+    divisor = None
     if any(t not in (0.0, 1.0) for t in temps):  # greedy rows keep their logits: argmax only
-        divisor = on_dev([t if t > 0 else 1.0 for t in temps])
-        scaled = scaled / divisor[:, None, None]
+        divisor = on_dev([t if t > 0 else 1.0 for t in temps], torch.float32)
     ks = [min(p.top_k or vocab, vocab) for p in params]
-    if min(ks) < vocab:
-        top_k = on_dev(ks)[:, None, None]
-        largest = scaled.topk(max(ks), dim=-1).values  # [n, R, max k]
-        kth = largest.gather(-1, (top_k - 1).expand(*largest.shape[:2], 1))  # [n, R, 1]
-        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    top_k = on_dev(ks) if min(ks) < vocab else None
+    top_p = None
     if min(p.top_p for p in params) < 1:
         top_p = on_dev([p.top_p for p in params], torch.float64)
+    greedy = on_dev([t == 0 for t in temps]) if 0.0 in temps else None
+    return Law(divisor, top_k, top_p, greedy, max(ks) if top_k is not None else 0)
+
+
+def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [n, ..., V] (one SamplingParams per leading row) -> probabilities, same shape."""
+    return apply_law(logits, law_of(params, logits.shape[-1], logits.device))
+
+
+def apply_law(logits: torch.Tensor, law: Law) -> torch.Tensor:
+    """logits [n, ..., V] (one row of `law` per leading row) -> probabilities, same shape: with
+    no host read and fixed shapes (a CUDA graph can hold it)."""
+    n, vocab = logits.shape[0], logits.shape[-1]
+    scaled = logits.float().reshape(n, -1, vocab)
+    if law.divisor is not None:
+        scaled = scaled / law.divisor[:, None, None]
+    if law.top_k is not None:
+        largest = scaled.topk(law.max_k, dim=-1).values  # [n, R, max k]
+        kth = largest.gather(-1, (law.top_k[:, None, None] - 1).expand(*largest.shape[:2], 1))
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)  # every tie with the k-th stays
+    if law.top_p is not None:
         # HF's computation exactly (the same sort call, the same cumulative sum): a kept set can
         # flip on the last float bit, or on the order the sort gives tied logits.
         ascending, order = scaled.sort(dim=-1)
         cumulative = ascending.softmax(-1).cumsum(-1)
-        drop = cumulative <= (1 - top_p[:, None, None]).float()  # 1 - p in double as HF
+        drop = cumulative <= (1 - law.top_p[:, None, None]).float()  # 1 - p in double as HF
         drop[..., -1] = False  # the most likely token always stays
         scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
     probs = scaled.softmax(-1)
-    greedy = [i for i, t in enumerate(temps) if t == 0]
-    if greedy:  # one-hot on the argmax, ties to the lowest id
-        rows = on_dev(greedy)
-        top = scaled.index_select(0, rows).argmax(-1, keepdim=True)  # [g, R, 1]
-        one_hot = torch.zeros(len(greedy), *probs.shape[1:], device=dev).scatter_(-1, top, 1.0)
-        probs = probs.index_copy(0, rows, one_hot)
+    if law.greedy is not None:  # one-hot on the argmax, ties to the lowest id
+        top = scaled.argmax(-1, keepdim=True)  # [n, R, 1]
+        one_hot = torch.zeros_like(probs).scatter_(-1, top, 1.0)
+        probs = torch.where(law.greedy[:, None, None], one_hot, probs)
     return probs.reshape(logits.shape)
 
 
