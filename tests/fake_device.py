@@ -19,6 +19,12 @@ with a device boolean mask), and blocking host-to-device copies (``.to(device)``
 CUDA synchronizes the stream before such a copy returns, so the host waits for all queued work
 as for a read. Every copy from the host is also counted in ``h2d``.
 
+Every device kernel an op would launch eagerly is counted too (``FakeCuda.kernels`` by op,
+``kernel_sites`` by function): what a GPU pays ~5-10 µs of launch and Python for, and a CUDA
+graph replays for one launch. Views, ``empty`` and host reads launch nothing; a replay of a
+decode forward's graph (workers/graphs.py, emulated) or of a verifier's counts as one launch,
+``graph``, whatever it runs, and so does its capture.
+
 How: ``FakeCudaTensor`` is a wrapper subclass (``_make_wrapper_subclass`` on the meta device
 with ``dispatch_device=True``: its device is answered by ``__torch_dispatch__``, as
 FakeTensor does on CPU-only builds) whose ``__torch_dispatch__`` unwraps, checks devices, runs
@@ -138,15 +144,70 @@ def _argument(func, args, kwargs, name: str, default):
     return default
 
 
-def _site() -> str:
-    """The innermost frame in service/, workers/ or verification/ (where the read was written)."""
+def _site(line: bool = True) -> str:
+    """The innermost frame in service/, workers/ or verification/ (where the read was written):
+    its file, line and function (without `line`: its file and function)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_SOURCES):
-            return f"{Path(name).relative_to(_ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+            where = f":{frame.f_lineno}" if line else ""
+            return f"{Path(name).relative_to(_ROOT)}{where} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "elsewhere"
+
+
+# Ops that launch no kernel on a GPU beside views (``OpOverload.is_view``): an allocation, a read.
+_NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten._local_scalar_dense.default,
+    aten.lift_fresh.default,
+}
+
+
+# Factories that only allocate (no kernel fills them).
+_ALLOCATIONS = (torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty)
+
+
+def _count_kernel(name: str) -> None:
+    """One kernel launched eagerly on the device (none inside a graph's replay or capture)."""
+    if _ACTIVE and not _ACTIVE[-1]._graphed:
+        harness = _ACTIVE[-1]
+        harness.kernels[name] += 1
+        harness.kernel_sites[_site(line=False)] += 1
+
+
+def _as_graph(fn):
+    """fn, run as a graph: one launch, whatever kernels it runs (counted by the harness active
+    when it runs: a graph captured under one harness may replay under another)."""
+
+    def launch(*args, **kwargs):
+        harness = _ACTIVE[-1] if _ACTIVE else None
+        if harness is None or harness._graphed:
+            return fn(*args, **kwargs)
+        _count_kernel("graph")
+        harness._graphed = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            harness._graphed = False
+
+    return launch
+
+
+def _capture_as_graph(capture):
+    """A graphs class's emulated `_capture`, counted as a graph's: once, and then its replays."""
+
+    def counted(graphs, *args):
+        entry = _as_graph(capture)(graphs, *args)
+        if entry is not None:
+            entry.replay = _as_graph(entry.replay)
+        return entry
+
+    return counted
 
 
 def _check_generators(flat: list, on_device: bool) -> None:
@@ -241,6 +302,8 @@ def _dispatch(func, args, kwargs):
         elif args[1].dim() > 0:
             _count_h2d(not _argument(func, args, kwargs, "non_blocking", False))
 
+    if not func.is_view and func not in _NO_KERNEL and (to_device or not to_host):
+        _count_kernel(func.overloadpacket.__name__)
     u_args, u_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
     if to_device:
         if "device" in u_kwargs:
@@ -306,6 +369,8 @@ class FakeCudaMode(TorchFunctionMode):
 
             if func in _FROM_HOST_DATA:  # their copy to the device blocks
                 _count_h2d(True)
+            if func not in _ALLOCATIONS:  # a fill, a range, a copy of host data
+                _count_kernel(func.__name__)
             return tree_map(own, out)
         try:
             return func(*args, **kwargs)
@@ -332,6 +397,7 @@ class FakeCudaMode(TorchFunctionMode):
                 return self_
             return FakeCudaTensor(elem.to(dtype=dtype, copy=copied))
         _count_h2d(not non_blocking)
+        _count_kernel("to")
         return FakeCudaTensor(elem.to(dtype=dtype, copy=True))
 
     @staticmethod
@@ -342,6 +408,7 @@ class FakeCudaMode(TorchFunctionMode):
             raise RuntimeError(_SAME_DEVICE_ERROR.format(op=func.__name__))
         if func.__name__ in ("nonzero", "argwhere", "masked_select", "unique"):
             _count(func.__name__)
+        _count_kernel(func.__name__)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         return tree_map(_wrap, out)
 
@@ -353,6 +420,8 @@ class FakeCudaMode(TorchFunctionMode):
             return torch.Tensor.__getitem__(self_, index)
         if any(is_fake(i) and i.dtype in _MASKS for i in indices):
             _count("mask index")
+        if indices:  # advanced indexing gathers; a basic index is a view
+            _count_kernel("index")
         return _wrap(torch.Tensor.__getitem__(self_.elem, tree_map(_unwrap, index)))
 
     def _setitem(self, self_, index, value):
@@ -372,6 +441,7 @@ class FakeCudaMode(TorchFunctionMode):
             if advanced:  # index_put_ takes its values on self's device only
                 raise RuntimeError(_SAME_DEVICE_ERROR.format(op="index_put_"))
             _count_h2d(True)  # a slice's copy_ from the host: legal, and blocking
+        _count_kernel("index_put_" if advanced else "copy_")
         return torch.Tensor.__setitem__(self_.elem, tree_map(_unwrap, index), _unwrap(value))
 
 
@@ -396,6 +466,9 @@ class FakeCuda:
         self.syncs: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()
         self.h2d = 0
+        self.kernels: Counter[str] = Counter()  # kernels launched eagerly, by op
+        self.kernel_sites: Counter[str] = Counter()  # and by file and function
+        self._graphed = False  # inside a graph's replay or capture: its kernels are one launch
         self._modes = (FakeCudaMode(), _FakeDispatchMode())
         self._saved: list[tuple[object, str, object]] = []
 
@@ -404,10 +477,34 @@ class FakeCuda:
         """Host syncs so far."""
         return sum(self.syncs.values())
 
+    @property
+    def launches(self) -> int:
+        """Kernels launched eagerly so far, a graph's replay one of them."""
+        return sum(self.kernels.values())
+
     def reset(self) -> None:
         self.syncs.clear()
         self.sites.clear()
         self.h2d = 0
+        self.kernels.clear()
+        self.kernel_sites.clear()
+
+    def _verify(self, fn, *inputs):
+        """VerifyGraphs.run: the verifier called eagerly, counted as a GPU runs it: a replay
+        with its inputs' copies in and outputs' copies out, or eager where its inputs are too
+        large for a graph (verification/graphs.py)."""
+        from verification import graphs
+
+        tensors = graphs._flatten(inputs)
+        per_row = sum(t[0].numel() * t.element_size() for t in tensors)
+        if graphs.batch_bucket(tensors[0].shape[0]) * per_row > graphs.MAX_INPUT_BYTES:
+            return fn(*inputs)
+        for _ in tensors:
+            _count_kernel("copy_")
+        out = _as_graph(fn)(*inputs)
+        for _ in tree_flatten(out)[0]:
+            _count_kernel("clone")
+        return out
 
     def _patch(self, owner, name: str, value) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -415,9 +512,14 @@ class FakeCuda:
 
     def __enter__(self) -> FakeCuda:
         from verification import graphs, kernels
+        from workers.graphs import ForwardGraphs
 
         self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
-        self._patch(graphs.VerifyGraphs, "run", lambda _self, _method, fn, *inputs: fn(*inputs))
+        self._patch(
+            graphs.VerifyGraphs, "run", lambda _graphs, _method, fn, *a: self._verify(fn, *a)
+        )
+        # emulated graphs: a replay counts once
+        self._patch(ForwardGraphs, "_capture", _capture_as_graph(ForwardGraphs._capture))
         _ACTIVE.append(self)
         for mode in self._modes:
             mode.__enter__()
