@@ -51,7 +51,9 @@ class _Graph:
 
 
 class VerifyGraphs:
-    """Captured verifier calls by (method, batch bucket, shapes, dtypes, device), the least
+    """Captured verifier calls (or any pure call whose inputs and outputs are batch-first
+    tensors: the draft tree's build, workers/tree.py) by (method, batch bucket, shapes,
+    dtypes, device), the least
     recently used dropped beyond ``max_graphs`` graphs or ``max_buffer_bytes`` of input
     buffers. One per process that verifies on a GPU; its graphs share one memory pool,
     replayed one at a time on the current stream."""

@@ -8,7 +8,9 @@ is never read). The target scores every node in one forward pass: node i attends
 node j iff j is an ancestor of i or i itself.
 
 The engine (service/engine.py) builds the trees; the target workers (target.py, actors.py,
-tensor_parallel.py) consume them, so they live here, below both.
+tensor_parallel.py) consume them, so they live here, below both. On a GPU a build replays from
+a CUDA graph per (batch bucket, K, γ) (`TREE_GRAPHS`): it is ~30 small kernels, each a launch
+that costs more than its work.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
+from verification.graphs import VerifyGraphs
+
+# Captured tree builds of this process (any pure batch-first call captures as a verifier's
+# does: verification/graphs.py); idle on the CPU.
+TREE_GRAPHS = VerifyGraphs(max_graphs=16)
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,20 @@ def build_tree(
     root: torch.Tensor, paths: torch.Tensor, num_paths: torch.Tensor, depth: torch.Tensor
 ) -> DraftTree:
     """root [n] int64; paths [n, K, γ] int64; request b uses paths [0, num_paths[b]) to depth[b]."""
-    n, K, gamma = paths.shape
     dev = paths.device
     root, num_paths, depth = (t.to(dev, non_blocking=True) for t in (root, num_paths, depth))
+    return DraftTree(*TREE_GRAPHS.run("build_tree", _build, root, paths, num_paths, depth))
+
+
+def _build(
+    root: torch.Tensor,  # [n] int64
+    paths: torch.Tensor,  # [n, K, γ] int64
+    num_paths: torch.Tensor,  # [n] int64
+    depth: torch.Tensor,  # [n] int64
+) -> tuple[torch.Tensor, ...]:
+    """build_tree's tensors, in DraftTree's order, all on paths' device."""
+    n, K, gamma = paths.shape
+    dev = paths.device
     ks = torch.arange(K, device=dev)
     ds = torch.arange(1, gamma + 1, device=dev)
     valid = (ks[None, :, None] < num_paths[:, None, None]) & (
@@ -89,4 +108,4 @@ def build_tree(
     j = node_of[:, :, None, :].expand(n, K, gamma + 1, gamma + 1)
     at = torch.where(pair_ok, i * size + j, 0).reshape(n, -1)  # others: (0, 0), True already
     mask.view(n, size * size).scatter_(1, at, True)
-    return DraftTree(tokens, node_depth, mask, node_of, num_nodes)
+    return tokens, node_depth, mask, node_of, num_nodes
