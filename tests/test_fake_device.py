@@ -308,24 +308,24 @@ DROPPED_MOVES = {
     "DraftProposer.propose": (
         DraftProposer,
         "propose",
-        "draft_uniforms(draws.to(self.device, non_blocking=True), k, gamma)",
+        "draft_uniforms(draws, k, gamma).to(self.device, non_blocking=True)",
         "draft_uniforms(draws, k, gamma)",
         (),
     ),
-    # a cache's counts, arriving on the host
+    # a cache's positions and counts, made on the host
     "KVCache.append": (
         KVCache,
         "append",
-        "count = count.to(lengths.device, non_blocking=True)",
-        "pass",
+        "made = torch.tensor(rows).to(lengths.device, non_blocking=True)",
+        "made = torch.tensor(rows)",
         (),
     ),
-    # the draft's pending counts, kept on the host by the engine
+    # the pending tokens' positions and counts, made on the host
     "DraftProposer._run_pending": (
         DraftProposer,
         "_run_pending",
-        "pending_count = pending_count.to(dev, non_blocking=True)",
-        "pass",
+        ").to(dev, non_blocking=True)  # [n, 2P + 2]",
+        ")",
         (),
     ),
 }

@@ -129,7 +129,9 @@ class DraftProposer(ABC):
         k, gamma = max(paths), max(depths)
         head_vocab = self.model.head_vocab
 
-        uniforms = draft_uniforms(draws.to(self.device, non_blocking=True), k, gamma)
+        # Hashed where the draws are (the engine's: the host), then one copy: on a GPU the
+        # hash's ~40 small kernels would each cost a launch; the bits are the same anywhere.
+        uniforms = draft_uniforms(draws, k, gamma).to(self.device, non_blocking=True)
         self._beliefs = [] if self.keep_beliefs else None
 
         def draw(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [n, K, Vh] -> ids [n, K]
@@ -181,24 +183,30 @@ class DraftProposer(ABC):
         """Run and commit the pending tokens; returns the last one's hidden state [n, E]."""
         n, P = pending.shape
         dev = self.device
-        counted = pending_count  # where it arrived: on the host, the cache keeps its lengths there
+        counted = pending_count.cpu()  # the engine's is on the host; the cache keeps it there
+        # Positions, each row's causal mask over its count (padding sees only itself) and
+        # where its last token is, made on the host, where the counts and the committed
+        # lengths are, and copied at once: on a GPU each op making them there is a launch.
+        steps = torch.arange(P)
+        seen = torch.ones(P, P, dtype=torch.bool).tril() & (
+            (steps[None, :] < counted[:, None, None]) | torch.eye(P, dtype=torch.bool)
+        )  # [n, P, P]
+        held = torch.tensor(self.cache.host_lengths()[:n])
+        made = torch.cat(
+            [held[:, None] + steps, steps.expand(n, P), counted[:, None], torch.arange(n)[:, None]],
+            dim=1,
+        ).to(dev, non_blocking=True)  # [n, 2P + 2]
+        positions, index, count, rows = made[:, :P], made[:, P : 2 * P], made[:, -2], made[:, -1]
         pending = pending.to(dev, non_blocking=True)
-        pending_count = pending_count.to(dev, non_blocking=True)
         if features is not None:
             features = features.to(dev, non_blocking=True)
-        lengths = self.cache.lengths[:n].clone()
-        steps = torch.arange(P, device=dev)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        seen = causal & (
-            (steps[None, :] < pending_count[:, None, None])
-            | torch.eye(P, dtype=torch.bool, device=dev)
-        )
         _, new_k, new_v, hidden = self.forward(
-            pending[:, None], (lengths[:, None] + steps)[:, None], self.cache, seen[:, None],
-            features=self._pending_features(features, own, pending_count), head=False,
+            pending[:, None], positions[:, None], self.cache,
+            seen.to(dev, non_blocking=True)[:, None],
+            features=self._pending_features(features, own, count), head=False,
         )  # fmt: skip
-        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], steps.expand(n, P), counted)
-        return hidden[torch.arange(n, device=dev), 0, pending_count - 1]
+        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], index, counted)
+        return hidden[rows, 0, count - 1]
 
     def fork(self, rows: list[int], room: int) -> DraftProposer:
         """A proposer over the same model whose slot i holds a copy of this one's slot rows[i]

@@ -262,21 +262,31 @@ class KVCache:
             return
         lengths = self.lengths[slot0 : slot0 + n]
         host = None if self.on_cpu or count.device.type != "cpu" else count.tolist()
-        count = count.to(lengths.device, non_blocking=True)
-        valid = torch.arange(c, device=index.device)[None, :] < count[:, None]  # [n, C]
-        pos = lengths[:, None] + torch.arange(c, device=index.device)  # [n, C]
-        if self.on_cpu:
-            full = bool((valid & (pos >= self.max_len)).any())
-        elif host is not None:  # no wait: the lengths before, and the counts, are on the host
+        last = self.max_len - 1  # entries past count land beyond the new length: never read
+        if host is not None:  # no wait: the lengths before, and the counts, are on the host
             held = self.host_lengths()[slot0 : slot0 + n]
             full = any(m > 0 and held[b] + min(m, c) > self.max_len for b, m in enumerate(host))
-        else:  # counted on the device: checked when the lengths are next read (host_lengths)
+            # positions, counts and slots made here and copied at once: on a GPU each op that
+            # would make them there is a launch
+            rows = [
+                [*(min(h + j, last) for j in range(c)), m, slot0 + b]
+                for b, (h, m) in enumerate(zip(held, host, strict=True))
+            ]
+            made = torch.tensor(rows).to(lengths.device, non_blocking=True)  # [n, C + 2]
+            pos, count, slots = made[:, :c], made[:, c], made[:, c + 1 :]
+        else:  # on the CPU, or counted on the device (then checked when the lengths are next
+            # read, host_lengths)
+            count = count.to(lengths.device, non_blocking=True)
+            steps = torch.arange(c, device=index.device)
+            pos = lengths[:, None] + steps  # [n, C]
             full = False
+            if self.on_cpu:
+                valid = steps[None, :] < count[:, None]  # [n, C]
+                full = bool((valid & (pos >= self.max_len)).any())
+            pos = pos.clamp_max(last)
+            slots = torch.arange(slot0, slot0 + n, device=index.device)[:, None]
         if full:
             raise ValueError(f"KV cache full: a request exceeds max_len={self.max_len}")
-        # Entries past count land beyond the new length (clamped into range): never read.
-        pos = pos.clamp_max(self.max_len - 1)
-        slots = slot0 + torch.arange(n, device=index.device)[:, None]
         layers, _, heads, _, dim = new_k.shape
         take = index[None, :, None, :, None].expand(layers, n, heads, c, dim)
         for cache, new in ((self.k, new_k), (self.v, new_v)):
