@@ -512,14 +512,14 @@ class FakeCuda:
 
     def __enter__(self) -> FakeCuda:
         from verification import graphs, kernels
-        from workers.graphs import ForwardGraphs
+        from workers.graphs import CallGraphs, ForwardGraphs
 
         self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
         self._patch(
             graphs.VerifyGraphs, "run", lambda _graphs, _method, fn, *a: self._verify(fn, *a)
         )
-        # emulated graphs: a replay counts once
-        self._patch(ForwardGraphs, "_capture", _capture_as_graph(ForwardGraphs._capture))
+        for owner in (ForwardGraphs, CallGraphs):  # emulated graphs: a replay counts once
+            self._patch(owner, "_capture", _capture_as_graph(owner._capture))
         _ACTIVE.append(self)
         for mode in self._modes:
             mode.__enter__()

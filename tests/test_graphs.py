@@ -21,6 +21,7 @@ from service.requests import make_request
 from workers.graphs import ForwardGraphs, batch_bucket, window_bucket
 from workers.llama import KVCache
 from workers.sampling import SamplingParams
+from workers.token_draft import TokenDraft
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +177,66 @@ def test_the_engine_writes_the_same_tokens_with_replayed_forwards(
     alone = requests(eager, 7, sampling)[5]
     assert replayed.generate([alone])[0].token_ids == eager.generate([alone])[0].token_ids
     draft_graphs, target_graphs = replayed.draft.forward, replayed.target.forward
-    assert draft_graphs.replays > 0 and target_graphs.replays > 0
+    proposals = replayed.draft.proposals
+    assert draft_graphs.replays > 0 and target_graphs.replays > 0 and proposals.replays > 0
     if buckets:
         windows = {key[1] for key in target_graphs._graphs}
         assert {8, 16, 32} <= windows, windows
+        assert {16, 8, 4, 1} <= {key[1] for key in proposals._graphs}  # batch buckets
+
+
+def test_a_call_graph_pads_with_row_zero_and_hands_out_copies():
+    """CallGraphs (the draft's proposal, emulated): the batch padded to its bucket with copies
+    of row 0 (valid inputs for whatever the call reads), None outputs kept, copies handed out
+    (changing one leaves the next replay's as they were), one graph per key and shape, and no
+    bucket past the cache's slots."""
+    buckets = []
+
+    def call(x, y):  # x [n, 3], y [n]
+        buckets.append(x.shape[0])
+        if buckets == [4]:  # the capture: its pad row is row 0 (later calls leave it)
+            assert torch.equal(x[3], x[0])
+        return x * y[:, None], None, x.sum(1)
+
+    graphs_ = graphs.CallGraphs(slots=8, emulate=True)
+    x, y = torch.arange(9.0).view(3, 3), torch.tensor([1.0, 2.0, 3.0])
+    out = graphs_.run(("a",), call, x, y)
+    assert out[1] is None and torch.equal(out[0], x * y[:, None]) and torch.equal(out[2], x.sum(1))
+    assert set(buckets) == {4}
+    out[0].add_(1)
+    again = graphs_.run(("a",), call, x + 1, y)
+    assert torch.equal(again[0], (x + 1) * y[:, None])
+    assert graphs_.replays == 2 and len(graphs_) == 1
+    graphs_.run(("b",), call, x, y)
+    assert len(graphs_) == 2
+    buckets.clear()
+    graphs.CallGraphs(slots=3, emulate=True).run(("a",), call, x, y)
+    assert set(buckets) == {3}  # no slot to pad into
+
+
+def test_a_replayed_proposal_equals_the_eager_one(pair, narrow):
+    """The draft's whole proposal past its root from one graph (DraftProposer._paths): the
+    eager proposal's tokens, rows and path keys/values, with 3 requests in a bucket of 4
+    under mixed sampling settings, call after call as the caches grow."""
+    _, _, model = pair
+    eager, replayed = TokenDraft(model, 6, 64), TokenDraft(model, 6, 64)
+    replayed.use_graphs(emulate=True)
+    gen = torch.Generator().manual_seed(3)
+    contexts = [torch.randint(0, 48, (length,), generator=gen) for length in (5, 9, 2)]
+    params = [SamplingParams(), SamplingParams(0.7, 5), SamplingParams(0.0)]
+    for d in (eager, replayed):
+        d.prefill(0, contexts)
+    for step in range(3):
+        pending = torch.randint(0, 48, (3, 2), generator=gen)
+        counts, draws = torch.tensor([2, 1, 2]), torch.tensor([[11, step], [12, step], [13, step]])
+        args = (pending, counts, [2, 2, 2], [3, 3, 3], params, draws)
+        want, got = eager.propose(*args), replayed.propose(*args)
+        assert torch.equal(got[0], want[0])
+        assert_same(got[1:], want[1:])
+        assert_same(replayed._suffix, eager._suffix)
+        for d in (eager, replayed):
+            d.commit(torch.tensor([0, 1, 0]), torch.tensor([2, 0, 1]))
+    assert replayed.proposals.replays == 3 and {key[1] for key in replayed.proposals._graphs} == {4}
 
 
 def test_the_fused_kernels_compute_the_composed_forward(monkeypatch):

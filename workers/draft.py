@@ -24,19 +24,22 @@ The prefill helpers at the end serve both workers (the target's too: workers/tar
 from __future__ import annotations
 
 import copy
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import torch
 
-from workers.graphs import ForwardGraphs
+from workers.graphs import CallGraphs, ForwardGraphs, prefix_window
 from workers.llama import KVCache, Llama
 from workers.protocols import DraftFeed
 from workers.sampling import (
+    Law,
     SamplingParams,
+    apply_law,
     downweight_top,
     draft_uniforms,
-    process,
+    law_of,
     sample_drafts,
 )
 
@@ -52,7 +55,11 @@ class DraftProposer(ABC):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         self.forward: Llama | ForwardGraphs = model  # the decode step's (see use_graphs)
+        self.proposals: CallGraphs | None = None  # the paths past the root (see use_graphs)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
+        # [n, K, γ, E]: a feature draft's own feature after each depth of the step's paths
+        # (depth 0: the root's), what `commit` keeps of the accepted one; None: a token draft
+        self._own_paths: torch.Tensor | None = None
         # Saguaro sampling (workers/sampling.downweight_top): (count, factor), or None: the
         # draft's law is its processed rows as they are
         self.downweight: tuple[int, float] | None = None
@@ -69,9 +76,10 @@ class DraftProposer(ABC):
         return self.cache.lengths.device
 
     def use_graphs(self, emulate: bool = False) -> None:
-        """Replay the pending run and each depth's forward from CUDA graphs
+        """Replay the pending run's forward, and the whole proposal past it, from CUDA graphs
         (workers/graphs.py; a fork's forwards, over its own cache, stay eager)."""
         self.forward = ForwardGraphs(self.model, self.cache, emulate)
+        self.proposals = CallGraphs(self.cache.k.shape[1], emulate)
 
     def prefill(
         self,
@@ -124,53 +132,97 @@ class DraftProposer(ABC):
 
         A reduced head (head_vocab) gives a row zero probability outside its ids, so rows are
         processed and sampled on the head's Vh ids (temperature, top-k, top-p and the draw
-        depend only on the tokens with finite logits) and widened to V once, at the end."""
+        depend only on the tokens with finite logits) and widened to V once, at the end.
+
+        With graphs (`use_graphs`), everything past the pending tokens' run (every depth's
+        forward, law and draw) replays from one CUDA graph per (batch bucket, K, γ, prefix
+        window, the law's steps)."""
         n = pending.shape[0]
         k, gamma = max(paths), max(depths)
-        head_vocab = self.model.head_vocab
-
         # Hashed where the draws are (the engine's: the host), then one copy: on a GPU the
         # hash's ~40 small kernels would each cost a launch; the bits are the same anywhere.
         uniforms = draft_uniforms(draws, k, gamma).to(self.device, non_blocking=True)
+        law = law_of(params, self.model.lm_head.shape[0], self.device)  # on the head's Vh ids
+        root = self._run_pending(pending, pending_count, pending_features, own)  # [n, E]
+        inputs = (root, uniforms, self.cache.lengths[:n], *law.tensors)
+        shape = dict(k=k, gamma=gamma, whole_vocab=whole_vocab, law=law)
         self._beliefs = [] if self.keep_beliefs else None
+        if self.proposals is not None and self._beliefs is None:
+            window = prefix_window(self.cache, n)
+            key = ("paths", k, gamma, window, law.steps, whole_vocab, self.downweight)
+            forward = functools.partial(self.model, window=window)
+            draft = functools.partial(self._paths, forward=forward, **shape)
+            tokens, q, suffix, self._own_paths = self.proposals.run(key, draft, *inputs)
+        else:
+            tokens, q, suffix, self._own_paths = self._paths(*inputs, forward=self.forward, **shape)
+        # [L, n, K, H_kv, γ-1, D] k, v of the paths' run tokens (batch-first out of _paths)
+        self._suffix = None if suffix is None else tuple(t.transpose(0, 1) for t in suffix)
+        if self._beliefs is not None:
+            self._beliefs[0] = self._beliefs[0].expand(n, k, -1)
+            self.beliefs = self.model.to_vocab(torch.stack(self._beliefs, dim=2), 0.0)
+        return tokens, q
+
+    def _paths(
+        self,
+        root: torch.Tensor,  # [n, E]: the root's hidden state (after the pending tokens)
+        uniforms: torch.Tensor,  # [n, K, γ] float64
+        base: torch.Tensor,  # [n] int64: committed lengths (the root's position + 1)
+        *law_tensors: torch.Tensor,  # the law's tensors, [n] each (Law.tensors)
+        forward,  # Llama.forward or the forward graphs
+        k: int,
+        gamma: int,
+        whole_vocab: bool,
+        law: Law,  # its steps (its tensors come in law_tensors)
+    ) -> tuple:
+        """Draft K paths of γ tokens past each root, every tensor batch-first (a graph's
+        outputs): tokens [n, K, γ], their rows [n, K, γ, V or Vh], the run tokens' keys and
+        values ([n, L, K, H_kv, γ-1, D] each; None when γ = 1) and, for a feature draft, its
+        own feature after each depth [n, K, γ, E] (depth 0: the root's), else None."""
+        n = root.shape[0]
+        law = law.on(list(law_tensors))
+        head_vocab = self.model.head_vocab
 
         def draw(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [n, K, Vh] -> ids [n, K]
             picked = sample_drafts(rows, uniforms[:, :, depth])
             return picked if head_vocab is None else head_vocab[picked]
 
-        root = self._run_pending(pending, pending_count, pending_features, own)  # [n, E]
         # a feature draft's output at the root stands in for the target's there
-        feats = self._next_features(root[:, None, None].expand(n, k, 1, -1))
-        q_root = self._law(self.model.head_logits(root)[:, None], params)  # [n, 1, Vh]
+        own = [root[:, None, None].expand(n, k, 1, -1)]
+        feats = self._next_features(own[0])
+        q_root = self._law(self.model.head_logits(root)[:, None], law)  # [n, 1, Vh]
         rows = [q_root.expand(n, k, -1)]
         tokens = [draw(rows[0], 0)]  # [n, K]
-        base = self.cache.lengths[:n]
         ks, vs = [], []
-        ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=self.device)
+        ones = torch.ones(n, k, 1, 1, dtype=torch.bool, device=root.device)
         for i in range(1, gamma):
             suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
             pos = (base + i - 1)[:, None, None].expand(n, k, 1)
-            _, nk, nv, hidden = self.forward(
+            _, nk, nv, hidden = forward(
                 tokens[-1][:, :, None], pos, self.cache, ones, suffix, features=feats, head=False
             )
+            own.append(hidden)
             feats = self._next_features(hidden)
             ks.append(nk)
             vs.append(nv)
-            rows.append(self._law(self.model.head_logits(hidden[:, :, 0]), params))
+            rows.append(self._law(self.model.head_logits(hidden[:, :, 0]), law))
             tokens.append(draw(rows[-1], i))
-        self._suffix = (torch.cat(ks, dim=4), torch.cat(vs, dim=4)) if ks else None
         q = torch.stack(rows, dim=2)  # [n, K, γ, Vh]
-        if self._beliefs is not None:
-            self._beliefs[0] = self._beliefs[0].expand(n, k, -1)
-            self.beliefs = self.model.to_vocab(torch.stack(self._beliefs, dim=2), 0.0)
-        return torch.stack(tokens, dim=2), self.model.to_vocab(q, 0.0) if whole_vocab else q
+        suffix = None
+        if ks:
+            suffix = tuple(torch.cat(t, dim=4).transpose(0, 1) for t in (ks, vs))
+        return (
+            torch.stack(tokens, dim=2),
+            self.model.to_vocab(q, 0.0) if whole_vocab else q,
+            suffix,
+            torch.cat(own, dim=2) if self.feed.reads_features else None,
+        )
 
-    def _law(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _law(self, logits: torch.Tensor, law: Law) -> torch.Tensor:
         """The rows the draft samples from and reports: [n, R, Vh] logits processed with each
         request's settings, then downweighted where Saguaro sampling is on."""
         if self._beliefs is not None:
             self._beliefs.append(logits.float().softmax(-1))
-        rows = process(logits, params)
+        rows = apply_law(logits, law)
         return rows if self.downweight is None else downweight_top(rows, *self.downweight)
 
     def _run_pending(
@@ -215,6 +267,7 @@ class DraftProposer(ABC):
         hypothesised prefix, leaving this proposer's state as it is (workers/speculation.py).
         A token draft only: a feature draft's state beside its cache is not copied."""
         forked = copy.copy(self)  # the model shared
+        forked.proposals = None  # captured over this proposer's cache
         held = self.cache.host_lengths()
         max_len = max(held[r] for r in rows) + room
         dtype = self.cache.k.dtype

@@ -99,24 +99,13 @@ class FeatureDraft(DraftProposer):
         if model.feature_fc is None:
             raise ValueError("a model without a feature projection is a TokenDraft")
         super().__init__(model, max_batch, max_len, dtype, device)
-        # [n, K, γ, E]: the draft's own feature after each depth of the step's paths (depth 0:
-        # the root's), and per slot [slots, E] the one a kept path ended on.
-        self._own_paths: torch.Tensor | None = None
-        self._own_depths: list[torch.Tensor] = []  # [n, K, 1, E] each, while proposing
+        # per slot [slots, E]: the draft's own feature a kept path ended on
         width = model.spec.hidden_size
         self.own_features = torch.zeros(max_batch, width, dtype=dtype, device=device)
 
     def move(self, src: int, dst: int) -> None:
         super().move(src, dst)
         self.own_features[dst] = self.own_features[src]
-
-    @torch.inference_mode()
-    def propose(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """DraftProposer.propose, keeping the paths' own features for `commit`."""
-        self._own_depths = []
-        out = super().propose(*args, **kwargs)
-        self._own_paths, self._own_depths = torch.cat(self._own_depths, dim=2), []
-        return out
 
     def _pending_features(
         self,
@@ -136,7 +125,6 @@ class FeatureDraft(DraftProposer):
         return torch.where(mine, kept, feats)
 
     def _next_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._own_depths.append(hidden)
         return hidden
 
     def _keep_path_state(self, rows: torch.Tensor, path: torch.Tensor, keep: torch.Tensor) -> None:

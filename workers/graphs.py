@@ -14,10 +14,13 @@ two where the cache has the slots: pad rows run on the slots past the active one
 those hold), see every new token (a finite softmax), and are cut from the outputs.
 
 Captured: the forwards of a decode step, all at slot 0 over the worker's own cache: the
-target's tree pass, the draft's pending-token run and each of its depths. Prefill stays eager
-(its shapes are the prompts'), and so do forwards over another cache (a speculation fork's).
-``emulate=True`` runs the same static buffers and replays on any device without capturing
-(how the CPU tests check the padding, the window and the output copies).
+target's tree pass and the draft's pending-token run (``ForwardGraphs``), and the draft's whole
+proposal past its root, every depth's forward, law and draw in one graph (``CallGraphs``, over
+``DraftProposer._paths``: a speculative step otherwise launches ~20 small kernels a depth
+around each forward). Prefill stays eager (its shapes are the prompts'), and so do forwards over
+another cache (a speculation fork's). ``emulate=True`` runs the same static buffers and replays
+on any device without capturing (how the CPU tests check the padding, the window and the
+output copies).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from verification.graphs import capture
 from workers.llama import KVCache, Llama
@@ -54,6 +58,11 @@ def window_bucket(length: int, max_len: int) -> int:
     """The prefix window read for a longest committed `length`: the next power of two, at least
     MIN_WINDOW (read at call time: tests narrow it), at most the cache's max_len."""
     return min(max_len, max(MIN_WINDOW, 1 << max(length - 1, 0).bit_length()))
+
+
+def prefix_window(cache: KVCache, n: int) -> int:
+    """The window a forward of slots [0, n) over `cache` reads (its lengths on the host)."""
+    return window_bucket(cache.prefix_length(0, n), cache.max_len)
 
 
 def batch_bucket(batch: int, slots: int) -> int:
@@ -122,7 +131,7 @@ class ForwardGraphs:
         if features is not None:
             batch.append(features)
         bucket = batch_bucket(n, cache.k.shape[1])
-        window = window_bucket(cache.prefix_length(0, n), cache.max_len)
+        window = prefix_window(cache, n)
         shapes = tuple((t.shape, t.dtype) for t in batch)
         key = (bucket, window, head, suffix is not None, features is not None, shapes)
         if key not in self._graphs:
@@ -179,3 +188,107 @@ class ForwardGraphs:
             return None
         self._pool = graph.pool()
         return _Graph(graph.replay, static, outputs)
+
+
+@dataclass
+class _Call:
+    replay: Callable[[], None]
+    inputs: list[torch.Tensor]  # static, batch-first
+    outputs: list[torch.Tensor | None]  # what a replay writes, batch-first (None: none)
+    spec: pytree.TreeSpec  # the call's output structure
+
+    @property
+    def nbytes(self) -> int:
+        held = [*self.inputs, *(o for o in self.outputs if o is not None)]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+class CallGraphs:
+    """``fn(*inputs)`` replayed from a CUDA graph captured per (caller's key, batch bucket,
+    input shapes): for a pure call of batch-first tensors whose outputs (a tuple of tensors
+    and Nones) are batch-first too, and whose static settings the key names. The batch pads to
+    a power of two within the cache's `slots` (the call may run a forward over slots [0,
+    bucket)); pad rows hold row 0 of the capturing call, so they compute valid values (a
+    token id in range, a position in the cache), and are cut from the outputs, which are
+    copies. A failed capture
+    runs eagerly with a warning. ``ForwardGraphs`` differs in taking ``Llama.forward``'s
+    signature and padding with blank rows."""
+
+    def __init__(
+        self,
+        slots: int,
+        emulate: bool = False,
+        max_graphs: int = MAX_GRAPHS,
+        max_buffer_bytes: int = MAX_BUFFER_BYTES,
+    ):
+        self.slots, self.emulate = slots, emulate
+        self.max_graphs, self.max_buffer_bytes = max_graphs, max_buffer_bytes
+        self._graphs: OrderedDict[tuple, _Call | None] = OrderedDict()  # None: stays eager
+        self._pool = None
+        self.replays = 0  # calls served by a graph (for tests and benchmarks)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device memory held by the graphs' static inputs and outputs."""
+        return sum(g.nbytes for g in self._graphs.values() if g is not None)
+
+    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
+        """fn(*inputs) [n, ...] each, from the graph of `key` (the settings fn closes over)."""
+        n = inputs[0].shape[0]
+        if n == 0:
+            return fn(*inputs)
+        bucket = batch_bucket(n, self.slots)
+        key = (key, bucket, tuple((t.shape[1:], t.dtype, t.device) for t in inputs))
+        with torch.inference_mode():  # the buffers are inference tensors, whatever the caller's
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(fn, inputs, bucket)
+                while len(self._graphs) > 1 and (
+                    len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
+                ):
+                    self._graphs.popitem(last=False)  # the least recently used; not the new one
+            self._graphs.move_to_end(key)
+            entry = self._graphs[key]
+            if entry is None:
+                return fn(*inputs)
+            for static, t in zip(entry.inputs, inputs, strict=True):
+                static[:n].copy_(t)
+            entry.replay()
+        self.replays += 1
+        # copied in the caller's mode (it may update them in place)
+        copies = [None if o is None else o[:n].clone() for o in entry.outputs]
+        return pytree.tree_unflatten(copies, entry.spec)
+
+    def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Call | None:
+        n = inputs[0].shape[0]
+        static = []
+        for t in inputs:
+            buf = t.new_empty((bucket, *t.shape[1:]))
+            buf[:n].copy_(t)
+            buf[n:].copy_(t[:1].expand(bucket - n, *t.shape[1:]))  # valid pad rows
+            static.append(buf)
+
+        def call():
+            return pytree.tree_flatten(fn(*static))
+
+        if self.emulate:
+            outputs, spec = call()
+
+            def recompute() -> None:
+                for mine, fresh in zip(outputs, call()[0], strict=True):
+                    if mine is not None:
+                        mine.copy_(fresh)
+
+            return _Call(recompute, static, outputs, spec)
+        try:
+            graph, (outputs, spec) = capture(call, inputs[0].device, self._pool)
+        except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
+            log.warning("call stays eager at batch %d: %s", bucket, err)
+            return None
+        self._pool = graph.pool()
+        if any(o is not None and o.shape[:1] != (bucket,) for o in outputs):
+            log.warning("call stays eager: an output is not batch-first")
+            return None
+        return _Call(graph.replay, static, outputs, spec)
