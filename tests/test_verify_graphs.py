@@ -11,13 +11,31 @@ import torch
 
 from tests.test_verify_cost import inputs, same_tokens
 from verification import METHODS, VERIFIERS, VerifyGraphs, verify
+from verification import graphs as verify_graphs
 from verification.graphs import batch_bucket
+from verification.modification import ResidualRows
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
 def test_batch_bucket_is_the_next_power_of_two():
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_a_call_s_inputs_become_buffers_and_back():
+    """A graph's static buffers are its inputs' tensors, ResidualRows as their two scalars;
+    the call is rebuilt over the buffers with the inputs' structure (a carrying call's records
+    are three more tensors after the uniforms)."""
+    rows = ResidualRows(
+        torch.zeros(2, 1, 3, dtype=torch.float64), torch.ones(2, 1, 3, dtype=torch.float64), True
+    )
+    inputs = (torch.zeros(2, 1, 3), rows, torch.ones(2, 4), torch.zeros(2, 0))
+    flat = verify_graphs._flatten(inputs)
+    assert [tuple(t.shape) for t in flat] == [(2, 1, 3), (2, 1, 3), (2, 1, 3), (2, 4), (2, 0)]
+    buffers = [t.clone() for t in flat]
+    rebuilt = verify_graphs._unflatten(inputs, buffers)
+    assert isinstance(rebuilt[1], ResidualRows) and rebuilt[1].unmodified
+    assert rebuilt[1].z is buffers[2] and rebuilt[3] is buffers[4] and len(rebuilt) == 4
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -219,21 +219,49 @@ def verify(
         return VerifyOutput(tokens, tau + 1, tau, path)
 
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
+    records = (carry.log_p, carry.log_q, carry.rows_left)
+    call = functools.partial(_carrying, fn, backend)
+    if graphs is not None and not backend.reads_host:  # the records too: one graph a call
+        out = graphs.run(f"{method} with records", call, draft_tokens, draft_probs,
+                         target_probs, uniforms, *records)  # fmt: skip
+    else:
+        out = call(draft_tokens, draft_probs, target_probs, uniforms, *records)
+    tokens, tau, path, *new_records = out
+    return VerifyOutput(tokens, tau + 1, tau, path, TargetModification(*new_records))
+
+
+def _carrying(
+    fn: Callable,  # the verifier's function on its backend
+    backend: Backend,
+    draft_tokens: torch.Tensor,  # [B, K, γ]
+    draft_probs: torch.Tensor,  # [B, K, γ, V]
+    target_probs: torch.Tensor,  # [B, K, γ+1, V]
+    uniforms: torch.Tensor,  # [B, n]
+    log_p: torch.Tensor,  # [B, R]: the carried records (TargetModification)
+    log_q: torch.Tensor,  # [B, R]
+    rows_left: torch.Tensor,  # [B, R]
+) -> tuple[torch.Tensor, ...]:
+    """A carrying method's call: the records applied to the target rows, the verifier, the
+    records advanced by what it emitted. Returns (tokens, τ, path, and the new records'
+    log_p, log_q, rows_left), each batch-first: off the CPU a pure function of fixed shapes,
+    which a graph replays whole (the records' ~20 small kernels a record otherwise launch
+    eagerly)."""
+    carry = TargetModification(log_p, log_q, rows_left)
     modified, record_rows = apply_records(carry, draft_tokens, draft_probs, target_probs, backend)
-    tokens, tau, path, (log_p, log_q, rows_left) = run(
+    tokens, tau, path, (new_log_p, new_log_q, new_rows_left) = fn(
         draft_tokens, draft_probs, target_probs, uniforms, modified
     )
     new_carry = advance_records(
         carry,
         record_rows,
-        emitted=tokens[:, :gamma],
+        emitted=tokens[:, : draft_tokens.shape[2]],
         num_emitted=tau + 1,
         path=path,
         draft_probs=draft_probs,
         target_probs=target_probs,
-        new_log_p=log_p,
-        new_log_q=log_q,
-        new_rows_left=rows_left,
+        new_log_p=new_log_p,
+        new_log_q=new_log_q,
+        new_rows_left=new_rows_left,
         backend=backend,
     )
-    return VerifyOutput(tokens, tau + 1, tau, path, new_carry)
+    return tokens, tau, path, new_carry.log_p, new_carry.log_q, new_carry.rows_left

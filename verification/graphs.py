@@ -85,8 +85,10 @@ class VerifyGraphs:
         """``fn(*inputs)``, by replaying the bucket's graph (captured on first use) on CUDA,
         unless the bucket's inputs are so large that the call is bound by memory, not launches.
 
-        inputs: draft_tokens [B, K, γ], draft_probs [B, K, γ, V], target_probs [B, K, γ+1, V],
-        uniforms [B, n][, modified ResidualRows [B, K, γ]]."""
+        inputs: batch-first tensors and ResidualRows; a verifier's are draft_tokens [B, K, γ],
+        draft_probs [B, K, γ, V], target_probs [B, K, γ+1, V], uniforms [B, n][, modified
+        ResidualRows [B, K, γ]], or with the carried records' [B, R] tensors after the
+        uniforms (`verify`: the records applied and advanced in the same graph)."""
         tensors = _flatten(inputs)
         batch = tensors[0].shape[0]
         if tensors[0].device.type != "cuda" or batch == 0:
@@ -94,14 +96,15 @@ class VerifyGraphs:
         per_row = sum(t[0].numel() * t.element_size() for t in tensors)
         if batch_bucket(batch) * per_row > MAX_INPUT_BYTES:
             return fn(*inputs)
-        unmodified = len(inputs) == 5 and inputs[4].unmodified  # a host-known branch of fn
+        # host-known branches of fn
+        unmodified = tuple(x.unmodified for x in inputs if isinstance(x, ResidualRows))
         shapes = tuple((t.shape[1:], t.dtype) for t in tensors)
         key = (method, batch_bucket(batch), unmodified, shapes, tensors[0].device)
         # The buffers are inference tensors whatever the caller's mode (the target's actors
         # verify under inference_mode, an engine may not): written only in that mode.
         with torch.inference_mode():
             if key not in self._graphs:
-                self._graphs[key] = self._capture(method, fn, inputs, tensors, unmodified)
+                self._graphs[key] = self._capture(method, fn, inputs, tensors)
                 while len(self._graphs) > 1 and (
                     len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
                 ):
@@ -118,7 +121,7 @@ class VerifyGraphs:
         # the caller's mode, so it may update them in place).
         return pytree.tree_unflatten([o[:batch].clone() for o in entry.outputs], entry.spec)
 
-    def _capture(self, method, fn, inputs, tensors, unmodified) -> _Graph | None:
+    def _capture(self, method, fn, inputs, tensors) -> _Graph | None:
         batch, bucket = tensors[0].shape[0], batch_bucket(tensors[0].shape[0])
         static = []
         for t in tensors:
@@ -128,10 +131,7 @@ class VerifyGraphs:
             static.append(buf)
 
         def call():
-            args = static[:4]
-            if len(inputs) == 5:
-                args.append(ResidualRows(static[4], static[5], unmodified))
-            return fn(*args)
+            return fn(*_unflatten(inputs, static))
 
         try:
             graph, out = capture(call, tensors[0].device, self._pool)
@@ -165,7 +165,18 @@ def capture(call: Callable, device: torch.device, pool=None) -> tuple[torch.cuda
 
 def _flatten(inputs: tuple) -> list[torch.Tensor]:
     """The call's tensors, batch-first: modified rows as their two [B, K, γ] scalars."""
-    tensors = list(inputs[:4])
-    if len(inputs) == 5:
-        tensors += [inputs[4].t, inputs[4].z]
+    tensors = []
+    for x in inputs:
+        tensors += [x.t, x.z] if isinstance(x, ResidualRows) else [x]
     return tensors
+
+
+def _unflatten(inputs: tuple, tensors: list[torch.Tensor]) -> list:
+    """The call's arguments over `tensors` (a graph's buffers), as `inputs` were structured."""
+    given, args = iter(tensors), []
+    for x in inputs:
+        if isinstance(x, ResidualRows):
+            args.append(ResidualRows(next(given), next(given), x.unmodified))
+        else:
+            args.append(next(given))
+    return args

@@ -83,7 +83,10 @@ class TargetModification:
 
         def pad(t: torch.Tensor, value: float) -> torch.Tensor:
             # Dead slots go first: each request's newest records stay the rightmost columns,
-            # which `_bounded` relies on (the order of the live ones is unchanged).
+            # which `_bounded` relies on (the order of the live ones is unchanged). A full
+            # width is taken as it is (a pad of nothing still copies: a launch on a GPU).
+            if t.shape[1] == width:
+                return t
             return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
 
         return TargetModification(
