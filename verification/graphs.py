@@ -42,6 +42,45 @@ def batch_bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
+class GraphCache:
+    """Captured graphs by key, the least recently used dropped beyond ``max_graphs`` graphs or
+    ``max_buffer_bytes`` of their static buffers (an entry's ``nbytes``); a key whose capture
+    failed holds None (its calls run eagerly). Its graphs share one memory pool (``_pool``) and
+    replay one at a time on the current stream. The verifiers' (`VerifyGraphs`) and the decode
+    step's (workers/graphs.py) caches."""
+
+    def __init__(self, max_graphs: int, max_buffer_bytes: int):
+        self.max_graphs, self.max_buffer_bytes = max_graphs, max_buffer_bytes
+        self._graphs: OrderedDict[tuple, object | None] = OrderedDict()  # None: stays eager
+        self._pool = None
+        self.replays = 0  # calls served by a graph (for tests and benchmarks)
+
+    def __len__(self) -> int:
+        """Keys seen: graphs held, and shapes whose capture failed."""
+        return len(self._graphs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """GPU memory held by the graphs' static buffers."""
+        return sum(entry.nbytes for entry in self._graphs.values() if entry is not None)
+
+    def _entry(self, key: tuple, capture: Callable[[], object | None]):
+        """The graph of `key`, captured by `capture()` on first use (None: eager)."""
+        if key not in self._graphs:
+            self._graphs[key] = capture()
+            while len(self._graphs) > 1 and (
+                len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
+            ):
+                self._graphs.popitem(last=False)  # the least recently used; never the new one
+        self._graphs.move_to_end(key)
+        return self._graphs[key]
+
+
+def nbytes(tensors) -> int:
+    """Bytes held by the tensors (None entries skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -49,32 +88,19 @@ class _Graph:
     outputs: list[torch.Tensor]  # what the replay writes, batch-first
     spec: pytree.TreeSpec  # the verifier's output structure
 
+    @property
+    def nbytes(self) -> int:  # the inputs: the pool holds the outputs and intermediates
+        return nbytes(self.inputs)
 
-class VerifyGraphs:
+
+class VerifyGraphs(GraphCache):
     """Captured verifier calls (or any pure call whose inputs and outputs are batch-first
     tensors: the draft tree's build, workers/tree.py) by (method, batch bucket, shapes,
-    dtypes, device), the least
-    recently used dropped beyond ``max_graphs`` graphs or ``max_buffer_bytes`` of input
-    buffers. One per process that verifies on a GPU; its graphs share one memory pool,
-    replayed one at a time on the current stream."""
+    dtypes, device): a GraphCache of their input buffers. One per process that verifies on
+    a GPU."""
 
     def __init__(self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES):
-        self.max_graphs, self.max_buffer_bytes = max_graphs, max_buffer_bytes
-        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
-        self._pool = None
-
-    def __len__(self) -> int:
-        """Buckets seen: graphs held, and shapes whose capture failed."""
-        return len(self._graphs)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """GPU memory held by the graphs' input buffers."""
-        return sum(
-            sum(t.numel() * t.element_size() for t in entry.inputs)
-            for entry in self._graphs.values()
-            if entry is not None
-        )
+        super().__init__(max_graphs, max_buffer_bytes)
 
     @property
     def eager_shapes(self) -> int:
@@ -103,20 +129,14 @@ class VerifyGraphs:
         # The buffers are inference tensors whatever the caller's mode (the target's actors
         # verify under inference_mode, an engine may not): written only in that mode.
         with torch.inference_mode():
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(method, fn, inputs, tensors)
-                while len(self._graphs) > 1 and (
-                    len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
-                ):
-                    self._graphs.popitem(last=False)  # the least recently used; never the new one
-            self._graphs.move_to_end(key)
-        entry = self._graphs[key]
+            entry = self._entry(key, lambda: self._capture(method, fn, inputs, tensors))
         if entry is None:
             return fn(*inputs)
         with torch.inference_mode():
             for static, t in zip(entry.inputs, tensors, strict=True):
                 static[:batch].copy_(t)
             entry.graph.replay()
+        self.replays += 1
         # The next replay overwrites the outputs: hand out copies of the real rows (made in
         # the caller's mode, so it may update them in place).
         return pytree.tree_unflatten([o[:batch].clone() for o in entry.outputs], entry.spec)

@@ -26,14 +26,13 @@ output copies).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
-from verification.graphs import capture
+from verification.graphs import GraphCache, capture, nbytes
 from workers.llama import KVCache, Llama
 
 log = logging.getLogger(__name__)
@@ -79,11 +78,10 @@ class _Graph:
 
     @property
     def nbytes(self) -> int:
-        held = [*self.inputs, *(o for o in self.outputs if o is not None)]
-        return sum(t.numel() * t.element_size() for t in held)
+        return nbytes([*self.inputs, *self.outputs])
 
 
-class ForwardGraphs:
+class ForwardGraphs(GraphCache):
     """``model(...)`` over `cache` for decode shapes, replayed from captured CUDA graphs; a call
     with another cache, a slot other than 0 or a failed capture runs eagerly. Same signature
     and outputs as ``Llama.forward``; the outputs are copies (the next replay overwrites the
@@ -96,19 +94,8 @@ class ForwardGraphs:
         emulate: bool = False,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
     ):
+        super().__init__(MAX_GRAPHS, max_buffer_bytes)
         self.model, self.cache, self.emulate = model, cache, emulate
-        self.max_buffer_bytes = max_buffer_bytes
-        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: stays eager
-        self._pool = None
-        self.replays = 0  # calls served by a graph (for tests and benchmarks)
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Device memory held by the graphs' static inputs and outputs."""
-        return sum(g.nbytes for g in self._graphs.values() if g is not None)
 
     @torch.inference_mode()
     def __call__(
@@ -134,14 +121,9 @@ class ForwardGraphs:
         window = prefix_window(cache, n)
         shapes = tuple((t.shape, t.dtype) for t in batch)
         key = (bucket, window, head, suffix is not None, features is not None, shapes)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(batch, bucket, window, suffix, features, head)
-            while len(self._graphs) > 1 and (
-                len(self._graphs) > MAX_GRAPHS or self.buffer_bytes > self.max_buffer_bytes
-            ):
-                self._graphs.popitem(last=False)  # the least recently used; never the new one
-        self._graphs.move_to_end(key)
-        entry = self._graphs[key]
+        entry = self._entry(
+            key, lambda: self._capture(batch, bucket, window, suffix, features, head)
+        )
         if entry is None:
             return self.model(tokens, positions, cache, mask, suffix, 0, features, head)
         for static, t in zip(entry.inputs, batch, strict=True):
@@ -199,11 +181,10 @@ class _Call:
 
     @property
     def nbytes(self) -> int:
-        held = [*self.inputs, *(o for o in self.outputs if o is not None)]
-        return sum(t.numel() * t.element_size() for t in held)
+        return nbytes([*self.inputs, *self.outputs])
 
 
-class CallGraphs:
+class CallGraphs(GraphCache):
     """``fn(*inputs)`` replayed from a CUDA graph captured per (caller's key, batch bucket,
     input shapes): for a pure call of batch-first tensors whose outputs (a tuple of tensors
     and Nones) are batch-first too, and whose static settings the key names. The batch pads to
@@ -221,19 +202,8 @@ class CallGraphs:
         max_graphs: int = MAX_GRAPHS,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
     ):
+        super().__init__(max_graphs, max_buffer_bytes)
         self.slots, self.emulate = slots, emulate
-        self.max_graphs, self.max_buffer_bytes = max_graphs, max_buffer_bytes
-        self._graphs: OrderedDict[tuple, _Call | None] = OrderedDict()  # None: stays eager
-        self._pool = None
-        self.replays = 0  # calls served by a graph (for tests and benchmarks)
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Device memory held by the graphs' static inputs and outputs."""
-        return sum(g.nbytes for g in self._graphs.values() if g is not None)
 
     def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
         """fn(*inputs) [n, ...] each, from the graph of `key` (the settings fn closes over)."""
@@ -243,14 +213,7 @@ class CallGraphs:
         bucket = batch_bucket(n, self.slots)
         key = (key, bucket, tuple((t.shape[1:], t.dtype, t.device) for t in inputs))
         with torch.inference_mode():  # the buffers are inference tensors, whatever the caller's
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(fn, inputs, bucket)
-                while len(self._graphs) > 1 and (
-                    len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
-                ):
-                    self._graphs.popitem(last=False)  # the least recently used; not the new one
-            self._graphs.move_to_end(key)
-            entry = self._graphs[key]
+            entry = self._entry(key, lambda: self._capture(fn, inputs, bucket))
             if entry is None:
                 return fn(*inputs)
             for static, t in zip(entry.inputs, inputs, strict=True):
