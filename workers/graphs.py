@@ -73,8 +73,9 @@ def batch_bucket(batch: int, slots: int) -> int:
 @dataclass
 class _Graph:
     replay: Callable[[], None]
-    inputs: list[torch.Tensor]  # static, batch-first: tokens, positions, mask, [suffix], [feats]
-    outputs: tuple  # what a replay writes: logits or None, k, v, hidden
+    inputs: list[torch.Tensor]  # static, batch-first
+    outputs: list | tuple  # what a replay writes (None: no output there)
+    spec: pytree.TreeSpec | None = None  # CallGraphs: the call's output structure
 
     @property
     def nbytes(self) -> int:
@@ -172,18 +173,6 @@ class ForwardGraphs(GraphCache):
         return _Graph(graph.replay, static, outputs)
 
 
-@dataclass
-class _Call:
-    replay: Callable[[], None]
-    inputs: list[torch.Tensor]  # static, batch-first
-    outputs: list[torch.Tensor | None]  # what a replay writes, batch-first (None: none)
-    spec: pytree.TreeSpec  # the call's output structure
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes([*self.inputs, *self.outputs])
-
-
 class CallGraphs(GraphCache):
     """``fn(*inputs)`` replayed from a CUDA graph captured per (caller's key, batch bucket,
     input shapes): for a pure call of batch-first tensors whose outputs (a tuple of tensors
@@ -191,9 +180,8 @@ class CallGraphs(GraphCache):
     a power of two within the cache's `slots` (the call may run a forward over slots [0,
     bucket)); pad rows hold row 0 of the capturing call, so they compute valid values (a
     token id in range, a position in the cache), and are cut from the outputs, which are
-    copies. A failed capture
-    runs eagerly with a warning. ``ForwardGraphs`` differs in taking ``Llama.forward``'s
-    signature and padding with blank rows."""
+    copies. A failed capture runs eagerly with a warning. ``ForwardGraphs`` differs in
+    taking ``Llama.forward``'s signature and padding with blank rows."""
 
     def __init__(
         self,
@@ -224,7 +212,7 @@ class CallGraphs(GraphCache):
         copies = [None if o is None else o[:n].clone() for o in entry.outputs]
         return pytree.tree_unflatten(copies, entry.spec)
 
-    def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Call | None:
+    def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Graph | None:
         n = inputs[0].shape[0]
         static = []
         for t in inputs:
@@ -244,7 +232,7 @@ class CallGraphs(GraphCache):
                     if mine is not None:
                         mine.copy_(fresh)
 
-            return _Call(recompute, static, outputs, spec)
+            return _Graph(recompute, static, outputs, spec)
         try:
             graph, (outputs, spec) = capture(call, inputs[0].device, self._pool)
         except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
@@ -254,4 +242,4 @@ class CallGraphs(GraphCache):
         if any(o is not None and o.shape[:1] != (bucket,) for o in outputs):
             log.warning("call stays eager: an output is not batch-first")
             return None
-        return _Call(graph.replay, static, outputs, spec)
+        return _Graph(graph.replay, static, outputs, spec)
