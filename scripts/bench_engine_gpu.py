@@ -86,17 +86,18 @@ import torch
 from bench_verify import make_inputs
 
 from loadtest.prompts import complete_function
-from service.engine import build_engine
+from service.engine import VERIFY_GRAPHS, build_engine
 from service.policy import DEFAULT_ARMS
 from service.requests import make_request
 from verification import VERIFIERS, VerifyGraphs, verify
+from verification.graphs import GraphCache
 from workers import models as wm
 from workers.draft import prefill
 from workers.graphs import ForwardGraphs
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams, process
 from workers.target import path_rows
-from workers.tree import build_tree
+from workers.tree import TREE_GRAPHS, build_tree
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["none", *VERIFIERS]
@@ -552,6 +553,8 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
                 warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
                 run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
             res = run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget)
+            if graphs:
+                res["graphs"] = graph_counts(engine)
             if b == 1 and dev.startswith("cuda"):
                 res["host_syncs"] = host_syncs(engine, take[0], method, k, max(gamma, 1), args)
         except Exception:
@@ -568,10 +571,29 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             f"{res['ms_per_step']:.2f} | {per_step} |",
             flush=True,
         )
+        if graphs and any(c["eager"] for c in res["graphs"].values()):
+            print(f"  shapes left eager (a failed capture): {res['graphs']}", flush=True)
         save()
     del engines
     free_memory(dev)
     return result
+
+
+def graph_counts(engine) -> dict[str, dict[str, int]]:
+    """The engine's graph caches (this process's): graphs held, shapes left eager (a failed
+    capture: their calls run eagerly, a warning in the log says why) and replays so far."""
+    caches = {
+        "draft forward": engine.draft.forward,
+        "draft proposal": engine.draft.proposals,
+        "target forward": engine.target.forward,
+        "tree": TREE_GRAPHS,
+        "verify": VERIFY_GRAPHS,
+    }
+    return {
+        name: dict(graphs=len(c), eager=c.eager_shapes, replays=c.replays)
+        for name, c in caches.items()
+        if isinstance(c, GraphCache)
+    }
 
 
 # ------------------------------------------------------------------------- 3. projection

@@ -64,6 +64,11 @@ class GraphCache:
         """GPU memory held by the graphs' static buffers."""
         return sum(entry.nbytes for entry in self._graphs.values() if entry is not None)
 
+    @property
+    def eager_shapes(self) -> int:
+        """Keys whose capture failed (they run eagerly; a warning says why)."""
+        return sum(entry is None for entry in self._graphs.values())
+
     def _entry(self, key: tuple, capture: Callable[[], object | None]):
         """The graph of `key`, captured by `capture()` on first use (None: eager)."""
         if key not in self._graphs:
@@ -102,10 +107,6 @@ class VerifyGraphs(GraphCache):
     def __init__(self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES):
         super().__init__(max_graphs, max_buffer_bytes)
 
-    @property
-    def eager_shapes(self) -> int:
-        """Buckets whose capture failed (they run eagerly; a warning says why)."""
-        return sum(entry is None for entry in self._graphs.values())
 
     def run(self, method: str, fn: Callable, *inputs):
         """``fn(*inputs)``, by replaying the bucket's graph (captured on first use) on CUDA,
