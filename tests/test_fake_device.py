@@ -365,7 +365,7 @@ DROPPED_MOVES = {
     "DraftProposer._run_pending": (
         DraftProposer,
         "_run_pending",
-        ").to(dev, non_blocking=True)  # [n, 2P + 2]",
+        ").to(dev, non_blocking=True)  # [n, P + 2]",
         ")",
         (),
     ),

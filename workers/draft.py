@@ -245,10 +245,9 @@ class DraftProposer(ABC):
         )  # [n, P, P]
         held = torch.tensor(self.cache.host_lengths()[:n])
         made = torch.cat(
-            [held[:, None] + steps, steps.expand(n, P), counted[:, None], torch.arange(n)[:, None]],
-            dim=1,
-        ).to(dev, non_blocking=True)  # [n, 2P + 2]
-        positions, index, count, rows = made[:, :P], made[:, P : 2 * P], made[:, -2], made[:, -1]
+            [held[:, None] + steps, counted[:, None], torch.arange(n)[:, None]], dim=1
+        ).to(dev, non_blocking=True)  # [n, P + 2]
+        positions, count, rows = made[:, :P], made[:, P], made[:, P + 1]
         pending = pending.to(dev, non_blocking=True)
         if features is not None:
             features = features.to(dev, non_blocking=True)
@@ -257,7 +256,7 @@ class DraftProposer(ABC):
             seen.to(dev, non_blocking=True)[:, None],
             features=self._pending_features(features, own, count), head=False,
         )  # fmt: skip
-        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], index, counted)
+        self.cache.append(new_k[:, :, 0], new_v[:, :, 0], None, counted)
         return hidden[rows, 0, count - 1]
 
     def fork(self, rows: list[int], room: int) -> DraftProposer:
@@ -316,9 +315,8 @@ class DraftProposer(ABC):
             return
         sk, sv = self._suffix
         k_path, v_path = sk[:, rows, path], sv[:, rows, path]  # [L, n, H, γ-1, D]
-        index = torch.arange(sk.shape[4], device=dev).expand(n, -1)
         # keep stays where it arrived: the cache reads the counts on the host
-        self.cache.append(k_path, v_path, index, keep.clamp_max(sk.shape[4]))
+        self.cache.append(k_path, v_path, None, keep.clamp_max(sk.shape[4]))
         self._suffix = None
 
 
@@ -410,5 +408,5 @@ def _prefill_batch(
     _, k, v, hidden = model(
         tokens[:, None], positions, cache, mask[:, None], slot0=slot0, features=feats, head=False
     )
-    cache.append(k[:, :, 0], v[:, :, 0], steps.expand(n, T), counted, slot0=slot0)
+    cache.append(k[:, :, 0], v[:, :, 0], None, counted, slot0=slot0)
     return [hidden[i, 0, : c.shape[0]] for i, c in enumerate(contexts)]

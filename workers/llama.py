@@ -251,13 +251,13 @@ class KVCache:
         self,
         new_k: torch.Tensor,  # [L, n, H_kv, T, D]
         new_v: torch.Tensor,  # [L, n, H_kv, T, D]
-        index: torch.Tensor,  # [n, C] int64 into T
+        index: torch.Tensor | None,  # [n, C] int64 into T; None: the T entries in order
         count: torch.Tensor,  # [n] int64 <= C
         slot0: int = 0,
     ) -> None:
         """Slot slot0 + b appends new entries index[b, :count[b]] after its committed ones.
         `count` may arrive on the host (off the CPU, the host lengths then stay known)."""
-        n, c = index.shape
+        n, c = (new_k.shape[1], new_k.shape[3]) if index is None else index.shape
         if c == 0:
             return
         lengths = self.lengths[slot0 : slot0 + n]
@@ -277,20 +277,21 @@ class KVCache:
         else:  # on the CPU, or counted on the device (then checked when the lengths are next
             # read, host_lengths)
             count = count.to(lengths.device, non_blocking=True)
-            steps = torch.arange(c, device=index.device)
+            steps = torch.arange(c, device=lengths.device)
             pos = lengths[:, None] + steps  # [n, C]
             full = False
             if self.on_cpu:
                 valid = steps[None, :] < count[:, None]  # [n, C]
                 full = bool((valid & (pos >= self.max_len)).any())
             pos = pos.clamp_max(last)
-            slots = torch.arange(slot0, slot0 + n, device=index.device)[:, None]
+            slots = torch.arange(slot0, slot0 + n, device=lengths.device)[:, None]
         if full:
             raise ValueError(f"KV cache full: a request exceeds max_len={self.max_len}")
         layers, _, heads, _, dim = new_k.shape
-        take = index[None, :, None, :, None].expand(layers, n, heads, c, dim)
         for cache, new in ((self.k, new_k), (self.v, new_v)):
-            cache[:, slots, :, pos, :] = new.gather(3, take).permute(1, 3, 0, 2, 4)  # [n,C,L,H,D]
+            if index is not None:  # (in order, the entries are read where they are)
+                new = new.gather(3, index[None, :, None, :, None].expand(layers, n, heads, c, dim))
+            cache[:, slots, :, pos, :] = new.permute(1, 3, 0, 2, 4)  # [n, C, L, H, D]
         lengths += count
         if host is None:
             self._host_lengths = None
