@@ -78,8 +78,11 @@ class DraftProposer(ABC):
     def use_graphs(self, emulate: bool = False) -> None:
         """Replay the pending run's forward, and the whole proposal past it, from CUDA graphs
         (workers/graphs.py; a fork's forwards, over its own cache, stay eager)."""
-        self.forward = ForwardGraphs(self.model, self.cache, emulate)
-        self.proposals = CallGraphs(self.cache.k.shape[1], emulate)
+        # Their outputs are views of the graphs' own (no copy, a launch each): a step reads
+        # them before the next propose replays (the pending run's go into the cache and the
+        # root; the proposal's into the tree and the verify call's buffers, and `commit`).
+        self.forward = ForwardGraphs(self.model, self.cache, emulate, copies=False)
+        self.proposals = CallGraphs(self.cache.k.shape[1], emulate, copies=False)
 
     def prefill(
         self,

@@ -86,7 +86,9 @@ class ForwardGraphs(GraphCache):
     """``model(...)`` over `cache` for decode shapes, replayed from captured CUDA graphs; a call
     with another cache, a slot other than 0 or a failed capture runs eagerly. Same signature
     and outputs as ``Llama.forward``; the outputs are copies (the next replay overwrites the
-    graph's own). Graphs share one memory pool and replay one at a time on the current stream."""
+    graph's own), or with ``copies=False`` views of the graph's own, valid until its next
+    replay (a copy is a launch: for a caller done with them by then). Graphs share one memory
+    pool and replay one at a time on the current stream."""
 
     def __init__(
         self,
@@ -94,9 +96,10 @@ class ForwardGraphs(GraphCache):
         cache: KVCache,
         emulate: bool = False,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
+        copies: bool = True,
     ):
         super().__init__(MAX_GRAPHS, max_buffer_bytes)
-        self.model, self.cache, self.emulate = model, cache, emulate
+        self.model, self.cache, self.emulate, self.copies = model, cache, emulate, copies
 
     @torch.inference_mode()
     def __call__(
@@ -132,12 +135,8 @@ class ForwardGraphs(GraphCache):
         entry.replay()
         self.replays += 1
         logits, k, v, hidden = entry.outputs
-        return (
-            None if logits is None else logits[:n].clone(),
-            k[:, :n].clone(),
-            v[:, :n].clone(),
-            hidden[:n].clone(),
-        )
+        out = (None if logits is None else logits[:n], k[:, :n], v[:, :n], hidden[:n])
+        return tuple(t.clone() if self.copies and t is not None else t for t in out)
 
     def _capture(self, batch, bucket, window, suffix, features, head) -> _Graph | None:
         n = batch[0].shape[0]
@@ -180,8 +179,9 @@ class CallGraphs(GraphCache):
     a power of two within the cache's `slots` (the call may run a forward over slots [0,
     bucket)); pad rows hold row 0 of the capturing call, so they compute valid values (a
     token id in range, a position in the cache), and are cut from the outputs, which are
-    copies. A failed capture runs eagerly with a warning. ``ForwardGraphs`` differs in
-    taking ``Llama.forward``'s signature and padding with blank rows."""
+    copies (with ``copies=False``, views valid until the graph's next replay). A failed
+    capture runs eagerly with a warning. ``ForwardGraphs`` differs in taking
+    ``Llama.forward``'s signature and padding with blank rows."""
 
     def __init__(
         self,
@@ -189,9 +189,10 @@ class CallGraphs(GraphCache):
         emulate: bool = False,
         max_graphs: int = MAX_GRAPHS,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
+        copies: bool = True,
     ):
         super().__init__(max_graphs, max_buffer_bytes)
-        self.slots, self.emulate = slots, emulate
+        self.slots, self.emulate, self.copies = slots, emulate, copies
 
     def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
         """fn(*inputs) [n, ...] each, from the graph of `key` (the settings fn closes over)."""
@@ -209,8 +210,10 @@ class CallGraphs(GraphCache):
             entry.replay()
         self.replays += 1
         # copied in the caller's mode (it may update them in place)
-        copies = [None if o is None else o[:n].clone() for o in entry.outputs]
-        return pytree.tree_unflatten(copies, entry.spec)
+        outputs = [None if o is None else o[:n] for o in entry.outputs]
+        if self.copies:
+            outputs = [None if o is None else o.clone() for o in outputs]
+        return pytree.tree_unflatten(outputs, entry.spec)
 
     def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Graph | None:
         n = inputs[0].shape[0]

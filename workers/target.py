@@ -41,8 +41,10 @@ class TargetWorker:
         return self.cache.lengths.device
 
     def use_graphs(self, emulate: bool = False) -> None:
-        """Replay the tree pass from CUDA graphs (workers/graphs.py)."""
-        self.forward = ForwardGraphs(self.model, self.cache, emulate)
+        """Replay the tree pass from CUDA graphs (workers/graphs.py). Its outputs are views of
+        the graph's own (no copy, a launch each): the rows are processed into new ones, and
+        `commit` reads the nodes' keys, values and features before the next tree pass."""
+        self.forward = ForwardGraphs(self.model, self.cache, emulate, copies=False)
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
