@@ -107,7 +107,6 @@ class VerifyGraphs(GraphCache):
     def __init__(self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES):
         super().__init__(max_graphs, max_buffer_bytes)
 
-
     def run(self, method: str, fn: Callable, *inputs):
         """``fn(*inputs)``, by replaying the bucket's graph (captured on first use) on CUDA,
         unless the bucket's inputs are so large that the call is bound by memory, not launches.
