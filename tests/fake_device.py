@@ -489,7 +489,7 @@ class FakeCuda:
         self.kernels.clear()
         self.kernel_sites.clear()
 
-    def _verify(self, fn, *inputs):
+    def _verify(self, cache, fn, *inputs):
         """VerifyGraphs.run: the verifier called eagerly, counted as a GPU runs it: a replay
         with its inputs' copies in and outputs' copies out, or eager where its inputs are too
         large for a graph (verification/graphs.py)."""
@@ -502,7 +502,7 @@ class FakeCuda:
         for _ in tensors:
             _count_kernel("copy_")
         out = _as_graph(fn)(*inputs)
-        for _ in tree_flatten(out)[0]:
+        for _ in tree_flatten(out)[0] if cache.copies else ():
             _count_kernel("clone")
         return out
 
@@ -516,7 +516,7 @@ class FakeCuda:
 
         self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
         self._patch(
-            graphs.VerifyGraphs, "run", lambda _graphs, _method, fn, *a: self._verify(fn, *a)
+            graphs.VerifyGraphs, "run", lambda cache, _method, fn, *a: self._verify(cache, fn, *a)
         )
         for owner in (ForwardGraphs, CallGraphs):  # emulated graphs: a replay counts once
             self._patch(owner, "_capture", _capture_as_graph(owner._capture))

@@ -102,10 +102,14 @@ class VerifyGraphs(GraphCache):
     """Captured verifier calls (or any pure call whose inputs and outputs are batch-first
     tensors: the draft tree's build, workers/tree.py) by (method, batch bucket, shapes,
     dtypes, device): a GraphCache of their input buffers. One per process that verifies on
-    a GPU."""
+    a GPU. Its outputs are copies, or with ``copies=False`` views of the graph's own, valid
+    until its next replay (a copy is a launch: for a caller done with them by then)."""
 
-    def __init__(self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES):
+    def __init__(
+        self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES, copies: bool = True
+    ):
         super().__init__(max_graphs, max_buffer_bytes)
+        self.copies = copies
 
     def run(self, method: str, fn: Callable, *inputs):
         """``fn(*inputs)``, by replaying the bucket's graph (captured on first use) on CUDA,
@@ -139,7 +143,8 @@ class VerifyGraphs(GraphCache):
         self.replays += 1
         # The next replay overwrites the outputs: hand out copies of the real rows (made in
         # the caller's mode, so it may update them in place).
-        return pytree.tree_unflatten([o[:batch].clone() for o in entry.outputs], entry.spec)
+        outputs = [o[:batch].clone() if self.copies else o[:batch] for o in entry.outputs]
+        return pytree.tree_unflatten(outputs, entry.spec)
 
     def _capture(self, method, fn, inputs, tensors) -> _Graph | None:
         batch, bucket = tensors[0].shape[0], batch_bucket(tensors[0].shape[0])
