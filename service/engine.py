@@ -208,31 +208,25 @@ def verify_step(
     carries are on p's device."""
     n, dev = p.shape[0], p.device  # the verdict and carries live where p is
     x, q = x.to(dev), None if q is None else q.to(dev)  # (there already in process)
+    carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
+    (method, k, gamma, idx), *others = plan.groups
+    if not others and method != PLAIN:  # the usual batch: the verifier's outputs are the verdict
+        out = _verify_group(method, k, gamma, idx, x, q, p, generators, carries)
+        live = torch.zeros(n, dtype=torch.bool, device=dev)
+        if out.carry is not None:
+            live = (out.carry.rows_left > 0).any(1)
+            carries = out.carry.split()
+        return Verdict(out.tokens, out.num_accepted, out.path, carries, live)
     tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)
     tau = torch.zeros(n, dtype=torch.int64, device=dev)
     path = torch.zeros(n, dtype=torch.int64, device=dev)
     live = torch.zeros(n, dtype=torch.int64, device=dev)  # int: packed with the above
-    carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
     for method, k, gamma, idx in plan.groups:
         ix = group_rows(idx, dev)
-        gens = [generators[i] for i in idx]
         if method == PLAIN:
-            tokens[ix, 0] = sample(p[ix, :1, 0], gens)[:, 0]
+            tokens[ix, 0] = sample(p[ix, :1, 0], [generators[i] for i in idx])[:, 0]
             continue
-        carry = None
-        if VERIFIERS[method].modifies_target:
-            empty = TargetModification.empty(1, dev)
-            carry = TargetModification.cat([carries[i] or empty for i in idx])
-        out = verify(
-            method,
-            x[ix, :k, :gamma],
-            q[ix, :k, :gamma],
-            p[ix, :k, : gamma + 1],
-            gens,
-            carry=carry,
-            validate=False,  # rows come from our own processing
-            graphs=VERIFY_GRAPHS,
-        )
+        out = _verify_group(method, k, gamma, idx, x, q, p, generators, carries)
         tokens[ix, : gamma + 1] = out.tokens
         tau[ix], path[ix] = out.num_accepted, out.path
         if out.carry is not None:
@@ -240,6 +234,35 @@ def verify_step(
             for i, carry in zip(idx, out.carry.split(), strict=True):
                 carries[i] = carry
     return Verdict(tokens, tau, path, carries, live.bool())
+
+
+def _verify_group(
+    method: str,
+    k: int,
+    gamma: int,
+    idx: list[int],  # the group's rows
+    x: torch.Tensor,  # [n, K, γ] int64
+    q: torch.Tensor,  # [n, K, γ, V]
+    p: torch.Tensor,  # [n, K, γ+1, V]
+    generators: list[torch.Generator],  # [n]
+    carries: list[TargetModification | None],  # [n]
+):
+    """One (method, K, γ) group's verify call (its rows taken in place when consecutive)."""
+    ix = group_rows(idx, p.device)
+    carry = None
+    if VERIFIERS[method].modifies_target:
+        empty = TargetModification.empty(1, p.device)
+        carry = TargetModification.cat([carries[i] or empty for i in idx])
+    return verify(
+        method,
+        x[ix, :k, :gamma],
+        q[ix, :k, :gamma],
+        p[ix, :k, : gamma + 1],
+        [generators[i] for i in idx],
+        carry=carry,
+        validate=False,  # rows come from our own processing
+        graphs=VERIFY_GRAPHS,
+    )
 
 
 def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Verdict]:

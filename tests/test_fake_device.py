@@ -385,8 +385,8 @@ def test_a_dropped_move_fails_as_on_a_gpu(tiny, monkeypatch, mutant):
 
 
 def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
-    """verify_step's emitted-token buffer on the host: CUDA copies each group's tokens back
-    (legal, so no error), one wait more a group; the bound sees it."""
+    """verify_step's emitted-token buffer of a mixed batch on the host: CUDA copies each
+    group's tokens back (legal, so no error), one wait more a group; the bound sees it."""
     _, fake = tiny
     mutate(
         monkeypatch,
@@ -395,8 +395,8 @@ def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
         "tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)",
         "tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)",
     )
-    _, per_step, sites = run_fake(fake, requests(["block"]))
-    assert max(per_step) > host_sync_bound({"block"})
+    _, per_step, sites = run_fake(fake, requests(["block", PLAIN]))
+    assert max(per_step) > host_sync_bound({"block", PLAIN})
     assert any("verify_step" in site for site in sites)
 
 
