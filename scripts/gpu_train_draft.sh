@@ -7,7 +7,7 @@
 # at .gpu/target.gguf (or its parts .gpu/target.gguf.part*, joined in name order).
 # Budget (minutes): GEN_MIN (round 1 answers, 3.5), ROUND2_MIN (follow-up turns, 0.75),
 # TRAIN_MIN (2); PROMPTS (round 1 prompts built, 20000), BATCH (answers sampled at once, 256),
-# SEED (1: the CPU round used 0, so these prompts and answers are new ones).
+# SEED (2: the CPU rounds used 0 and 1, so these prompts and answers are new ones).
 # Writes under $OUT (default .cache/gpu-train): train.log and draft/ (what `train_draft.py
 # --stage export` writes: the layers, norm and fc, the kept vocabulary, the logit scale and the
 # run's meta). Back on the CPU: copy draft/ over models/smollm2-draft/, run
@@ -33,7 +33,7 @@ if [ ! -f "$gguf" ] && compgen -G "$gguf.part*" >/dev/null; then
 fi
 timeout "${CONVERT_TIMEOUT:-90}" "$py" scripts/gpu_models.py --gguf "$gguf" --out "$models" || exit 1
 common=(--device "$device" --target "$models/smollm2-135m-instruct" --work "$work"
-    --seed "${SEED:-1}" --batch "${BATCH:-256}" --threads "${THREADS:-8}")
+    --seed "${SEED:-2}" --batch "${BATCH:-256}" --threads "${THREADS:-8}")
 stage() {  # stage NAME [flags]: one stage of train_draft.py, timed
     echo "== $1 ($((SECONDS - start)) s)"
     "$py" scripts/train_draft.py --stage "$@" "${common[@]}" || exit 1
