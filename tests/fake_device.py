@@ -496,8 +496,7 @@ class FakeCuda:
         from verification import graphs
 
         tensors = graphs._flatten(inputs)
-        per_row = sum(t[0].numel() * t.element_size() for t in tensors)
-        if graphs.batch_bucket(tensors[0].shape[0]) * per_row > graphs.MAX_INPUT_BYTES:
+        if not graphs.fits_graph(tensors):
             return fn(*inputs)
         for _ in tensors:
             _count_kernel("copy_")

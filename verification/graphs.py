@@ -81,6 +81,29 @@ class GraphCache:
         return self._graphs[key]
 
 
+def fits_graph(tensors: list[torch.Tensor]) -> bool:
+    """Whether a call of these batch-first tensors replays from a graph: a batch, and static
+    buffers of its bucket within MAX_INPUT_BYTES (above, the call is bound by memory, not
+    launches)."""
+    batch = tensors[0].shape[0]
+    if batch == 0:
+        return False
+    per_row = sum(t[0].numel() * t.element_size() for t in tensors)
+    return batch_bucket(batch) * per_row <= MAX_INPUT_BYTES
+
+
+def padded_buffers(tensors: list[torch.Tensor], bucket: int) -> list[torch.Tensor]:
+    """A graph's static buffers for batch-first tensors: each [bucket, ...], the rows past the
+    batch copies of row 0 (valid inputs: a pad row computes nothing undefined)."""
+    static = []
+    for t in tensors:
+        buf = t.new_empty((bucket, *t.shape[1:]))
+        buf[: t.shape[0]].copy_(t)
+        buf[t.shape[0] :].copy_(t[:1].expand(bucket - t.shape[0], *t.shape[1:]))
+        static.append(buf)
+    return static
+
+
 def nbytes(tensors) -> int:
     """Bytes held by the tensors (None entries skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -121,10 +144,7 @@ class VerifyGraphs(GraphCache):
         uniforms (`verify`: the records applied and advanced in the same graph)."""
         tensors = _flatten(inputs)
         batch = tensors[0].shape[0]
-        if tensors[0].device.type != "cuda" or batch == 0:
-            return fn(*inputs)
-        per_row = sum(t[0].numel() * t.element_size() for t in tensors)
-        if batch_bucket(batch) * per_row > MAX_INPUT_BYTES:
+        if tensors[0].device.type != "cuda" or not fits_graph(tensors):
             return fn(*inputs)
         # host-known branches of fn
         unmodified = tuple(x.unmodified for x in inputs if isinstance(x, ResidualRows))
@@ -147,13 +167,8 @@ class VerifyGraphs(GraphCache):
         return pytree.tree_unflatten(outputs, entry.spec)
 
     def _capture(self, method, fn, inputs, tensors) -> _Graph | None:
-        batch, bucket = tensors[0].shape[0], batch_bucket(tensors[0].shape[0])
-        static = []
-        for t in tensors:
-            buf = t.new_empty((bucket, *t.shape[1:]))
-            buf[:batch].copy_(t)
-            buf[batch:].copy_(t[:1].expand(bucket - batch, *t.shape[1:]))  # valid pad rows
-            static.append(buf)
+        bucket = batch_bucket(tensors[0].shape[0])
+        static = padded_buffers(tensors, bucket)
 
         def call():
             return fn(*_unflatten(inputs, static))

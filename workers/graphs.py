@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from verification.graphs import GraphCache, capture, nbytes
+from verification.graphs import GraphCache, capture, nbytes, padded_buffers
 from workers.llama import KVCache, Llama
 
 log = logging.getLogger(__name__)
@@ -216,13 +216,7 @@ class CallGraphs(GraphCache):
         return pytree.tree_unflatten(outputs, entry.spec)
 
     def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Graph | None:
-        n = inputs[0].shape[0]
-        static = []
-        for t in inputs:
-            buf = t.new_empty((bucket, *t.shape[1:]))
-            buf[:n].copy_(t)
-            buf[n:].copy_(t[:1].expand(bucket - n, *t.shape[1:]))  # valid pad rows
-            static.append(buf)
+        static = padded_buffers(list(inputs), bucket)
 
         def call():
             return pytree.tree_flatten(fn(*static))
