@@ -1,16 +1,21 @@
 """The speculation cache on a real pair: hit rate by fan-out F and verifier, and seeded output
-with the cache on equal to it off (workers/speculation.py; issue 45).
+with the cache on equal to the same draft law without hits (workers/speculation.py; issue 45).
 
-The cache prepares proposals for token drafts only, so the pair is the default target with its
-token-only draft (workers/models.py: TOKEN_ONLY_DRAFT; the default feature draft is refused,
-see the module doc). For each verifier the same seeded requests (the everyday held-out prompts,
+For each verifier the same seeded requests (the everyday held-out prompts,
 loadtest/everyday.py) run once with the cache off, then once per F with it on; a hit is a
-drafted request whose real outcome had a prepared proposal. The draft phase's seconds include
-the preparing: in this process it runs after the step's own draft, on the same cores, so on a
-CPU the cache only costs (the wall-clock gain needs the draft and the target on separate
-devices or streams).
+drafted request whose real outcome had a prepared proposal. With a feature draft (the default
+pair's) the cache on means the draft's own-feature law (it reads its own features after a
+rejection, see workers/speculation.py), so one more run gives that law with nothing prepared
+(`own law`: the cache's batch limit at 0), the output every F must reproduce, and its block
+efficiency against `off` is what the law costs. With a token draft the cache changes no law
+and every F must reproduce `off`. The draft phase's seconds include the preparing: in this
+process it runs after the step's own draft, on the same cores, so on a CPU the cache only costs
+(the wall-clock gain needs the draft and the target on separate devices or streams).
 
-    .venv/bin/python scripts/bench_speculation.py --json docs/speculation.json
+    .venv/bin/python scripts/bench_speculation.py --json docs/speculation_feature.json
+    .venv/bin/python scripts/bench_speculation.py \
+        --draft ~/.cache/blockspec/smollm2-135m-draft-token-only \
+        --temperature 1.0 0.7 0.0 --downweight 1.0 0.5 --json docs/speculation.json
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ sys.path.insert(0, str(REPO))
 from loadtest.everyday import everyday_ids  # noqa: E402
 from service.engine import build_engine, speculation_cache  # noqa: E402
 from service.requests import make_request  # noqa: E402
-from workers.models import DEFAULT_TARGET, TOKEN_ONLY_DRAFT  # noqa: E402
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 
-def run(engine, prompts, method, k, args, temperature, fanout: int, downweight=1.0) -> dict:
-    cache = speculation_cache(engine.draft, fanout, downweight)
+def run(
+    engine, prompts, method, k, args, temperature, fanout: int, downweight=1.0, max_batch=None
+) -> dict:
+    cache = speculation_cache(engine.draft, fanout, downweight, max_batch)
     engine.executor.speculation = cache
     engine.reset_stats()
     sampling = SamplingParams(temperature)
@@ -67,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--draft", default=str(TOKEN_ONLY_DRAFT))
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--methods", nargs="+", default=["block", "gbv"])
     ap.add_argument("--k", type=int, default=2, help="K of gbv (block: 1)")
@@ -95,12 +102,19 @@ def main() -> None:
         key = f"{method} K={k} gamma={args.gamma} T={temperature}"
         rows = {"off": {n: v for n, v in off.items() if n != "outputs"}}
         print(key, "off", rows["off"], flush=True)
+        if engine.draft.feed.reads_features:  # the law every F must reproduce: see the doc
+            own = run(engine, prompts, method, k, args, temperature, 1, max_batch=0)
+            same = own.pop("outputs")
+            rows["own law"] = {n: v for n, v in own.items() if n not in ("hits", "hit_rate")}
+            print(key, "own law", rows["own law"], flush=True)
+        else:
+            same = off["outputs"]
         for downweight in args.downweight:
             for fanout in args.fanout:
                 on = run(engine, prompts, method, k, args, temperature, fanout, downweight)
                 outputs = on.pop("outputs")
                 if downweight == 1:  # Saguaro sampling is another draft law: other outputs
-                    on["same_output_as_off"] = outputs == off["outputs"]
+                    on["same_output"] = outputs == same
                 name = f"F={fanout}" + ("" if downweight == 1 else f" downweight={downweight}")
                 rows[name] = on
                 print(key, name, on, flush=True)

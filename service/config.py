@@ -76,8 +76,9 @@ class ReplicaConfig(BaseModel):
     prefix_caching: bool = True
     # Speculation cache (workers/speculation.py): the draft actor prepares the next step's
     # proposals for this many likeliest verification outcomes while the target verifies
-    # (0: off; token drafts only), sampling with its top tokens scaled by the downweight (1:
-    # plain sampling; < 1: Saguaro sampling, another lossless draft law).
+    # (0: off; a feature draft then reads its own features after a rejection, another
+    # lossless draft law), sampling with its top tokens scaled by the downweight (1: plain
+    # sampling; < 1: Saguaro sampling, another lossless draft law).
     speculation: int = Field(0, ge=0)
     speculation_downweight: float = Field(1.0, gt=0, le=1)
     # Steps with more drafted requests prepare nothing: the draft's extra work would take the

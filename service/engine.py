@@ -167,7 +167,7 @@ class StepPlan:
         """What the speculation cache reads of the step (workers/speculation.py)."""
         return Drafting(
             self.request_ids, self.emitted, self.pending, self.pending_count, self.num_paths,
-            self.depth, self.params, self.draws,
+            self.depth, self.params, self.draws, self.pending_features, self.own_features,
         )  # fmt: skip
 
 
@@ -332,6 +332,11 @@ class StepExecutor(Protocol):
     draft: Draft
     target: Target
 
+    @property
+    def speculating(self) -> bool:
+        """A speculation cache prepares proposals (workers/speculation.py)."""
+        ...
+
     def speculate(
         self, plan: StepPlan, generators: list[torch.Generator]
     ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
@@ -359,6 +364,10 @@ class LocalExecutor:
     # None: off. In this process they are drafted after the step's own draft, in the draft
     # phase's time: no overlap with the target on one device (workers/speculation.py).
     speculation: SpeculationCache | None = None
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculation is not None
 
     def speculate(
         self, plan: StepPlan, generators: list[torch.Generator]
@@ -400,6 +409,10 @@ class RayExecutor:
     draft: RemoteDraft
     target: RemoteTarget
 
+    @property
+    def speculating(self) -> bool:
+        return self.draft.speculating
+
     def speculate(
         self, plan: StepPlan, generators: list[torch.Generator]
     ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
@@ -436,8 +449,9 @@ class _Active:
     auto: AutoState | None = None  # method auto: what the policy knows of this request
     # feature draft: [len(draft_pending), E], the target's feature before each pending token
     draft_features: torch.Tensor | None = None
-    # feature draft: the carry holds a live record, so the draft keeps the law it was written
-    # against (its own features past the record's root; workers/feature_draft.py)
+    # feature draft: the next step's pending token reads the draft's own feature: the carry
+    # holds a live record, whose law it keeps (its own features past the record's root;
+    # workers/feature_draft.py), or a speculation cache is on (workers/speculation.py)
     own_features: bool = False
     output: list[int] = field(default_factory=list)
     last_emitted: tuple[int, ...] | None = None  # what the last step emitted (speculation key)
@@ -662,8 +676,9 @@ class SpeculativeEngine:
     def recover(self) -> list[str]:
         """Restart the remote workers' dead actors and rebuild both caches (after `WorkerLost`).
         Returns the ids of the requests it dropped (cancelled) instead: those whose feature
-        draft kept its own features for a live record, a law a rebuild from true features
-        would not reproduce (workers/feature_draft.py).
+        draft kept its own features (for a live record, or under the speculation cache's
+        own-feature law), a law a rebuild from true features would not reproduce
+        (workers/feature_draft.py).
 
         Both caches are rebuilt, a survivor's too: the failed step may have run on it (the
         draft appends its pending tokens when it proposes). Every active request is prefilled
@@ -698,13 +713,13 @@ class SpeculativeEngine:
         planned = time.perf_counter()
         x, verdict, seconds = self.executor.speculate(plan, [a.generator for a in batch])
         speculated = time.perf_counter()
-        live = verdict.live.tolist()  # on the host (verdict_on_host)
-        for a, carry, alive in zip(batch, verdict.carries, live, strict=True):
+        own = self._own_law(plan, verdict)
+        for a, carry, mine in zip(batch, verdict.carries, own.tolist(), strict=True):
             a.carry = carry
-            a.own_features = self.feed.keeps_own(alive)
+            a.own_features = self.feed.keeps_own(mine)
         # The target committed its paths itself; the draft keeps what its feed says (a feature
-        # draft: a path only under a live record, see _Active.own_features).
-        kept = self.feed.kept(verdict.num_accepted, verdict.live) if plan.drafted else None
+        # draft: a path only under its own-feature law, see _Active.own_features).
+        kept = self.feed.kept(verdict.num_accepted, own) if plan.drafted else None
         if kept is not None:
             self.draft.commit(verdict.path, kept)
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
@@ -721,6 +736,14 @@ class SpeculativeEngine:
         self.times.add(times)
         self.steps += 1
         return StepResult(finished, times)
+
+    def _own_law(self, plan: StepPlan, verdict: Verdict) -> torch.Tensor:
+        """[n] bool, on the host: the requests whose feature draft keeps its own features for
+        the next step (_Active.own_features): under a live record, and while a speculation
+        cache prepares proposals, after every rejection (τ < γ: workers/speculation.py)."""
+        if not (plan.drafted and self.executor.speculating):
+            return verdict.live
+        return verdict.live | (verdict.num_accepted < torch.tensor(plan.depth))
 
     def _choose_auto(self, batch: list[_Active], prefilled: int) -> tuple[Arm, StepShape] | None:
         """Set the arm of the batch's auto requests (service/policy.py): from finished steps
@@ -872,7 +895,7 @@ def build_engine(
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
     at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
     pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
-    the speculation cache with that fan-out (workers/speculation.py; token drafts only), and
+    the speculation cache with that fan-out (workers/speculation.py), and
     `speculation_downweight` < 1 Saguaro sampling, preparing at batches of at most
     `speculation_max_batch` drafted requests (None: any; `speculation_cache`). On a CUDA
     device `cuda_graphs` replays the decode step's forwards from CUDA graphs (workers/graphs.py;

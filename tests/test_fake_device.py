@@ -419,6 +419,7 @@ class WiredDraft:
 
     device = torch.device("cpu")  # the wire's side: the host
     feed = TokenFeed()  # the tiny pair's draft
+    speculating = False  # the actor keeps no speculation cache
 
     def __init__(self, actor):
         self.actor = actor

@@ -29,7 +29,6 @@ from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine,
 
 from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
-from workers.proposers import build_proposer
 from workers.sampling import (
     SamplingParams,
     _shr,
@@ -63,6 +62,14 @@ def law_pvalue(noise: float, method: str, k: int, cache: SpeculationCache) -> fl
     return engine_law_pvalue(engine, law, PROMPT, GAMMA, method, k, TRIALS)[0]
 
 
+def mixed_requests(limits, sampling: SamplingParams, seed: int) -> list[GenerationRequest]:
+    """One request per setting of MIXED (every method, K and γ), 24 tokens, seeds from `seed`."""
+    return [
+        make_request(limits, [5, 1 + i, 7, 3], 24, m, kk, g, sampling, seed=seed + i)
+        for i, (m, kk, g) in enumerate(MIXED)
+    ]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_seeded_output_is_the_same_with_the_cache_on_and_off(pair, temperature):
     _, target, draft = pair
@@ -71,11 +78,7 @@ def test_seeded_output_is_the_same_with_the_cache_on_and_off(pair, temperature):
     off = make_engine(target, draft, max_batch=len(MIXED))
     on = make_engine(target, draft, max_batch=len(MIXED), speculation=cache)
 
-    def requests(seed: int) -> list[GenerationRequest]:
-        return [
-            make_request(off.limits, [5, 1 + i, 7, 3], 24, m, kk, g, sampling, seed=seed + i)
-            for i, (m, kk, g) in enumerate(MIXED)
-        ]
+    requests = functools.partial(mixed_requests, off.limits, sampling)
 
     for seed in (0, 100):
         alone = [off.generate([r])[0].token_ids for r in requests(seed)]
@@ -310,20 +313,74 @@ def test_draft_uniforms_keyed_by_the_token_position_are_rejected(method, k, tabl
     assert pvalue < 1e-6, f"{method}: the mutant passed, p = {pvalue:.2e}"
 
 
-def test_a_feature_draft_is_refused_with_the_reason():
+@functools.cache
+def feature_pair(vocab: int, **kw):
+    """The tiny pairs with a feature draft: V = 48 (mixed batches), and V = 4 whose features
+    move q far (scale 3, as tests/test_feature_draft.py's law test) with the target's exact
+    law of 4 tokens."""
     from test_feature_draft import random_fc
 
-    _, _, draft = tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
-    with pytest.raises(ValueError, match="token draft"):
-        speculation_cache(build_proposer(draft, 2, 32), 4)
+    if vocab == 48:
+        return tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))[1:]
+    _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3, draft_fc=random_fc(64, 3.0, seed=1))
+    return target, draft, exact_target_law(target, PROMPT, LENGTH, 4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_feature_draft_speculates_under_its_own_feature_law(temperature):
+    """With a feature draft the cache on means its own-feature law (workers/speculation.py):
+    seeded output is the same whatever hits, as with every proposal drafted on demand, alone
+    and in a batch mixing every method, K and γ; and the law is not the one without a cache."""
+    target, draft = feature_pair(48)
+    sampling = SamplingParams(temperature, top_k=20 if temperature < 1 else 0)
+    cache = SpeculationCache(fanout=8)
+    on_demand = make_engine(target, draft, max_batch=len(MIXED), speculation=NeverHits(1))
+    on = make_engine(target, draft, max_batch=len(MIXED), speculation=cache)
+    off = make_engine(target, draft, max_batch=len(MIXED))
+
+    requests = functools.partial(mixed_requests, off.limits, sampling)
+
+    for seed in (0, 100):
+        alone = [on_demand.generate([r])[0].token_ids for r in requests(seed)]
+        assert [on.generate([r])[0].token_ids for r in requests(seed)] == alone, seed
+        assert [r.token_ids for r in on.generate(requests(seed))] == alone, seed
+        assert [r.token_ids for r in off.generate(requests(seed))] != alone, seed
+    assert 0 < cache.hits < cache.lookups and cache.prepared >= cache.hits
+
+
+def feature_law_pvalue(method: str, k: int, cache: SpeculationCache) -> float:
+    target, draft, law = feature_pair(4)
+    engine = make_engine(target, draft, max_batch=2_000, max_len=16, speculation=cache)
+    return engine_law_pvalue(engine, law, PROMPT, GAMMA, method, k, TRIALS)[0]
+
+
+@pytest.mark.parametrize(
+    ("method", "k", "cache"),
+    [
+        ("block", 1, lambda: SpeculationCache(12)),  # every rejection's outcome prepared
+        ("greedy_block", 1, lambda: NeverHits(1)),  # every proposal drafted on demand
+        ("spectr_gbv", 2, lambda: SpeculationCache(2)),  # hits and misses
+        pytest.param("gbv", 2, lambda: SpeculationCache(4), marks=pytest.mark.slow),
+    ],
+)
+def test_output_law_with_a_feature_draft(method, k, cache):
+    """The own-feature law keeps the target's output law: forced hits (F = 12 covers every
+    outcome a rejection can emit; full acceptances are never prepared), forced misses, and a
+    mix, under methods with and without carried records."""
+    made = cache()
+    pvalue = feature_law_pvalue(method, k, made)
+    assert pvalue > ALPHA, f"{method}: p = {pvalue:.2e}"
+    assert made.lookups > 0 and (made.hits > 0) == (made.fanout > 1)
 
 
 @pytest.mark.xdist_group("ray")
-def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service, tmp_path):
+@pytest.mark.parametrize("kind", ["token", "feature"])
+def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service, tmp_path, kind):
     """A replica's draft actor with a speculation cache (prepared while the target actor
     verifies): 1,000 seeded requests (spectr_gbv K = 2, a carried method, 3 tokens over γ = 2)
-    write exactly what the in-process engine writes without a cache, whose law the tests
-    above and tests/test_engine.py check; and the cache hit."""
+    write exactly what the in-process engine writes without a cache (a feature draft: with
+    every proposal drafted on demand, its own-feature law), whose law the tests above and
+    tests/test_engine.py check; and the cache hit."""
     from test_draft_kinds import GAMMA as G
     from test_draft_kinds import LENGTH as L
     from test_draft_kinds import PROMPT as P
@@ -334,7 +391,7 @@ def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service
     from tests.live_service import stop_remote_engine
     from workers.models import load_model
 
-    draft_dir, target_dir = save_pair(tmp_path, "token")
+    draft_dir, target_dir = save_pair(tmp_path, kind)
     target, draft = load_model(target_dir).build(), load_model(draft_dir).build()
     law = exact_target_law(target, P, L, VOCAB)
     cfg = ReplicaConfig(
@@ -353,6 +410,7 @@ def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service
     finally:
         stop_remote_engine(remote)
     assert 0 < stats["hits"] < stats["lookups"]
-    local = make_engine(target, draft, max_batch=128, max_len=32)
+    own_law = NeverHits(1) if kind == "feature" else None
+    local = make_engine(target, draft, max_batch=128, max_len=32, speculation=own_law)
     _, alone = engine_law_pvalue(local, law, P, G, "spectr_gbv", 2, 1_000)
     assert [r.token_ids for r in through] == [r.token_ids for r in alone]

@@ -160,7 +160,9 @@ class DraftActor:
         start = time.perf_counter()
         if self.speculation is not None:
             pending = pending.to(self.worker.device, non_blocking=True)
-            drafting = Drafting(*keys, pending, pending_count, paths, depths, params, draws)
+            drafting = Drafting(
+                *keys, pending, pending_count, paths, depths, params, draws, features, own
+            )
             x, q = self.speculation.propose(self.worker, drafting)
             self._last = (drafting, x, q)
             head = self.worker.model.head_vocab  # q goes on the head's ids, as below

@@ -107,6 +107,32 @@ class FeatureDraft(DraftProposer):
         super().move(src, dst)
         self.own_features[dst] = self.own_features[src]
 
+    def fork(self, rows: list[int], room: int) -> FeatureDraft:
+        """DraftProposer.fork, with the slots' own features and the proposal's own features
+        after each depth (what a fork's `commit` keeps: workers/speculation.py)."""
+        forked = super().fork(rows, room)
+        index = torch.tensor(rows).to(self.device, non_blocking=True)
+        forked.own_features = self.own_features.index_select(0, index)
+        if self._own_paths is not None:
+            forked._own_paths = self._own_paths.index_select(0, index)
+        return forked
+
+    def adopt(self, parts: list[tuple[DraftProposer, list[int], list[int]]], gamma: int) -> None:
+        """DraftProposer.adopt, with the forks' own features after each depth of their
+        proposals (trimmed to the step's γ, as the path entries)."""
+        super().adopt(parts, gamma)
+        owned = [(f._own_paths, rows, slots) for f, rows, slots in parts]
+        n = sum(len(slots) for _, _, slots in parts)
+        k = max(paths.shape[1] for paths, _, _ in owned)
+        width = self.own_features.shape[1]
+        kept = self.own_features.new_zeros(n, k, gamma, width)
+        for paths, rows, slots in owned:
+            index = torch.tensor(rows).to(self.device, non_blocking=True)
+            into = torch.tensor(slots).to(self.device, non_blocking=True)
+            depth = min(paths.shape[2], gamma)
+            kept[into, : paths.shape[1], :depth] = paths.index_select(0, index)[:, :, :depth]
+        self._own_paths = kept
+
     def _pending_features(
         self,
         features: torch.Tensor,  # [n, P, E] on the device

@@ -21,6 +21,18 @@ for batch-mates), and verification sees the rows q it was drawn from. An entry i
 tokens up to the root, so a proposal never serves another prefix (tests/test_speculation.py
 has the mutant that does, and the law test that rejects it).
 
+A feature draft (workers/feature_draft.py) reads the target's feature one position back, and
+a proposal prepared before verification has none for the tokens that verification accepts. So
+while the cache is on, a feature draft drafts under its *own-feature law*: after a step that
+rejects (τ < γ), `commit` keeps the accepted path's entries and the draft's own feature at its
+end, and the next step's one pending token y reads that feature (as under a live record of
+greedy_block and SpecTr-GBV*; the engine sets it: `SpeculativeEngine._own_law`);
+after a full acceptance it reads the target's features as without a cache, and the cache
+prepares no such outcome. Misses and hits draft under the same law, so seeded output does not
+depend on hits; it differs from the output without a cache (another draft law, lossless as
+any: verification reads the rows q drawn from it), by the acceptance it costs
+(docs/outcomes.md).
+
 An entry lives one step. Over Ray the draft actor holds the cache and prepares while the target
 shards verify (workers/actors.py: `prepare` is posted right after `propose`). The in-process
 engine prepares after drafting, sequentially. On a CPU the draft and the target share the
@@ -64,6 +76,8 @@ class Drafting:
     depth: list[int]  # [n]: γ (0: plain)
     params: list[SamplingParams]  # [n]
     draws: torch.Tensor  # [n, 2] int64: (draft key, root position)
+    pending_features: torch.Tensor | None = None  # [n, P, E]: feature draft, one back
+    own: torch.Tensor | None = None  # [n] bool: feature draft, rows reading their own feature
 
 
 EntryKey = tuple[str, int, tuple[int, ...], int, int]  # request id, root, prefix, K, γ
@@ -110,7 +124,7 @@ class SpeculationCache:
         if not found:  # all drafted now: in place, as without a cache (no fork to copy into)
             x, q = draft.propose(
                 step.pending, step.pending_count, step.num_paths, step.depth, step.params,
-                step.draws,
+                step.draws, step.pending_features, own=step.own,
             )  # fmt: skip
             self.beliefs = draft.beliefs
             return x, q
@@ -119,8 +133,15 @@ class SpeculationCache:
         if missed:
             index = torch.tensor(missed)
             pending = step.pending[index.to(step.pending.device)]
-            now = self._draft(draft, step, missed, None, None, pending,
-                              step.pending_count[index], step.draws[index])  # fmt: skip
+            features = own = None
+            if step.pending_features is not None:
+                features = step.pending_features[index.to(step.pending_features.device)]
+            if step.own is not None:
+                own = step.own[index]
+            now = self._draft(
+                draft, step, missed, None, None, pending, step.pending_count[index],
+                step.draws[index], features, own,
+            )  # fmt: skip
             chosen.update(zip(missed, now, strict=True))
         rows = [chosen[i] for i in range(len(step.request_ids))]
         parts: dict[int, tuple[DraftProposer, list[int], list[int]]] = {}
@@ -170,6 +191,7 @@ class SpeculationCache:
         ranked = predict_outcomes(xs, rows * own[..., None], confidence, self.fanout * 2)
         roots = step.draws[:, 1].tolist()
         tokens = x.tolist()
+        own_law = draft.feed.reads_features  # see `speculation_cache`
         slots, hypotheses, paths, keep, pending = [], [], [], [], []
         for b, i in enumerate(drafted):
             own_paths = [row[: step.depth[i]] for row in tokens[i][: step.num_paths[i]]]
@@ -181,6 +203,8 @@ class SpeculationCache:
                 matches = [kk for kk, row in enumerate(own_paths) if row[:tau] == list(prefix[:-1])]
                 if tau > step.depth[i] or not matches:
                     continue  # a padding entry's outcome, not this request's
+                if own_law and tau == step.depth[i]:
+                    continue  # a full acceptance: the next step reads the target's features
                 kept = min(tau, step.depth[i] - 1)  # what commit keeps: the run tokens
                 slots.append(i)
                 hypotheses.append((i, prefix))
@@ -196,8 +220,12 @@ class SpeculationCache:
         draws = torch.tensor(
             [[int(step.draws[i, 0]), roots[i] + len(prefix)] for i, prefix in hypotheses]
         )
+        features = own = None
+        if own_law:  # the one pending token y reads the draft's own feature at the path's τ
+            features = torch.zeros(len(slots), 1, draft.model.spec.hidden_size)
+            own = torch.ones(len(slots), dtype=torch.bool)
         proposals = self._draft(draft, step, slots, torch.tensor(paths), torch.tensor(keep),
-                                padded.to(draft.device), counts, draws)  # fmt: skip
+                                padded.to(draft.device), counts, draws, features, own)  # fmt: skip
         for (i, prefix), proposal in zip(hypotheses, proposals, strict=True):
             key = self.key(step.request_ids[i], roots[i] + len(prefix), prefix,
                            step.num_paths[i], step.depth[i])  # fmt: skip
@@ -214,6 +242,8 @@ class SpeculationCache:
         pending: torch.Tensor,  # [H, P] int64, on the draft's device
         pending_count: torch.Tensor,  # [H] int64, on the host
         draws: torch.Tensor,  # [H, 2] int64
+        pending_features: torch.Tensor | None,  # [H, P, E]: feature draft, one back
+        own: torch.Tensor | None,  # [H] bool: feature draft, rows reading their own feature
     ) -> list[Proposal]:
         """Proposals drafted in one fork of the draft's state at `slots`, each with its
         slot's K, γ and sampling settings."""
@@ -226,8 +256,9 @@ class SpeculationCache:
         fork = draft.fork(slots, room=pending.shape[1] + max(depths))
         if keep is not None:  # the step's path tokens first, as its commit would keep them
             fork.commit(path, keep)
+        params = [step.params[i] for i in slots]
         x, q = fork.propose(
-            pending, pending_count, paths, depths, [step.params[i] for i in slots], draws
+            pending, pending_count, paths, depths, params, draws, pending_features, own=own
         )
         return [Proposal(fork, h, x[h], q[h], fork.beliefs[h]) for h in range(len(slots))]
 
@@ -239,19 +270,13 @@ def speculation_cache(
     batches of at most `max_batch` drafted requests; with `downweight` < 1 the draft samples
     its rows with their `fanout` likeliest tokens scaled by it (Saguaro sampling: a different,
     still lossless draft law whose rejections recover the tokens the cache prepares;
-    workers/sampling.downweight_top). A feature draft is refused: a proposal
-    prepared while the target verifies cannot read the target's features of the positions
-    that verification accepts, which its law reads."""
+    workers/sampling.downweight_top). A feature draft speculates under its own-feature law
+    (module doc): the engine keeps it whenever the cache is on (`speculating`)."""
     if not 0 < downweight <= 1:
         raise ValueError("speculation: downweight must be in (0, 1]")
     draft.downweight = (fanout, downweight) if fanout and downweight < 1 else None
     if not fanout:
         return None
-    if draft.feed.reads_features:
-        raise ValueError(
-            "speculation: the speculation cache needs a token draft; this draft reads the "
-            "target's features (a feature draft), which no proposal made before verification has"
-        )
     return SpeculationCache(fanout, max_batch)
 
 
