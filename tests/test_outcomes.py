@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.outcomes import actual_outcomes, outcome_scores, predict_outcomes
+from workers.outcomes import actual_outcomes, merged_by_prefix, outcome_scores, predict_outcomes
 
 
 def rows(n, k, depth, V, seed=0):
@@ -41,3 +41,24 @@ def test_actual_outcomes_read_the_chosen_path():
     tokens = torch.tensor([[5, 8, 11, -1], [4, -1, -1, -1]])
     out = actual_outcomes(x, torch.tensor([2, 0]), torch.tensor([1, 0]), tokens)
     assert out == [(5, 8, 11), (4,)]
+
+
+def test_paths_sharing_a_prefix_sum_their_outcomes():
+    """K = 2 paths from one root share τ = 0; these two share their first token too. Each
+    prefix is scored once, with the sum of the paths' estimates (its first path holds it)."""
+    x, q = rows(1, 2, 4, 6, seed=3)
+    x[0, 1, 0] = x[0, 0, 0]  # both paths start with the same token
+    x[0, 1, 1] = (x[0, 0, 1] + 1) % 6  # and part after it
+    accept = torch.full((1, 2, 3), 0.4, dtype=torch.float64)
+    scores = outcome_scores(x, q, accept)
+    merged = merged_by_prefix(x, scores)
+    torch.testing.assert_close(merged[0, 0, :2], scores[0, 0, :2] + scores[0, 1, :2])
+    assert (merged[0, 1, :2] == 0).all()  # τ = 0 and 1: held by path 0
+    torch.testing.assert_close(merged[0, :, 2:], scores[0, :, 2:])  # τ ≥ 2: apart
+    torch.testing.assert_close(merged.sum(), scores.sum())
+    ranked = predict_outcomes(x, q, accept, 40)[0]  # more than there are: each possible once
+    assert len(ranked) == len(set(ranked)) == int((merged > 0).sum()) < 40
+    # the likeliest prefix by the summed estimates leads
+    best = merged.flatten().argmax()
+    path, tau, y = best // 24, (best // 6) % 4, best % 6
+    assert ranked[0] == (*x[0, path, :tau].tolist(), int(y))

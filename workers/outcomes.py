@@ -14,7 +14,8 @@ P(reach depth j on path k) = (1/K) Π_{i<j} a[k, i] with a the estimated chance 
 accepted; a rejection at j emits y ∝ q[k, j](y) over y ≠ x[k, j] (the residual (p - q)+ has
 mass where p exceeds q, unknown: the draft's next choices are its best guess); the bonus y
 ∝ q[k, γ](y), the draft's row after the path. Two estimates of a: a constant (the running
-acceptance rate) or the draft's confidence in its token, q[k, i](x[k, i]).
+acceptance rate) or the draft's confidence in its token, q[k, i](x[k, i]). Paths that share
+their first τ tokens emit the same prefix for the same y: its estimate is their sum.
 """
 
 from __future__ import annotations
@@ -39,26 +40,46 @@ def outcome_scores(
     return (reach * stop)[..., None] * rows
 
 
+def merged_by_prefix(
+    x: torch.Tensor,  # [n, K, γ] int64
+    scores: torch.Tensor,  # [n, K, γ+1, V]: outcome_scores
+) -> torch.Tensor:
+    """The scores with each prefix's outcomes summed onto its first path: paths that share
+    their first τ tokens emit the same prefix x[k, :τ] + [y], whose probability is the sum of
+    theirs (multi-path methods: K paths from one root always share τ = 0). [n, K, γ+1, V],
+    zero on the other paths' shared entries."""
+    n, k = x.shape[:2]
+    same = x[:, :, None, :] == x[:, None, :, :]  # [n, K, K', γ]
+    ones = torch.ones(n, k, k, 1, dtype=torch.bool, device=x.device)
+    shared = torch.cat([ones, same.cumprod(-1).bool()], dim=-1)  # [n, K, K', γ+1]: x[:τ] equal
+    first = shared.int().argmax(dim=2)  # [n, K, γ+1]: the first path with that prefix
+    index = first[..., None].expand_as(scores)
+    return torch.zeros_like(scores).scatter_add_(1, index, scores)
+
+
 def predict_outcomes(
     x: torch.Tensor,  # [n, K, γ] int64
     q: torch.Tensor,  # [n, K, γ+1, V]
     accept: torch.Tensor,  # [n, K, γ]
     fanout: int,
 ) -> list[list[tuple[int, ...]]]:
-    """Per request, the prefixes x[k, :j] + [y] of its `fanout` likeliest outcomes, likeliest
-    first (so its first F are the F likeliest; two outcomes may give one prefix: paths that
-    share their first tokens)."""
+    """Per request, the `fanout` likeliest prefixes x[k, :j] + [y], likeliest first (so its
+    first F are the F likeliest), each once (the outcomes of paths that share their first
+    tokens are summed: `merged_by_prefix`); fewer where fewer have a positive estimate."""
     n, _k, gamma = x.shape
     V = q.shape[-1]
-    scores = outcome_scores(x, q, accept).flatten(1)  # [n, K·(γ+1)·V]
-    top = scores.topk(min(fanout, scores.shape[1]), dim=-1).indices  # [n, F]
+    scores = merged_by_prefix(x, outcome_scores(x, q, accept)).flatten(1)  # [n, K·(γ+1)·V]
+    score, top = scores.topk(min(fanout, scores.shape[1]), dim=-1)  # [n, F]
     path, rest = top // ((gamma + 1) * V), top % ((gamma + 1) * V)
     tau, y = rest // V, rest % V
-    rows = x.tolist()
+    rows, possible = x.tolist(), (score > 0).tolist()  # score 0: not an outcome (or merged)
     return [
         [
             (*rows[b][kk][:t], yy)
-            for kk, t, yy in zip(*(v[b].tolist() for v in (path, tau, y)), strict=True)
+            for kk, t, yy, ok in zip(
+                *(v[b].tolist() for v in (path, tau, y)), possible[b], strict=True
+            )
+            if ok
         ]
         for b in range(n)
     ]
