@@ -64,23 +64,24 @@ def predict_outcomes(
     fanout: int,
 ) -> list[list[tuple[int, ...]]]:
     """Per request, the `fanout` likeliest prefixes x[k, :j] + [y], likeliest first (so its
-    first F are the F likeliest), each once (the outcomes of paths that share their first
-    tokens are summed: `merged_by_prefix`); fewer where fewer have a positive estimate."""
-    n, _k, gamma = x.shape
+    first F are the F likeliest), each once: the outcomes of paths that share their first
+    tokens are summed (`merged_by_prefix`). Outcomes estimated at 0 come last but are kept:
+    the estimate is the draft's view, and such an outcome can still occur."""
+    n, k, gamma = x.shape
     V = q.shape[-1]
     scores = merged_by_prefix(x, outcome_scores(x, q, accept)).flatten(1)  # [n, K·(γ+1)·V]
-    score, top = scores.topk(min(fanout, scores.shape[1]), dim=-1)  # [n, F]
+    # room for the merged paths' zeros: each prefix is listed once, so F distinct are kept
+    top = scores.topk(min(fanout * k, scores.shape[1]), dim=-1).indices  # [n, F·K]
     path, rest = top // ((gamma + 1) * V), top % ((gamma + 1) * V)
     tau, y = rest // V, rest % V
-    rows, possible = x.tolist(), (score > 0).tolist()  # score 0: not an outcome (or merged)
+    rows = x.tolist()
     return [
-        [
-            (*rows[b][kk][:t], yy)
-            for kk, t, yy, ok in zip(
-                *(v[b].tolist() for v in (path, tau, y)), possible[b], strict=True
+        list(
+            dict.fromkeys(
+                (*rows[b][kk][:t], yy)
+                for kk, t, yy in zip(*(v[b].tolist() for v in (path, tau, y)), strict=True)
             )
-            if ok
-        ]
+        )[:fanout]
         for b in range(n)
     ]
 
