@@ -12,6 +12,9 @@ on (workers/sampling.py), on the tiny random pairs through the in-process engine
   carried record was written against the draft's law at the real prefix), and draft uniforms
   keyed by the drafted token's own position (a redraft then reuses the uniforms the rejected
   block's verification read; under block verification).
+- With a feature draft the cache means its own-feature law: seeded output is the same whatever
+  hits (against every proposal drafted on demand, and in the Ray actors), it is not the output
+  without a cache, and its output law is the target's with forced hits, forced misses and both.
 
 Power: at 12,000 trials the law test's 256 cells (V = 4, 4 tokens) reject a deviation of
 noncentrality λ ≈ 60 with probability > 0.9 at ALPHA; each mutant is required to reach a
@@ -26,6 +29,7 @@ import pytest
 import torch
 from harness import ALPHA, WindowModel, decode_loop, loop_law_pvalue, method_step
 from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine, tiny_pair
+from test_feature_draft import random_fc
 
 from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
@@ -313,33 +317,32 @@ def test_draft_uniforms_keyed_by_the_token_position_are_rejected(method, k, tabl
     assert pvalue < 1e-6, f"{method}: the mutant passed, p = {pvalue:.2e}"
 
 
-@functools.cache
-def feature_pair(vocab: int, **kw):
-    """The tiny pairs with a feature draft: V = 48 (mixed batches), and V = 4 whose features
-    move q far (scale 3, as tests/test_feature_draft.py's law test) with the target's exact
-    law of 4 tokens."""
-    from test_feature_draft import random_fc
+@pytest.fixture(scope="module")
+def feature_pair():
+    """The V = 48 pair with a feature draft (tests/test_feature_draft.py's)."""
+    return tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))
 
-    if vocab == 48:
-        return tiny_pair(vocab=48, draft_fc=random_fc(64, scale=0.1))[1:]
+
+@functools.cache
+def narrow_feature_pair():
+    """The law tests' V = 4 pair with a feature draft whose features move q far (scale 3, as
+    tests/test_feature_draft.py's law test), and the target's exact law of 4 tokens."""
     _, target, draft = tiny_pair(vocab=4, seed=5, noise=0.3, draft_fc=random_fc(64, 3.0, seed=1))
     return target, draft, exact_target_law(target, PROMPT, LENGTH, 4)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_feature_draft_speculates_under_its_own_feature_law(temperature):
+def test_a_feature_draft_speculates_under_its_own_feature_law(feature_pair, temperature):
     """With a feature draft the cache on means its own-feature law (workers/speculation.py):
     seeded output is the same whatever hits, as with every proposal drafted on demand, alone
     and in a batch mixing every method, K and γ; and the law is not the one without a cache."""
-    target, draft = feature_pair(48)
+    _, target, draft = feature_pair
     sampling = SamplingParams(temperature, top_k=20 if temperature < 1 else 0)
     cache = SpeculationCache(fanout=8)
     on_demand = make_engine(target, draft, max_batch=len(MIXED), speculation=NeverHits(1))
     on = make_engine(target, draft, max_batch=len(MIXED), speculation=cache)
     off = make_engine(target, draft, max_batch=len(MIXED))
-
     requests = functools.partial(mixed_requests, off.limits, sampling)
-
     for seed in (0, 100):
         alone = [on_demand.generate([r])[0].token_ids for r in requests(seed)]
         assert [on.generate([r])[0].token_ids for r in requests(seed)] == alone, seed
@@ -349,7 +352,7 @@ def test_a_feature_draft_speculates_under_its_own_feature_law(temperature):
 
 
 def feature_law_pvalue(method: str, k: int, cache: SpeculationCache) -> float:
-    target, draft, law = feature_pair(4)
+    target, draft, law = narrow_feature_pair()
     engine = make_engine(target, draft, max_batch=2_000, max_len=16, speculation=cache)
     return engine_law_pvalue(engine, law, PROMPT, GAMMA, method, k, TRIALS)[0]
 

@@ -267,7 +267,7 @@ class DraftProposer(ABC):
         (a slot may repeat) and of its rows of the current proposal's path entries, with
         `room` positions past the longest: where the speculation cache drafts for a
         hypothesised prefix, leaving this proposer's state as it is (workers/speculation.py).
-        A token draft only: a feature draft's state beside its cache is not copied."""
+        A feature draft also copies its own features (FeatureDraft.fork)."""
         forked = copy.copy(self)  # the model shared
         forked.proposals = None  # captured over this proposer's cache
         held = self.cache.host_lengths()

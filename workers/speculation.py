@@ -196,7 +196,7 @@ class SpeculationCache:
         for b, i in enumerate(drafted):
             own_paths = [row[: step.depth[i]] for row in tokens[i][: step.num_paths[i]]]
             taken = 0
-            for prefix in dict.fromkeys(ranked[b]):  # likeliest first, distinct
+            for prefix in ranked[b]:  # likeliest first, each once (predict_outcomes)
                 if taken == self.fanout:
                     break
                 tau = len(prefix) - 1
