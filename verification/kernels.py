@@ -432,7 +432,9 @@ def kseq_token(
     on the same grid, with f at each round's probes summed over the row directly (P below and
     Q above each probe), each row split into chunks over several programs; then β(ρ*), the K
     tests, and where all are rejected the residual draw by inverse CDF. -> (token [B] int64,
-    ρ [B], β(ρ) [B] float64). rounds + 2 kernels, no host reads."""
+    ρ [B], β(ρ) [B] float64). rounds + 2 kernels, no host reads. A row with one candidate
+    (below where the paths part, or a finished request's) is token verification: ρ* = 1,
+    and the rounds skip it (β is left at 0 there; its residual does not read β)."""
     triton, _ = _triton()
     B, V = p_row.shape
     K = cand.shape[1]

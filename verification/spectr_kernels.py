@@ -136,7 +136,11 @@ def round_kernel(
     p_in_all = tl.zeros([BLOCK], tl.float64)
     cols0 = tl.arange(0, BLOCK)
     start = s * CHUNK
-    for off in range(0, CHUNK, BLOCK):
+    # A node with one candidate (a path's own node below where the paths part, or a finished
+    # request's) has ρ* = 1 and never reads β (residual_scale): its row is not read at all.
+    # With every sum 0, choose keeps lo = hi = 1 round after round.
+    span = CHUNK * (n > 1).to(tl.int32)
+    for off in range(0, span, BLOCK):
         cols = start + off + cols0
         inside = cols < V
         p = tl.load(p_row + cols, mask=inside, other=0.0)
@@ -178,12 +182,14 @@ def round_kernel(
 
 @triton.jit
 def residual_scale(rho, beta, n, K: tl.constexpr, compute: tl.constexpr):
-    """(ρ, (1 - (1-β)^n) / β) in the residual's dtype; β = 0 subtracts nothing."""
+    """(ρ, (1 - (1-β)^n) / β) in the residual's dtype; β = 0 subtracts nothing; n = 1: 1
+    exactly, whatever β (token verification's residual; round_kernel leaves β at 0 there)."""
     none_pass = rho * 0.0 + 1.0  # (1 - β)^n
     for i in tl.static_range(K):
         none_pass = tl.where(i < n, none_pass * (1 - beta), none_pass)
     scale = (1 - none_pass) / tl.maximum(beta, 1e-300)
-    return rho.to(compute), tl.where(beta > 0, scale, 0.0).to(compute)
+    scale = tl.where(n > 1, tl.where(beta > 0, scale, 0.0), 1.0)
+    return rho.to(compute), scale.to(compute)
 
 
 @triton.jit

@@ -286,9 +286,12 @@ def spectr_rule(backend, p_row, q_row, cand, is_cand, u):
     token = cand.gather(-1, accept.to(torch.int8).argmax(-1, keepdim=True)).squeeze(-1)
     if backend.reads_host and bool(decided.all()):  # no residual row: skip 7 passes
         return token
-    # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing.
+    # Residual: p - min(q, p/ρ) (1 - (1-β)^n) / β; β = 0 subtracts nothing. One candidate:
+    # token verification's p - min(q, p), a scale of 1 exactly (the CUDA kernels leave β at
+    # 0 on such rows: they do not read them).
     accept_mass = 1 - (1 - beta) ** n
-    scale = torch.where(beta > 0, accept_mass / beta.clamp_min(1e-300), 0.0).to(p_row.dtype)
+    scale = torch.where(beta > 0, accept_mass / beta.clamp_min(1e-300), 0.0)
+    scale = torch.where(n > 1, scale, 1.0).to(p_row.dtype)
     if backend.compiled_loops:
         rows = (~decided).nonzero().squeeze(-1)  # the undecided rows only, one pass over each
         rho32 = rho.to(p_row.dtype)
