@@ -498,7 +498,8 @@ def rrs_token(
     """SpecInfer's node rule (top_down.specinfer_rule): the K levels' masses
     F(t_j) = Σ (p - t_j q)_+, each row split into chunks as :func:`row_masses` splits it (the
     same sums); the tests; and where all are rejected level n_v's residual drawn by inverse
-    CDF. -> token [B] int64. K + 2 kernels, no host reads (rrs_kernels.py)."""
+    CDF. -> token [B] int64. K + 2 kernels, no host reads (rrs_kernels.py); a level above a
+    node's n candidates does not read its row."""
     triton, _ = _triton()
     B, V = p_row.shape
     K = cand.shape[1]
@@ -521,8 +522,9 @@ def rrs_token(
     max_scalar = torch.finfo(work).max / 4
     for level in range(1, K + 1):
         level_kernel[grid](
-            p_row, q_row, levels, level, V, p_row.stride(0), q_row.stride(0), splits, chunk,
-            max_scalar, K=K, **common,
+            p_row, q_row, is_cand, levels, level, V, p_row.stride(0), q_row.stride(0),
+            is_cand.stride(0), is_cand.stride(1), splits, chunk, max_scalar, K=K,
+            KP=triton.next_power_of_2(K), **common,
         )  # fmt: skip
     tests_kernel[grid](
         p_row, q_row, cand, is_cand, u, levels, mass, token, t_draw, V,

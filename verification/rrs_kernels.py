@@ -39,15 +39,19 @@ def settle(level_row, j, S, SP: tl.constexpr, t, z):
 def level_kernel(
     p_ptr,  # [B, V]: target rows by id (row stride p_s0)
     q_ptr,  # [B, V]: draft rows by id (row stride q_s0)
+    is_cand_ptr,  # [B, K] int8: the candidates that pass through the node
     level_ptr,  # [B, K + 1, S] float64 in/out: chunk sums of (p - t_j q)_+, level 0 unused
     level,  # j >= 1: this kernel's level
     V,
     p_s0,
     q_s0,
+    i_s0,
+    i_s1,
     S,  # programs (chunks) per row
     CHUNK,  # columns per chunk, a multiple of BLOCK
     max_scalar,  # as_row_scalars' clamp for the rows' dtype
     K: tl.constexpr,
+    KP: tl.constexpr,
     SP: tl.constexpr,
     F64: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -61,9 +65,14 @@ def level_kernel(
         t, z = settle(level_row, j, S, SP, t, z)
     compute = tl.float64 if F64 else tl.float32
     t_next = tl.minimum(t + z, max_scalar).to(compute)
+    # A node with n candidates reads levels 1..n only (its tests those below n, its draw t_n,
+    # which level n's mass settles): above n the row is not read, and its sum stays 0. Most
+    # nodes below where the paths part have one candidate: one pass instead of K.
+    n = node_count(is_cand_ptr, b, i_s0, i_s1, K, KP)
+    span = CHUNK * (level <= n).to(tl.int32)
     # Σ (p - t q)_+ over the chunk, the value kernels.row_masses sums (the same chunks)
     mass, _ = chunk_masses(
-        p_ptr + b * p_s0, q_ptr + b * q_s0, t_next, t_next, V, CHUNK, False, compute, BLOCK
+        p_ptr + b * p_s0, q_ptr + b * q_s0, t_next, t_next, V, span, False, compute, BLOCK
     )
     tl.store(level_row + level * S + s, mass)
 
