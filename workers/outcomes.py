@@ -74,12 +74,11 @@ def predict_outcomes(
     top = scores.topk(min(fanout * k, scores.shape[1]), dim=-1).indices  # [n, F·K]
     path, rest = top // ((gamma + 1) * V), top % ((gamma + 1) * V)
     tau, y = rest // V, rest % V
-    rows = x.tolist()
+    rows, paths, taus, ys = (v.tolist() for v in (x, path, tau, y))
     return [
         list(
             dict.fromkeys(
-                (*rows[b][kk][:t], yy)
-                for kk, t, yy in zip(*(v[b].tolist() for v in (path, tau, y)), strict=True)
+                (*rows[b][kk][:t], yy) for kk, t, yy in zip(paths[b], taus[b], ys[b], strict=True)
             )
         )[:fanout]
         for b in range(n)

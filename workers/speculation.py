@@ -189,18 +189,18 @@ class SpeculationCache:
         # acceptance; entries past a request's own K or γ score nothing
         own = _mask(step, drafted, k, gamma, xs.device)
         ranked = predict_outcomes(xs, rows * own[..., None], confidence, self.fanout * 2)
-        roots = step.draws[:, 1].tolist()
+        keys, roots = step.draws.T.tolist()  # each request's draft key and root position
         tokens = x.tolist()
         own_law = draft.feed.reads_features  # see `speculation_cache`
         slots, hypotheses, paths, keep, pending = [], [], [], [], []
         for b, i in enumerate(drafted):
-            own_paths = [row[: step.depth[i]] for row in tokens[i][: step.num_paths[i]]]
+            own_paths = [tuple(row[: step.depth[i]]) for row in tokens[i][: step.num_paths[i]]]
             taken = 0
             for prefix in ranked[b]:  # likeliest first, each once (predict_outcomes)
                 if taken == self.fanout:
                     break
                 tau = len(prefix) - 1
-                matches = [kk for kk, row in enumerate(own_paths) if row[:tau] == list(prefix[:-1])]
+                matches = [kk for kk, row in enumerate(own_paths) if row[:tau] == prefix[:-1]]
                 if tau > step.depth[i] or not matches:
                     continue  # a padding entry's outcome, not this request's
                 if own_law and tau == step.depth[i]:
@@ -217,9 +217,7 @@ class SpeculationCache:
         width = max(len(p) for p in pending)
         padded = torch.tensor([p + [0] * (width - len(p)) for p in pending])
         counts = torch.tensor([len(p) for p in pending])
-        draws = torch.tensor(
-            [[int(step.draws[i, 0]), roots[i] + len(prefix)] for i, prefix in hypotheses]
-        )
+        draws = torch.tensor([[keys[i], roots[i] + len(prefix)] for i, prefix in hypotheses])
         features = own = None
         if own_law:  # the one pending token y reads the draft's own feature at the path's τ
             features = torch.zeros(len(slots), 1, draft.model.spec.hidden_size)
@@ -260,7 +258,8 @@ class SpeculationCache:
         x, q = fork.propose(
             pending, pending_count, paths, depths, params, draws, pending_features, own=own
         )
-        return [Proposal(fork, h, x[h], q[h], fork.beliefs[h]) for h in range(len(slots))]
+        rows = zip(x.unbind(0), q.unbind(0), fork.beliefs.unbind(0), strict=True)
+        return [Proposal(fork, h, *row) for h, row in enumerate(rows)]
 
 
 def speculation_cache(
@@ -306,6 +305,8 @@ def _mask(step: Drafting, rows: list[int], k: int, gamma: int, device) -> torch.
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
     """Rows of different K and γ, zero padded to the widest: [n, K, γ, ...]."""
+    if all(p.shape == parts[0].shape for p in parts):  # one kind of request: nothing to pad
+        return torch.stack(parts)
     shape = [max(p.shape[d] for p in parts) for d in range(parts[0].dim())]
     out = parts[0].new_zeros(len(parts), *shape)
     for i, p in enumerate(parts):
