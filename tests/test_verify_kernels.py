@@ -245,6 +245,7 @@ POINTERS = {
     "cand_ptr": "*i64",
     "token_ptr": "*i64",
     "is_cand_ptr": "*i8",
+    "read_ptr": "*i1",
 }
 
 
@@ -264,7 +265,8 @@ def compile_for_sm90() -> None:
             (
                 kernels._kernel(),
                 {"p_ptr": rows, "q_ptr": rows, "max_scalar": "fp64"},
-                {"HAS_S": True, "HAS_C": True, "HAS_SEL": True, "F64": f64, "BLOCK": 2048},
+                {"HAS_S": True, "HAS_C": True, "HAS_SEL": True, "F64": f64, "BLOCK": 2048}
+                | {"HAS_READ": True, "READ": 0},
             ),
             *[
                 (

@@ -85,6 +85,7 @@ def _kernel():
         s_ptr,  # [N] float64 (unused without HAS_S)
         c_ptr,  # [N] float64: p's scale (unused without HAS_C)
         sel_ptr,  # [d0] int64: index into p's and q's first dim (unused without HAS_SEL)
+        read_ptr,  # [N] bool: a row is read where this is READ (unused without HAS_READ)
         out_ptr,  # [N, splits, 2] float64
         V,
         span,  # columns per program, a multiple of BLOCK
@@ -100,11 +101,15 @@ def _kernel():
         HAS_S: tl.constexpr,
         HAS_C: tl.constexpr,
         HAS_SEL: tl.constexpr,
+        HAS_READ: tl.constexpr,
+        READ: tl.constexpr,
         F64: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
+        if HAS_READ:  # a row left unread sums to 0
+            span = span * (tl.load(read_ptr + row).to(tl.int32) == READ).to(tl.int32)
         i = row // (d1 * d2)
         if HAS_SEL:
             i = tl.load(sel_ptr + i)
@@ -157,10 +162,13 @@ def row_masses(
     s: torch.Tensor | None = None,  # [...] float64: draft scale, or None
     c: torch.Tensor | None = None,  # [...]: target scale, or None (1)
     rows: torch.Tensor | None = None,  # [n] int64: read the rows p[rows], q[rows] in place
+    read: tuple[torch.Tensor, bool] | None = None,  # ([...] bool, value): read rows where equal
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """With m = (c p - t q)_+ and e = m - s q (e = m without s): (Σ e_+, Σ (-e)_+) over V,
     float64 [...] each ([n, ...] with ``rows``). Without s the first is F(t) = Σ (p - t q)_+
-    and the second is 0. No host reads (capturable in a CUDA graph)."""
+    and the second is 0. With ``read`` = (mask, value), a row whose mask is not value is not
+    read and sums to 0 (the mask passed as it is: no copy). No host reads (capturable in a
+    CUDA graph)."""
     V = p.shape[-1]
     lead = p.shape[:-1] if rows is None else torch.Size([rows.shape[0], *p.shape[1:-1]])
     pad = 3 - len(lead)  # rows (i, j, l) of up to 3 leading dims; i is read through `rows`
@@ -176,6 +184,7 @@ def row_masses(
     t = per_row(t)
     s_flat = t if s is None else per_row(s)
     c_flat = t if c is None else per_row(c)
+    read_flat = t if read is None else read[0].expand(lead).reshape(n).contiguous()
     out = torch.empty(n, splits, 2, dtype=torch.float64, device=p.device)
     _kernel()[(n, splits)](
         p,
@@ -184,6 +193,7 @@ def row_masses(
         s_flat,
         c_flat,
         t if rows is None else rows,
+        read_flat,
         out,
         V,
         span,
@@ -195,6 +205,8 @@ def row_masses(
         HAS_S=s is not None,
         HAS_C=c is not None,
         HAS_SEL=rows is not None,
+        HAS_READ=read is not None,
+        READ=int(read[1]) if read is not None else 0,
         F64=torch.float64 in (p.dtype, q.dtype),
         BLOCK=BLOCK,
         num_warps=8,
@@ -208,11 +220,12 @@ def excess_mass(
     q: torch.Tensor,  # [..., V]: draft rows
     c: torch.Tensor,  # [...]: the target's scale per row
     rows: torch.Tensor | None = None,  # [n] int64: read p[rows], q[rows] in place
+    read: tuple[torch.Tensor, bool] | None = None,  # as row_masses: rows read, others 0
 ) -> torch.Tensor:
     """Σ_x (c p(x) - q(x))_+ float64 [...] ([n, ...] with ``rows``): block verification's R
     (c = p_i) and traversal's masses (c = α); row_masses with t = 1."""
     ones = torch.ones_like(c, dtype=torch.float64)
-    return row_masses(p, q, ones, c=c, rows=rows)[0]
+    return row_masses(p, q, ones, c=c, rows=rows, read=read)[0]
 
 
 @functools.cache

@@ -248,13 +248,19 @@ def _state_rows(
     )
 
 
-def _original_masses(walk: _Walk, node: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Σ_x (α_d p_d - q_d)_+ over the original rows of every inner node of the paths node [n]
-    ((request, path) pairs), α [n, γ]: [n, γ] in the work dtype (mod_p's)."""
+def _original_masses(
+    walk: _Walk,
+    node: torch.Tensor,  # [n] int64: (request, path) pairs
+    alpha: torch.Tensor,  # [n, γ]
+    modified: torch.Tensor | None,  # [n, γ] bool: rows the kernel skips (None: reads all)
+) -> torch.Tensor:
+    """Σ_x (α_d p_d - q_d)_+ over the original rows of every inner node of the paths `node`:
+    [n, γ] in the work dtype (mod_p's); 0 where the kernel skipped a modified row."""
     gamma, V = walk.shape[2], walk.flat_p.shape[-1]
     work = walk.mod_p.dtype
     if walk.fused:
-        return kernels.excess_mass(*walk.inner_rows(), alpha, rows=node).to(work)
+        read = None if modified is None else (modified, False)
+        return kernels.excess_mass(*walk.inner_rows(), alpha, rows=node, read=read).to(work)
     inner = walk.levels[:, :gamma]
     p = walk.flat_p.index_select(0, (node[:, None] * (gamma + 1) + inner).flatten())
     q = walk.flat_q.index_select(0, (node[:, None] * gamma + inner).flatten())
@@ -268,7 +274,12 @@ def _segment_masses(walk: _Walk, node: torch.Tensor, alpha: torch.Tensor) -> tor
     deletions left them: [n, γ]."""
     B, _, gamma = walk.shape
     V = walk.flat_p.shape[-1]
-    mass = over_batch_chunks(_original_masses, walk, node, alpha, item_numel=2 * gamma * V)
+    # The kernel reads each row once: the original where no deletion modified it, else the
+    # modified one (every request's rows, where the walk is not compacted).
+    modified = walk.modified if walk.fused and not walk.compact else None
+    mass = over_batch_chunks(
+        _original_masses, walk, node, alpha, modified, item_numel=2 * gamma * V
+    )
     if walk.compact:
         mod = walk.modified[walk.live].nonzero()  # [m, 2]: (live slot, depth) of modified rows
         if mod.numel():
@@ -279,7 +290,7 @@ def _segment_masses(walk: _Walk, node: torch.Tensor, alpha: torch.Tensor) -> tor
     # every row's, kept where it is modified
     p, q = walk.mod_p.view(B, gamma, V), walk.mod_q.view(B, gamma, V)
     if walk.fused:
-        mod_mass = kernels.excess_mass(p, q, alpha).to(mass.dtype)
+        mod_mass = kernels.excess_mass(p, q, alpha, read=(walk.modified, True)).to(mass.dtype)
     else:
         mod_mass = (alpha.unsqueeze(-1) * p - q).clamp_min(0).sum(-1)
     return torch.where(walk.modified, mod_mass, mass)
