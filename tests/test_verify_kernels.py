@@ -89,6 +89,11 @@ def test_row_masses_read_selected_rows_in_place(dtypes):
     ref = reference(p[rows], q[rows], ones, c=c)[0]
     torch.testing.assert_close(above, ref, rtol=0, atol=1e-6)
     assert above.shape == (4, 5) and (below == 0).all()
+    # read = (mask, value): the rows whose mask is value, the others 0 (traversal's segments)
+    mask = torch.rand(4, 5, generator=gen).lt(0.5).to(DEVICE)
+    for value in (False, True):
+        part = kernels.row_masses(p, q, ones, c=c, rows=rows, read=(mask, value))[0]
+        torch.testing.assert_close(part, torch.where(mask == value, above, 0.0), rtol=0, atol=0)
 
 
 def skew_inputs(k, dtype, lead=(6,), vocab=5000):
