@@ -7,10 +7,12 @@
 # at .gpu/target.gguf (or its parts .gpu/target.gguf.part*, joined in name order).
 # Budget (minutes): GEN_MIN (round 1 answers, 3.5), ROUND2_MIN (follow-up turns, 0.75),
 # TRAIN_MIN (2); PROMPTS (round 1 prompts built, 20000), BATCH (answers sampled at once, 256),
-# SEED (2: the CPU rounds used 0 and 1, so these prompts and answers are new ones).
-# Writes under $OUT (default .cache/gpu-train): train.log and draft/ (what `train_draft.py
-# --stage export` writes: the layers, norm and fc, the kept vocabulary, the logit scale and the
-# run's meta). Back on the CPU: copy draft/ over models/smollm2-draft/, run
+# SEED (3: seeds 0-2 were sampled on the CPU, so these prompts and answers are new ones).
+# Trains on every committed seed (models/smollm2-draft-answers/, unpacked first) and the new one.
+# Writes under $OUT (default .cache/gpu-train): train.log, answers/s$SEED.jsonl.xz (the new
+# seed's answers, packed) and draft/ (what `train_draft.py --stage export` writes: the layers,
+# norm and fc, the kept vocabulary, the logit scale and the run's meta). Back on the CPU: copy
+# answers/ into models/smollm2-draft-answers/ and draft/ over models/smollm2-draft/, run
 # scripts/fetch_models.py, then scripts/eval_draft.py --compare <the previous draft>.
 set -uo pipefail
 out=${OUT:-.cache/gpu-train}
@@ -33,14 +35,16 @@ if [ ! -f "$gguf" ] && compgen -G "$gguf.part*" >/dev/null; then
 fi
 timeout "${CONVERT_TIMEOUT:-90}" "$py" scripts/gpu_models.py --gguf "$gguf" --out "$models" || exit 1
 common=(--device "$device" --target "$models/smollm2-135m-instruct" --work "$work"
-    --seed "${SEED:-2}" --batch "${BATCH:-256}" --threads "${THREADS:-8}")
+    --seed "${SEED:-3}" --batch "${BATCH:-256}" --threads "${THREADS:-8}")
 stage() {  # stage NAME [flags]: one stage of train_draft.py, timed
     echo "== $1 ($((SECONDS - start)) s)"
     "$py" scripts/train_draft.py --stage "$@" "${common[@]}" || exit 1
 }
+stage unpack
 stage generate --round 1 --prompts "${PROMPTS:-20000}" --gen-minutes "${GEN_MIN:-3.5}"
 stage generate --round 2 --round2-prompts "${ROUND2_PROMPTS:-3000}" \
     --round2-minutes "${ROUND2_MIN:-0.75}"
+stage pack --packed "$out/answers"
 stage features --feature-batch "${FEATURE_BATCH:-64}"
 stage train --init-draft models/smollm2-draft --train-minutes "${TRAIN_MIN:-2}" \
     --batch-tokens "${BATCH_TOKENS:-16384}"

@@ -29,6 +29,12 @@ Stages (``--stage all`` runs them in order; each is resumable and time-boxed):
    logit scale on the validation answers (`calibration`);
 4. ``export``: write ``models/smollm2-draft/``; set-up (scripts/fetch_models.py) assembles it.
 
+The sampled answers outlive the machine that sampled them: ``pack`` writes a seed's prompts
+and answers (token ids and chat turns, no teacher rows) to ``models/smollm2-draft-answers/``,
+and ``unpack`` turns every committed file back into shards, so a later run (on another machine,
+in another session) trains on every seed sampled so far and spends its time on new ones.
+``features`` records the teacher's top-k rows from its forward for shards that lack them.
+
 The committed draft (docs/model_card.md has the run):
 
     .venv/bin/python scripts/train_draft.py --stage generate --round 1    # 30 min
@@ -71,6 +77,7 @@ from workers.models import (  # noqa: E402
 )
 
 TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass at T = 1)
+PACKED = REPO / "models" / "smollm2-draft-answers"  # committed answers: xz JSON lines a seed
 
 
 def round_chats(args, tok, rnd: int, count: int) -> list[tuple[str, list[dict]]]:
@@ -79,7 +86,7 @@ def round_chats(args, tok, rnd: int, count: int) -> list[tuple[str, list[dict]]]
         return draft_prompts.round_one(args.seed, count)
     answered = [
         (s["kind"], s["turns"], tok.decode(s["answer"], skip_special_tokens=True).strip())
-        for s in load_answers(args.work)
+        for s in load_answers(args.work, pattern=f"r1-s{args.seed}-*.pt")  # this seed's round 1
         if s["prompt_round"] == 1 and s["answer"][-1] == tok.eos_token_id  # finished answers
     ]
     return draft_prompts.round_two(args.seed, answered, count)
@@ -161,16 +168,71 @@ def generate(args, rnd: int) -> None:
         print(f"round {rnd} batch {b}: {made} answer tokens, {rate:.0f} tok/s", flush=True)
 
 
-def load_answers(work: Path, features: bool = False) -> list[dict]:
-    """The sampled answers; with `features`, each also carries the target's features."""
+def load_answers(work: Path, features: bool = False, pattern: str = "*.pt") -> list[dict]:
+    """The sampled answers (of the shards `pattern` names); with `features`, each also carries
+    the target's features."""
     samples = []
-    for f in sorted((work / "answers").glob("*.pt")):
+    for f in sorted((work / "answers").glob(pattern)):
         shard = torch.load(f)
         if features:
             for s, feat in zip(shard, torch.load(work / "features" / f.name), strict=True):
                 s["feat"] = feat
         samples += shard
     return samples
+
+
+def pack(args) -> None:
+    """Seed `args.seed`'s sampled answers -> ``{args.packed}/s{seed}.jsonl.xz``: per answer its
+    kind, round, chat turns, prompt and answer token ids (`features` recomputes the teacher's
+    rows: at 192 bytes a token they do not belong in the repository)."""
+    import lzma
+
+    shards = sorted((args.work / "answers").glob(f"r*-s{args.seed}-*.pt"))
+    if not shards:
+        raise SystemExit(f"no answers of seed {args.seed} under {args.work / 'answers'}")
+    args.packed.mkdir(parents=True, exist_ok=True)
+    out, count = args.packed / f"s{args.seed}.jsonl.xz", 0
+    with lzma.open(out, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
+        for shard in shards:
+            for s in torch.load(shard):
+                row = dict(
+                    shard=shard.stem,
+                    kind=s["kind"],
+                    round=s["prompt_round"],
+                    turns=s["turns"],
+                    prompt=s["prompt"].tolist(),
+                    answer=s["answer"].tolist(),
+                )
+                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+                count += 1
+    print(f"wrote {count} answers to {out} ({out.stat().st_size} bytes)")
+
+
+def unpack(args) -> None:
+    """Every committed seed -> answer shards under `args.work` (the names they were sampled
+    under, so `generate` skips their batches), without the teacher's rows."""
+    import lzma
+
+    out = args.work / "answers"
+    out.mkdir(parents=True, exist_ok=True)
+    for packed in sorted(args.packed.glob("s*.jsonl.xz")):
+        shards: dict[str, list[dict]] = {}
+        with lzma.open(packed, "rt") as f:
+            for line in f:
+                row = json.loads(line)
+                shards.setdefault(row["shard"], []).append(
+                    dict(
+                        kind=row["kind"],
+                        turns=row["turns"],
+                        prompt_round=row["round"],
+                        prompt=torch.tensor(row["prompt"]),
+                        answer=torch.tensor(row["answer"]),
+                    )
+                )
+        new = [name for name in shards if not (out / f"{name}.pt").exists()]
+        for name in new:
+            torch.save(shards[name], out / f"{name}.pt")
+        print(f"{packed.name}: {len(new)} of {len(shards)} shards written", flush=True)
 
 
 def target_hidden(model, seqs: list[torch.Tensor], batch: int = 8) -> list[torch.Tensor]:
@@ -193,6 +255,7 @@ def target_hidden(model, seqs: list[torch.Tensor], batch: int = 8) -> list[torch
     return out
 
 
+@torch.no_grad()
 def features(args) -> None:
     """The target's features at every position of every sampled prompt + answer, bf16: a
     feature draft's input."""
@@ -204,10 +267,21 @@ def features(args) -> None:
     model = model.to(args.device).eval()
     t0, done = time.time(), 0
     for f in sorted((args.work / "answers").glob("*.pt")):
-        if (out / f.name).exists():
+        samples = torch.load(f)
+        unread = "logp" not in samples[0]  # unpacked: the teacher's rows come from this forward
+        if (out / f.name).exists() and not unread:
             continue
-        seqs = [torch.cat([s["prompt"], s["answer"]]) for s in torch.load(f)]
-        torch.save(target_hidden(model, seqs, args.feature_batch), out / f.name)
+        seqs = [torch.cat([s["prompt"], s["answer"]]) for s in samples]
+        hidden = target_hidden(model, seqs, args.feature_batch)
+        if unread:
+            for s, h in zip(samples, hidden, strict=True):
+                P, G = len(s["prompt"]), len(s["answer"])
+                # position P-1+j predicts answer token j: the row `generate` records there
+                z = model.lm_head(h[P - 1 : P - 1 + G].to(model.device)).float()  # [G, V]
+                lp, ix = z.log_softmax(-1).topk(TOPK, dim=-1)
+                s["logp"], s["index"] = lp.half().cpu(), ix.int().cpu()
+            torch.save(samples, f)
+        torch.save(hidden, out / f.name)
         done += sum(len(x) for x in seqs)
         print(f"{f.name}: {done} tokens, {done / (time.time() - t0):.0f} tok/s", flush=True)
 
@@ -565,11 +639,14 @@ def export(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--stage", choices=["generate", "features", "train", "export", "all"], default="all"
+        "--stage",
+        choices=["generate", "features", "train", "export", "pack", "unpack", "all"],
+        default="all",
     )
     ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache/blockspec/draft-train")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--packed", type=Path, default=PACKED, help="pack/unpack: the answers' files")
     ap.add_argument("--round", type=int, default=1, choices=[1, 2], help="generate: which round")
     ap.add_argument("--prompts", type=int, default=4000, help="round 1: prompts built")
     ap.add_argument("--gen-minutes", type=float, default=30, help="round 1: time box")
@@ -605,9 +682,13 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.stage in ("unpack", "all"):  # a full run starts from every committed seed
+        unpack(args)
     if args.stage in ("generate", "all"):
         for rnd in [args.round] if args.stage == "generate" else [1, 2]:
             generate(args, rnd)
+    if args.stage == "pack":
+        pack(args)
     for stage in ("features", "train", "export"):
         if stage == "features" and args.stage == "all" and args.arch != "features":
             continue
