@@ -46,7 +46,7 @@ stage generate --round 2 --round2-prompts "${ROUND2_PROMPTS:-3000}" \
     --round2-minutes "${ROUND2_MIN:-0.75}"
 stage pack --packed "$out/answers"
 stage features --feature-batch "${FEATURE_BATCH:-64}"
-stage train --init-draft models/smollm2-draft --train-minutes "${TRAIN_MIN:-2}" \
+stage train --init-draft models/smollm2-draft --train-minutes "${TRAIN_MIN:-2}" --bf16 \
     --batch-tokens "${BATCH_TOKENS:-16384}"
 stage export --out "$out/draft"
 echo "== done in $((SECONDS - start)) s"

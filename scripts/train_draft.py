@@ -530,7 +530,10 @@ def train(args) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
     def loss(batch):
-        return losses(draft, batch, vocab_pos, tok.pad_token_id, args.reg_weight)
+        # bf16 autocast: the layers' matmuls in bf16 (AMX on recent Xeons, tensor cores on a
+        # GPU), the weights, the optimiser and the losses' softmax in float32
+        with torch.autocast(draft.head.device.type, torch.bfloat16, enabled=args.bf16):
+            return losses(draft, batch, vocab_pos, tok.pad_token_id, args.reg_weight)
 
     def evaluate():
         draft.eval()
@@ -674,6 +677,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--train-minutes", type=float, default=35)
+    ap.add_argument(
+        "--bf16", action="store_true", help="train: bf16 autocast (float32 weights and losses)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="where the target and the draft run")
     ap.add_argument("--feature-batch", type=int, default=8, help="features: sequences a forward")
