@@ -8,7 +8,8 @@
 # Budget (minutes): GEN_MIN (round 1 answers, 3.5), ROUND2_MIN (follow-up turns, 0.75),
 # TRAIN_MIN (2); PROMPTS (round 1 prompts built, 20000), BATCH (answers sampled at once, 256),
 # SEED (3: seeds 0-2 were sampled on the CPU, so these prompts and answers are new ones).
-# Trains on every committed seed (models/smollm2-draft-answers/, unpacked first) and the new one.
+# Trains on every committed seed (models/smollm2-draft-answers/, unpacked first; UNPACK=0 skips
+# them, as a CPU smoke test should) and the new one.
 # Writes under $OUT (default .cache/gpu-train): train.log, answers/s$SEED.jsonl.xz (the new
 # seed's answers, packed) and draft/ (what `train_draft.py --stage export` writes: the layers,
 # norm and fc, the kept vocabulary, the logit scale and the run's meta). Back on the CPU: copy
@@ -40,7 +41,7 @@ stage() {  # stage NAME [flags]: one stage of train_draft.py, timed
     echo "== $1 ($((SECONDS - start)) s)"
     "$py" scripts/train_draft.py --stage "$@" "${common[@]}" || exit 1
 }
-stage unpack
+[ "${UNPACK:-1}" = 0 ] || stage unpack
 stage generate --round 1 --prompts "${PROMPTS:-20000}" --gen-minutes "${GEN_MIN:-3.5}"
 stage generate --round 2 --round2-prompts "${ROUND2_PROMPTS:-3000}" \
     --round2-minutes "${ROUND2_MIN:-0.75}"
