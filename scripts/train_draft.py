@@ -84,6 +84,13 @@ TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass
 PACKED = REPO / "models" / "smollm2-draft-answers"  # committed answers: xz JSON lines a seed
 
 
+def teacher_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's stored rows at each position of `logits` [..., V]: its top-k next-token
+    log-probs (fp16) and their token ids (int32), [..., TOPK] each."""
+    lp, ix = logits.float().log_softmax(-1).topk(TOPK, dim=-1)
+    return lp.half(), ix.int()
+
+
 def round_chats(args, tok, rnd: int, count: int) -> list[tuple[str, list[dict]]]:
     """`count` (kind, chat) prompts of generation round `rnd` (scripts/draft_prompts.py)."""
     if rnd == 1:
@@ -118,8 +125,7 @@ def generate(args, rnd: int) -> None:
 
     class Record(LogitsProcessor):
         def __call__(self, input_ids, scores):  # scores [B, V]: the raw next-token logits
-            lp, ix = scores.float().log_softmax(-1).topk(TOPK, dim=-1)
-            self.steps.append((lp.half(), ix.int()))
+            self.steps.append(teacher_rows(scores))
             return scores
 
     t0, made = time.time(), 0
@@ -281,9 +287,8 @@ def features(args) -> None:
             for s, h in zip(samples, hidden, strict=True):
                 P, G = len(s["prompt"]), len(s["answer"])
                 # position P-1+j predicts answer token j: the row `generate` records there
-                z = model.lm_head(h[P - 1 : P - 1 + G].to(model.device)).float()  # [G, V]
-                lp, ix = z.log_softmax(-1).topk(TOPK, dim=-1)
-                s["logp"], s["index"] = lp.half().cpu(), ix.int().cpu()
+                z = model.lm_head(h[P - 1 : P - 1 + G].to(model.device))  # [G, V]
+                s["logp"], s["index"] = (t.cpu() for t in teacher_rows(z))
             torch.save(samples, f)
         torch.save(hidden, out / f.name)
         done += sum(len(x) for x in seqs)
