@@ -184,6 +184,8 @@ def load_answers(work: Path, features: bool = False, pattern: str = "*.pt") -> l
     samples = []
     for f in sorted((work / "answers").glob(pattern)):
         shard = torch.load(f)
+        for s in shard:
+            s["shard"] = f.stem  # r{round}-s{seed}-{batch}
         if features:
             for s, feat in zip(shard, torch.load(work / "features" / f.name), strict=True):
                 s["feat"] = feat
@@ -498,7 +500,14 @@ def train(args) -> None:
     rng = random.Random(args.seed)
     rng.shuffle(samples)
     n_val = max(8, len(samples) // 40)
-    val, tr = samples[:n_val], samples[n_val:]
+    # validation (and calibration) must be answers the warm-start draft never trained on:
+    # with --val-seed, they all come from that (new) seed
+    val = [s for s in samples if args.val_seed is None or f"-s{args.val_seed}-" in s["shard"]]
+    val = val[:n_val]
+    if not val:
+        raise SystemExit(f"--val-seed {args.val_seed}: no answers of that seed")
+    held = {id(s) for s in val}
+    tr = [s for s in samples if id(s) not in held]
     vocab = head_vocab(tr, args.head_vocab, target.config.vocab_size, tok.eos_token_id)
     vocab_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     vocab_pos[vocab] = torch.arange(len(vocab))
@@ -681,6 +690,9 @@ def main() -> None:
         "--init-draft",
         type=Path,
         help="start the layers, norm (and fc) from this draft's committed tensors instead",
+    )
+    ap.add_argument(
+        "--val-seed", type=int, help="train: draw the validation answers from this seed only"
     )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=int, default=6)
