@@ -35,16 +35,18 @@ and ``unpack`` turns every committed file back into shards, so a later run (on a
 in another session) trains on every seed sampled so far and spends its time on new ones.
 ``features`` records the teacher's top-k rows from its forward for shards that lack them.
 
-The committed draft (docs/model_card.md has the run; seed 2's answers are committed, so on a
-new machine ``unpack`` replaces the two ``generate`` stages):
+The committed draft (docs/model_card.md has the run; seeds 2, 4 and 5 are committed, so on a
+new machine ``unpack`` replaces the ``generate`` stages):
 
-    .venv/bin/python scripts/train_draft.py --seed 2 --stage generate --round 1 --batch 128 \
-        --gen-minutes 32                                                  # 32 min
-    .venv/bin/python scripts/train_draft.py --seed 2 --stage generate --round 2 --batch 128
-    .venv/bin/python scripts/train_draft.py --seed 2 --stage pack
-    .venv/bin/python scripts/train_draft.py --stage features --feature-batch 16
-    .venv/bin/python scripts/train_draft.py --seed 2 --stage train --bf16 --train-minutes 45 \
-        --init-draft <previous models/smollm2-draft>
+    .venv/bin/python scripts/train_draft.py --stage unpack              # seeds 2 and 4
+    .venv/bin/python scripts/train_draft.py --seed 5 --stage generate --round 1 --batch 128 \
+        --gen-minutes 20                                                  # 20 min
+    .venv/bin/python scripts/train_draft.py --seed 5 --stage generate --round 2 --batch 128 \
+        --round2-minutes 3
+    .venv/bin/python scripts/train_draft.py --seed 5 --stage pack
+    .venv/bin/python scripts/train_draft.py --stage features --feature-batch 16   # 40 min
+    .venv/bin/python scripts/train_draft.py --seed 5 --val-seed 5 --stage train --bf16 \
+        --train-minutes 36 --init-draft <previous models/smollm2-draft>
     .venv/bin/python scripts/train_draft.py --stage export
     .venv/bin/python scripts/fetch_models.py && .venv/bin/python scripts/eval_draft.py
 """
