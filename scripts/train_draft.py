@@ -492,6 +492,22 @@ def calibration(draft, val, vocab_pos, pad: int) -> dict:
     )
 
 
+def split_validation(
+    samples: list[dict], n_val: int, seed: int | None = None
+) -> tuple[list[dict], list[dict]]:
+    """(validation, training) of the shuffled `samples`: the first `n_val`, or with `seed` the
+    first `n_val` of that seed's shards. Validation (and calibration) must be answers the
+    warm-start draft never trained on, so `--val-seed` names a seed newer than that draft."""
+    pool = [i for i, s in enumerate(samples) if seed is None or f"-s{seed}-" in s["shard"]]
+    if not pool:
+        raise SystemExit(f"--val-seed {seed}: no answers of that seed")
+    held = set(pool[:n_val])
+    return (
+        [s for i, s in enumerate(samples) if i in held],
+        [s for i, s in enumerate(samples) if i not in held],
+    )
+
+
 def train(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -501,15 +517,7 @@ def train(args) -> None:
     samples = load_answers(args.work, features=args.arch == "features")
     rng = random.Random(args.seed)
     rng.shuffle(samples)
-    n_val = max(8, len(samples) // 40)
-    # validation (and calibration) must be answers the warm-start draft never trained on:
-    # with --val-seed, they all come from that (new) seed
-    val = [s for s in samples if args.val_seed is None or f"-s{args.val_seed}-" in s["shard"]]
-    val = val[:n_val]
-    if not val:
-        raise SystemExit(f"--val-seed {args.val_seed}: no answers of that seed")
-    held = {id(s) for s in val}
-    tr = [s for s in samples if id(s) not in held]
+    val, tr = split_validation(samples, max(8, len(samples) // 40), args.val_seed)
     vocab = head_vocab(tr, args.head_vocab, target.config.vocab_size, tok.eos_token_id)
     vocab_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     vocab_pos[vocab] = torch.arange(len(vocab))

@@ -1,14 +1,17 @@
 """scripts/train_draft.py's answers survive the machine that sampled them: `pack` keeps a seed's
 prompts and answers (no teacher rows), `unpack` restores the shards, and `features` recomputes
 the teacher's rows from its forward, equal to the ones `generate` recorded while sampling.
-Run as the script runs, on the tiny target."""
+Run as the script runs, on the tiny target. And `train` validates only on the seed
+`--val-seed` names."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from workers.models import TINY_TARGET
@@ -55,3 +58,19 @@ def test_packed_answers_unpack_to_the_sampled_ones_and_their_teacher_rows(tmp_pa
     agree, gaps = torch.cat(agree), torch.cat(gaps)
     assert len(agree) >= 40 and agree.mean() >= 0.9, agree.mean()
     assert gaps.median() < 0.05, gaps.median()
+
+
+def test_validation_comes_from_the_named_seed_only():
+    spec = importlib.util.spec_from_file_location("train_draft", REPO / "scripts/train_draft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    samples = [dict(shard=f"r1-s{seed}-{i:05d}", n=i) for i in range(10) for seed in (2, 15, 5)]
+
+    val, tr = module.split_validation(samples, 4)  # no seed: the first n, as before
+    assert val == samples[:4] and tr == samples[4:]
+
+    val, tr = module.split_validation(samples, 4, seed=5)
+    assert len(val) == 4 and all("-s5-" in s["shard"] for s in val)
+    assert len(tr) == len(samples) - 4 and not any(s in tr for s in val)  # disjoint, complete
+    with pytest.raises(SystemExit, match="--val-seed 1"):  # "-s1-" is not in "-s15-"
+        module.split_validation(samples, 4, seed=1)
