@@ -425,15 +425,19 @@ def distill_loss(logits, rows, cols, lp, ix):
     return ce, torch.minimum(p, q).sum(-1).mean()
 
 
-def losses(draft, batch, vocab_pos, pad: int, reg_weight: float):
+def losses(draft, batch, vocab_pos, pad: int, reg_weight: float, alpha_weight: float = 0.0):
     """(loss to minimise, acceptance on the top-k: [depth 1] or, for a feature draft,
     [depth 1, depth 2]). A feature draft runs twice: first on the target's features (depth 1,
     as after every verification), then on its own outputs one position back, detached (what
-    it reads from depth 2 on); the first pass's outputs also regress onto the features."""
+    it reads from depth 2 on); the first pass's outputs also regress onto the features.
+
+    ``alpha_weight`` adds w (1 - α) per pass: the total-variation distance to the teacher's
+    top-k, the quantity speculative decoding pays for (DistillSpec, ICLR 2024). Cross-entropy
+    alone is mode-covering and leaves q flatter than α wants (see `calibration`)."""
     ids, attn, feats, targets = to_device(collate(batch, vocab_pos, pad), draft.head.device)
     if feats is None:
         ce, acc = distill_loss(draft(ids, attn), *targets)
-        return ce, [acc.item()]
+        return ce + alpha_weight * (1 - acc), [acc.item()]
     logits, h = draft(ids, attn, shifted(feats))
     ce1, acc1 = distill_loss(logits, *targets)
     valid = attn.bool()
@@ -441,7 +445,8 @@ def losses(draft, batch, vocab_pos, pad: int, reg_weight: float):
     reg = torch.nn.functional.smooth_l1_loss(h[valid] / rms, feats[valid] / rms)
     logits2, _ = draft(ids, attn, shifted(h.detach()))
     ce2, acc2 = distill_loss(logits2, *targets)
-    return ce1 + ce2 + reg_weight * reg, [acc1.item(), acc2.item()]
+    tv = (1 - acc1) + (1 - acc2)
+    return ce1 + ce2 + reg_weight * reg + alpha_weight * tv, [acc1.item(), acc2.item()]
 
 
 CALIBRATION_SCALES = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8)
@@ -561,7 +566,9 @@ def train(args) -> None:
         # bf16 autocast: the layers' matmuls in bf16 (AMX on recent Xeons, tensor cores on a
         # GPU), the weights, the optimiser and the losses' softmax in float32
         with torch.autocast(draft.head.device.type, torch.bfloat16, enabled=args.bf16):
-            return losses(draft, batch, vocab_pos, tok.pad_token_id, args.reg_weight)
+            return losses(
+                draft, batch, vocab_pos, tok.pad_token_id, args.reg_weight, args.alpha_weight
+            )
 
     def evaluate():
         draft.eval()
@@ -703,6 +710,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--val-seed", type=int, help="train: draw the validation answers from this seed only"
+    )
+    ap.add_argument(
+        "--alpha-weight",
+        type=float,
+        default=0.0,
+        help="train: weight of the total-variation loss 1 - α beside the cross-entropy",
     )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=int, default=6)
