@@ -2,7 +2,7 @@
 prompts and answers (no teacher rows), `unpack` restores the shards, and `features` recomputes
 the teacher's rows from its forward, equal to the ones `generate` recorded while sampling.
 Run as the script runs, on the tiny target. And `train` validates only on the seed
-`--val-seed` names."""
+`--val-seed` names, and `--alpha-weight` adds the total-variation loss that raises α."""
 
 from __future__ import annotations
 
@@ -60,10 +60,15 @@ def test_packed_answers_unpack_to_the_sampled_ones_and_their_teacher_rows(tmp_pa
     assert gaps.median() < 0.05, gaps.median()
 
 
-def test_validation_comes_from_the_named_seed_only():
+def load_module():
     spec = importlib.util.spec_from_file_location("train_draft", REPO / "scripts/train_draft.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_comes_from_the_named_seed_only():
+    module = load_module()
     samples = [dict(shard=f"r1-s{seed}-{i:05d}", n=i) for i in range(10) for seed in (2, 15, 5)]
 
     val, tr = module.split_validation(samples, 4)  # no seed: the first n, as before
@@ -74,3 +79,41 @@ def test_validation_comes_from_the_named_seed_only():
     assert len(tr) == len(samples) - 4 and not any(s in tr for s in val)  # disjoint, complete
     with pytest.raises(SystemExit, match="--val-seed 1"):  # "-s1-" is not in "-s15-"
         module.split_validation(samples, 4, seed=1)
+
+
+def test_alpha_weight_adds_the_total_variation_and_raises_alpha():
+    from transformers import AutoModelForCausalLM
+
+    module = load_module()
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32)
+    V, E = target.config.vocab_size, target.config.hidden_size
+    kept = torch.arange(0, V, 2)  # a kept head of half the vocabulary: q = 0 on the rest
+    vocab_pos = torch.full((V,), -1)
+    vocab_pos[kept] = torch.arange(len(kept))
+    draft = module.FeatureDraft(target, [0], kept, torch.ones(E))
+    P, G = 6, 24
+    teacher = (torch.randn(G, V) * 3).log_softmax(-1).topk(module.TOPK)  # [G, TOPK]
+    sample = dict(
+        prompt=torch.randint(1, V, (P,)),
+        answer=torch.randint(1, V, (G,)),
+        feat=torch.randn(P + G, E),  # [T, E]
+        logp=teacher.values,
+        index=teacher.indices,
+    )
+
+    def loss(weight):
+        return module.losses(draft, [sample], vocab_pos, 0, 0.1, alpha_weight=weight)
+
+    plain, alpha = loss(0.0)
+    with_tv, again = loss(3.0)
+    assert alpha == again and 0 < alpha[0] < 1
+    assert torch.allclose(with_tv - plain, torch.tensor(3.0 * (2 - sum(alpha))), atol=1e-5)
+
+    # Descending the total variation alone (the weight drowns the cross-entropy) raises α.
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(10):
+        opt.zero_grad()
+        loss(1e3)[0].backward()
+        opt.step()
+    assert loss(0.0)[1][0] > 3 * alpha[0], (alpha, loss(0.0)[1])  # 0.0014 -> 0.014 here
