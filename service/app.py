@@ -15,8 +15,17 @@ from service.config import Settings
 from service.http_api import OpenAIFrontend, http_app
 from service.replica import Replica
 
-# A local cluster listens on 127.0.0.1 only (0); a real cluster's pods set 1 (deploy/).
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# What a local cluster's processes (GCS, raylet, Serve's controller and proxy, the actors) read
+# at start. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: listen on 127.0.0.1 only; a real cluster's pods
+# set 1 (deploy/). RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S: Serve kills an HTTP proxy that fails 3
+# readiness checks of this many seconds (Ray's default 5: 15 s in all) and starts another. On a
+# busy 2-core host a proxy starting beside the replicas' model loads can need longer, and the
+# restart then outlasts serve.start's fixed 60 s wait for it; 20 s gives the first proxy the
+# whole minute.
+LOCAL_CLUSTER_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20",
+}
 
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' `Request`
@@ -111,28 +120,29 @@ def start_ray(settings: Settings) -> None:
     if address:
         ray.init(address=address)
         return
-    _loopback_only()
+    _local_cluster_env()
     ray.init(
         num_cpus=settings.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
         runtime_env={
-            "env_vars": dict(LOOPBACK_ENV),
+            "env_vars": dict(LOCAL_CLUSTER_ENV),
             "worker_process_setup_hook": "service.app.serve_replicas_on_loopback",
         },
         _system_config={"max_direct_call_object_size": settings.ray_inline_bytes},
     )
 
 
-def _loopback_only() -> None:
-    """Make the local cluster that ray.init is about to start listen on 127.0.0.1 only.
+def _local_cluster_env() -> None:
+    """Set LOCAL_CLUSTER_ENV for the local cluster that ray.init is about to start (an explicit
+    setting wins): 127.0.0.1 only, and a patient Serve proxy readiness check.
 
-    The processes ray.init starts (GCS, raylet, agents) inherit this environment; the job's
-    workers get LOOPBACK_ENV through its runtime_env. This process read the variable when it
-    first imported ray, possibly before this call: read it again (an explicit setting wins).
+    The processes ray.init starts (GCS, raylet, agents) and the workers the raylet forks inherit
+    this environment; the job's workers also get it through its runtime_env. This process read
+    the loopback variable when it first imported ray, possibly before this call: read it again.
     """
     from ray._private import ray_constants
 
-    for key, value in LOOPBACK_ENV.items():
+    for key, value in LOCAL_CLUSTER_ENV.items():
         os.environ.setdefault(key, value)
     ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
         ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, ray_constants.ENABLE_RAY_CLUSTER

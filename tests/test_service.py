@@ -106,6 +106,24 @@ def test_info_health_reflection_and_metrics(service):
             assert after[name] == before.get(name, 0) + 1, name
 
 
+def test_serves_controller_gives_a_slow_proxy_time_to_start(service):
+    # Ray's 5 s readiness check made Serve kill a proxy still importing beside a busy test run,
+    # and serve.start failed (service.app.LOCAL_CLUSTER_ENV): the controller that runs the
+    # check must read the longer one.
+    import psutil
+
+    from service.app import LOCAL_CLUSTER_ENV
+
+    key = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+    controllers = [
+        proc
+        for proc in psutil.Process().children(recursive=True)
+        if proc.name().startswith("ray::ServeControl")
+    ]
+    assert controllers
+    assert {proc.environ().get(key) for proc in controllers} == {LOCAL_CLUSTER_ENV[key]}
+
+
 def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
     """The replica records step metrics with ray.util.metrics; the node's metrics agent
     exports them (on 127.0.0.1) for Prometheus: every phase, batch sizes, queue depth."""
