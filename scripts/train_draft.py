@@ -36,19 +36,21 @@ in another session) trains on every seed sampled so far and spends its time on n
 ``features`` records the teacher's top-k rows from its forward for shards that lack them.
 
 The committed draft (docs/model_card.md has the run; seeds 2, 4 and 5 are committed, so on a
-new machine ``unpack`` replaces the ``generate`` stages):
+new machine ``unpack`` replaces the ``generate`` stages): trained in two warm-started stages,
+cross-entropy plus the total-variation loss (``--alpha-weight``):
 
-    .venv/bin/python scripts/train_draft.py --stage unpack              # seeds 2 and 4
-    .venv/bin/python scripts/train_draft.py --seed 5 --stage generate --round 1 --batch 128 \
-        --gen-minutes 20                                                  # 20 min
-    .venv/bin/python scripts/train_draft.py --seed 5 --stage generate --round 2 --batch 128 \
-        --round2-minutes 3
-    .venv/bin/python scripts/train_draft.py --seed 5 --stage pack
+    .venv/bin/python scripts/train_draft.py --stage unpack              # seeds 2, 4 and 5
     .venv/bin/python scripts/train_draft.py --stage features --feature-batch 16   # 40 min
     .venv/bin/python scripts/train_draft.py --seed 5 --val-seed 5 --stage train --bf16 \
-        --train-minutes 36 --init-draft <previous models/smollm2-draft>
+        --train-minutes 20 --lr 5e-4 --alpha-weight 4 --init-draft <previous models/smollm2-draft>
+    .venv/bin/python scripts/train_draft.py --stage export --out /tmp/stage1
+    .venv/bin/python scripts/train_draft.py --seed 5 --val-seed 5 --stage train --bf16 \
+        --train-minutes 40 --lr 5e-4 --alpha-weight 4 --init-draft /tmp/stage1
     .venv/bin/python scripts/train_draft.py --stage export
     .venv/bin/python scripts/fetch_models.py && .venv/bin/python scripts/eval_draft.py
+
+A new seed's answers: ``--seed N --stage generate --round 1 --batch 128 --gen-minutes 20``,
+then ``--round 2 --round2-minutes 3``, then ``--seed N --stage pack``.
 """
 
 from __future__ import annotations
