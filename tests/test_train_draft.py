@@ -110,10 +110,19 @@ def test_alpha_weight_adds_the_total_variation_and_raises_alpha():
     assert alpha == again and 0 < alpha[0] < 1
     assert torch.allclose(with_tv - plain, torch.tensor(3.0 * (2 - sum(alpha))), atol=1e-5)
 
-    # Descending the total variation alone (the weight drowns the cross-entropy) raises α.
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
-    for _ in range(10):
-        opt.zero_grad()
-        loss(1e3)[0].backward()
-        opt.step()
-    assert loss(0.0)[1][0] > 3 * alpha[0], (alpha, loss(0.0)[1])  # 0.0014 -> 0.014 here
+    # The term's gradient reaches the draft: 10 steps on it (the weight drowns the
+    # cross-entropy) raise α well beyond 10 steps on the cross-entropy alone from the same
+    # start (0.0014 -> 0.014 against 0.0048 here; a detached term would give the latter).
+    start = {k: v.clone() for k, v in draft.state_dict().items()}
+
+    def alpha_after_descent(weight):
+        draft.load_state_dict(start)
+        opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+        for _ in range(10):
+            opt.zero_grad()
+            loss(weight)[0].backward()
+            opt.step()
+        return loss(0.0)[1][0]
+
+    cross_entropy_only, with_tv = alpha_after_descent(0.0), alpha_after_descent(1e3)
+    assert with_tv > 2 * cross_entropy_only > 2 * alpha[0], (alpha, cross_entropy_only, with_tv)
