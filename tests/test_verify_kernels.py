@@ -168,19 +168,20 @@ def kseq_case(dtype, gen, rows=64, vocab=1000, k=4):
 
 @pytest.mark.parametrize(
     "dtype,block,programs",
-    [(torch.float32, 128, None), (torch.float64, 64, 128), (torch.bfloat16, 256, 1)],
+    [(torch.float32, 128, None), (torch.float64, 64, 64), (torch.bfloat16, 256, 1)],
 )
 def test_kseq_token_is_spectrs_node_rule(dtype, block, programs):
     """ρ*, β(ρ*) (where several candidates pass: one is token verification, unread by the
     rounds) against kseq_rho_all's search, and the token against spectr_rule's torch ops
     (the tests and, where all are rejected, the residual's inverse-CDF draw) on the same
     uniforms: equal up to the last bits of ρ (the probes' rounding) and of the sums. Rows
-    split into 8 chunks (as on an H100 at 32 rows), 4, or none (programs=1). 32 rows: the
-    interpreter runs each program's every round in Python, the test's whole cost."""
+    split into 8 chunks (as on an H100 at up to 33 rows), 4, or none (programs=1). 16 rows
+    (9 residual draws, 3 of them at one candidate): the interpreter runs each program's every
+    round in Python, the test's whole cost, which grows with the rows."""
     from verification import top_down
 
     gen = torch.Generator().manual_seed(3)
-    p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=32)
+    p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=16)
     token, rho, beta = kernels.kseq_token(
         p, q, cand, is_cand, u, top_down.SEARCH_NARROW, block=block, programs=programs
     )
@@ -193,7 +194,7 @@ def test_kseq_token_is_spectrs_node_rule(dtype, block, programs):
     want = top_down.spectr_rule(plain, p, q, cand, is_cand, u)
     rejected = ~(is_cand & (u[:, :-1] * rho[:, None] * q.gather(-1, cand) < p.gather(-1, cand)))
     drawn = rejected.all(-1)
-    assert drawn.sum() >= 10 and (drawn & ~several).sum() >= 3  # the residual draw is exercised
+    assert drawn.sum() >= 8 and (drawn & ~several).sum() >= 3  # the residual draw is exercised
     if dtype != torch.bfloat16:
         assert torch.equal(token, want)
     else:  # the kernel computes a bfloat16 row's residual in float32, torch in bfloat16
