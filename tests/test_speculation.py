@@ -241,7 +241,9 @@ def test_output_law_with_hits_and_misses(method, k):
     assert 0 < cache.hits < cache.lookups
 
 
-@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("spectr_gbv", 2)])
+@pytest.mark.parametrize(
+    ("method", "k"), [pytest.param("greedy_block", 1, marks=pytest.mark.slow), ("spectr_gbv", 2)]
+)
 def test_a_proposal_reused_for_the_wrong_prefix_is_rejected(method, k):
     pvalue = law_pvalue(1.0, method, k, ForgetsTheToken(fanout=4))
     assert pvalue < 1e-5, f"{method}: the mutant passed, p = {pvalue:.2e}"
