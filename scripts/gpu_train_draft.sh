@@ -7,7 +7,7 @@
 # at .gpu/target.gguf (or its parts .gpu/target.gguf.part*, joined in name order).
 # Budget (minutes): GEN_MIN (round 1 answers, 3.5), ROUND2_MIN (follow-up turns, 0.75),
 # TRAIN_MIN (2); PROMPTS (round 1 prompts built, 20000), BATCH (answers sampled at once, 256),
-# SEED (3: seeds 0-2, 4 and 5 were sampled on the CPU, so these prompts and answers are new),
+# SEED (3: seeds 0-2 and 4-6 were sampled on the CPU, so these prompts and answers are new),
 # ALPHA_WEIGHT (the total-variation loss's weight, 4, as the committed draft was trained).
 # Trains on every committed seed (models/smollm2-draft-answers/, unpacked first; UNPACK=0 skips
 # them, as a CPU smoke test should) and the new one.
@@ -48,7 +48,9 @@ stage generate --round 2 --round2-prompts "${ROUND2_PROMPTS:-3000}" \
     --round2-minutes "${ROUND2_MIN:-0.75}"
 stage pack --packed "$out/answers"
 stage features --feature-batch "${FEATURE_BATCH:-64}"
+# validation and calibration on the new seed's answers, which the warm start never trained on
 stage train --init-draft models/smollm2-draft --train-minutes "${TRAIN_MIN:-2}" --bf16 \
+    --val-seed "${SEED:-3}" \
     --batch-tokens "${BATCH_TOKENS:-16384}" --alpha-weight "${ALPHA_WEIGHT:-4}"
 stage export --out "$out/draft"
 echo "== done in $((SECONDS - start)) s"
