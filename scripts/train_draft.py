@@ -229,13 +229,20 @@ def pack(args) -> None:
 
 
 def unpack(args) -> None:
-    """Every committed seed -> answer shards under `args.work` (the names they were sampled
-    under, so `generate` skips their batches), without the teacher's rows."""
+    """Every committed seed (or those `--seeds` names) -> answer shards under `args.work` (the
+    names they were sampled under, so `generate` skips their batches), without the teacher's
+    rows."""
     import lzma
 
     out = args.work / "answers"
     out.mkdir(parents=True, exist_ok=True)
-    for packed in sorted(args.packed.glob("s*.jsonl.xz")):
+    files = sorted(args.packed.glob("s*.jsonl.xz"))
+    if args.seeds:  # a subset: a warm-started run on the newest seeds
+        names = {f"s{seed}.jsonl.xz" for seed in args.seeds.split(",")}
+        if missing := names - {f.name for f in files}:
+            raise SystemExit(f"--seeds: no {sorted(missing)} under {args.packed}")
+        files = [f for f in files if f.name in names]
+    for packed in files:
         shards: dict[str, list[dict]] = {}
         with lzma.open(packed, "rt") as f:
             for line in f:
@@ -691,6 +698,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache/blockspec/draft-train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packed", type=Path, default=PACKED, help="pack/unpack: the answers' files")
+    ap.add_argument("--seeds", help="unpack: only these seeds, e.g. 4,5,6,7 (default: every one)")
     ap.add_argument("--round", type=int, default=1, choices=[1, 2], help="generate: which round")
     ap.add_argument("--prompts", type=int, default=4000, help="round 1: prompts built")
     ap.add_argument("--gen-minutes", type=float, default=30, help="round 1: time box")

@@ -1,8 +1,9 @@
 """scripts/train_draft.py's answers survive the machine that sampled them: `pack` keeps a seed's
-prompts and answers (no teacher rows), `unpack` restores the shards, and `features` recomputes
-the teacher's rows from its forward, equal to the ones `generate` recorded while sampling.
-Run as the script runs, on the tiny target. And `train` validates only on the seed
-`--val-seed` names, and `--alpha-weight` adds the total-variation loss that raises α."""
+prompts and answers (no teacher rows), `unpack` restores the shards (of every seed, or of the
+seeds `--seeds` names), and `features` recomputes the teacher's rows from its forward, equal to
+the ones `generate` recorded while sampling. Run as the script runs, on the tiny target. And
+`train` validates only on the seed `--val-seed` names, and `--alpha-weight` adds the
+total-variation loss that raises α."""
 
 from __future__ import annotations
 
@@ -126,3 +127,27 @@ def test_alpha_weight_adds_the_total_variation_and_raises_alpha():
 
     cross_entropy_only, with_tv = alpha_after_descent(0.0), alpha_after_descent(1e3)
     assert with_tv > 2 * cross_entropy_only > 2 * alpha[0], (alpha, cross_entropy_only, with_tv)
+
+
+def test_unpack_seeds_restores_only_the_named_seeds(tmp_path):
+    import argparse
+    import json
+    import lzma
+
+    module = load_module()
+    packed, work = tmp_path / "packed", tmp_path / "work"
+    packed.mkdir()
+    for seed in (4, 5, 15):
+        row = dict(kind="code", round=1, turns=[], prompt=[1, 2], answer=[3, seed])
+        with lzma.open(packed / f"s{seed}.jsonl.xz", "wt") as f:
+            f.write(json.dumps(dict(shard=f"r1-s{seed}-00000", **row)) + "\n")
+
+    def unpack(seeds):
+        module.unpack(argparse.Namespace(packed=packed, work=work, seeds=seeds))
+        return sorted(f.name for f in (work / "answers").iterdir())
+
+    assert unpack("5,15") == ["r1-s15-00000.pt", "r1-s5-00000.pt"]
+    assert torch.load(work / "answers" / "r1-s5-00000.pt")[0]["answer"].tolist() == [3, 5]
+    with pytest.raises(SystemExit, match=r"\['s6\.jsonl\.xz'\]"):
+        unpack("4,6")
+    assert unpack(None) == ["r1-s15-00000.pt", "r1-s4-00000.pt", "r1-s5-00000.pt"]
