@@ -69,11 +69,20 @@ def answer_logits(model, prompt: list[int], answer: list[int], target_hidden=Non
     return logits[0, 0, len(prompt) - 1 : T - 1], hidden
 
 
-def run(engine, prompts, method, k, gamma, temp, new_tokens, eos):
-    """Per prompt (emitted tokens, target calls, tokens); seed = the prompt's index."""
+def run(engine, prompts, method, k, gamma, temp, new_tokens, eos, seed=0):
+    """Per prompt (emitted tokens, target calls, tokens); the request's seed is `seed` × 100,003
+    + the prompt's index (seed 0: the model card's runs)."""
     reqs = [
         make_request(
-            engine.limits, p, new_tokens, method, k, gamma, SamplingParams(temp), i, (eos,)
+            engine.limits,
+            p,
+            new_tokens,
+            method,
+            k,
+            gamma,
+            SamplingParams(temp),
+            seed * 100_003 + i,
+            (eos,),
         )
         for i, (_, p) in enumerate(prompts)
     ]
@@ -162,6 +171,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="requests' seeds: another value draws other sample paths (a seeded BE is one path)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, help="print the tables of an earlier --json, and exit")
     args = ap.parse_args()
@@ -187,12 +202,16 @@ def main() -> None:
         prompts={k: len(v) for k, v in per_kind(prompts, prompts).items()},
         new_tokens=args.new_tokens,
         batch=args.batch,
+        seed=args.seed,
         draft_cost=cost,
         alpha={},
         block_efficiency={},
     )
     for temp in args.temperature:
-        answers = [t for _, _, t in run(engine, prompts, "none", 1, 1, temp, args.new_tokens, eos)]
+        answers = [
+            t
+            for _, _, t in run(engine, prompts, "none", 1, 1, temp, args.new_tokens, eos, args.seed)
+        ]
         for name, draft in teachers.items():
             result["alpha"][f"{name} T={temp}"] = alphas(draft, target, prompts, answers, temp)
             print(name, temp, "alpha", result["alpha"][f"{name} T={temp}"], flush=True)
@@ -206,7 +225,7 @@ def main() -> None:
         configs.insert(0, ("compare", "block", 1, 4, 1.0))
     for name, method, k, gamma, temp in configs:
         key = f"{name} {method} K={k} gamma={gamma} T={temp}"
-        res = run(engines[name], prompts, method, k, gamma, temp, args.new_tokens, eos)
+        res = run(engines[name], prompts, method, k, gamma, temp, args.new_tokens, eos, args.seed)
         result["block_efficiency"][key] = block_efficiency(prompts, res)
         print(key, {k: round(v, 2) for k, v in result["block_efficiency"][key].items()}, flush=True)
         if args.json:
