@@ -35,15 +35,15 @@ and ``unpack`` turns every committed file back into shards, so a later run (on a
 in another session) trains on every seed sampled so far and spends its time on new ones.
 ``features`` records the teacher's top-k rows from its forward for shards that lack them.
 
-The committed draft (docs/model_card.md has the run; seeds 2 and 4-7 are committed, so on a
+The committed draft (docs/model_card.md has the run; seeds 2 and 4-8 are committed, so on a
 new machine ``unpack`` replaces the ``generate`` stages) is a chain of warm-started runs, each
-cross-entropy plus the total-variation loss (``--alpha-weight``); the latest, once seed 7 was
-sampled, trained on the four newest seeds only (an hour of this CPU sees each ~1.9 times):
+cross-entropy plus the total-variation loss (``--alpha-weight``); the latest, once seed 8 was
+sampled, trained on the four newest seeds only (an hour of this CPU sees each ~2.7 times):
 
-    .venv/bin/python scripts/train_draft.py --stage unpack --seeds 4,5,6,7
-    .venv/bin/python scripts/train_draft.py --stage features --feature-batch 16   # 24 min
-    .venv/bin/python scripts/train_draft.py --seed 7 --val-seed 7 --stage train --bf16 \
-        --train-minutes 62 --lr 5e-4 --alpha-weight 4 --init-draft <previous models/smollm2-draft>
+    .venv/bin/python scripts/train_draft.py --stage unpack --seeds 5,6,7,8
+    .venv/bin/python scripts/train_draft.py --stage features --feature-batch 16   # 20 min
+    .venv/bin/python scripts/train_draft.py --seed 8 --val-seed 8 --stage train --bf16 \
+        --train-minutes 60 --lr 5e-4 --alpha-weight 4 --init-draft <previous models/smollm2-draft>
     .venv/bin/python scripts/train_draft.py --stage export
     .venv/bin/python scripts/fetch_models.py && .venv/bin/python scripts/eval_draft.py
 
@@ -692,7 +692,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache/blockspec/draft-train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packed", type=Path, default=PACKED, help="pack/unpack: the answers' files")
-    ap.add_argument("--seeds", help="unpack: only these seeds, e.g. 4,5,6,7 (default: every one)")
+    ap.add_argument("--seeds", help="unpack: only these seeds, e.g. 5,6,7,8 (default: every one)")
     ap.add_argument("--round", type=int, default=1, choices=[1, 2], help="generate: which round")
     ap.add_argument("--prompts", type=int, default=4000, help="round 1: prompts built")
     ap.add_argument("--gen-minutes", type=float, default=30, help="round 1: time box")
