@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-import torch
+from collections import Counter, defaultdict
 
-from workers.outcomes import actual_outcomes, merged_by_prefix, outcome_scores, predict_outcomes
+import pytest
+import torch
+from harness import ALPHA, chi_square, load_reference, reference_models, sequences
+
+from verification import verify
+from workers import outcomes
+from workers.outcomes import (
+    actual_outcomes,
+    law_mass,
+    merged_by_prefix,
+    outcome_law,
+    outcome_scores,
+    predict_outcomes,
+)
 
 
 def rows(n, k, depth, V, seed=0):
@@ -63,3 +76,105 @@ def test_paths_sharing_a_prefix_sum_their_outcomes():
     best = merged.flatten().argmax()
     path, tau, y = best // 24, (best // 6) % 4, best % 6
     assert ranked[0] == (*x[0, path, :tau].tolist(), int(y))
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact outcome law (the ceiling of any predictor's hit rate)
+# ---------------------------------------------------------------------------------------------
+
+REFERENCE = load_reference()[1]["numbers"]
+LAW_CASES = [("TV", "token", 1), ("BV", "block", 1), ("GBV", "gbv", 1), ("GBV", "gbv", 2)]
+
+
+def every_draft(instance: str, k: int):
+    """Every K-tuple of paths a reference instance's draft can draw: x [N, K, γ], its
+    probability [N], q and p along it."""
+    target, draft, gamma = reference_models(instance)
+    paths = torch.cartesian_prod(*[torch.arange(draft.V)] * (gamma * k)).view(-1, k, gamma)
+    q = draft.rows(paths, range(gamma))  # [N, K, γ, V]
+    p = target.rows(paths, range(gamma + 1))  # [N, K, γ+1, V]
+    prob = q.gather(-1, paths[..., None]).flatten(1).prod(-1)
+    drawn = prob > 0  # a draft never proposes a token it gives q = 0 (R3's top-k rows)
+    return paths[drawn], prob[drawn], q[drawn], p[drawn]
+
+
+def output_law(method: str, instance: str, k: int, law_fn=outcome_law) -> dict[str, float]:
+    """The one-iteration law of the emitted sequence: outcome_law summed over every draft."""
+    x, prob, q, p = every_draft(instance, k)
+    path, law = law_fn(method, x, q, p)
+    chosen = x[torch.arange(len(x)), path].tolist()
+    total = defaultdict(float)
+    weights = (prob[:, None, None] * law).tolist()
+    for b, rows in enumerate(weights):
+        for tau, row in enumerate(rows):
+            for y, w in enumerate(row):
+                total[",".join(map(str, [*chosen[b][:tau], y]))] += w
+    return total
+
+
+def law_distance(ours: dict[str, float], reference: dict[str, float]) -> float:
+    return max(abs(ours.get(s, 0.0) - reference.get(s, 0.0)) for s in {*ours, *reference})
+
+
+@pytest.mark.parametrize(("spec_name", "method", "k"), LAW_CASES)
+@pytest.mark.parametrize("instance", list(REFERENCE))
+def test_outcome_law_summed_over_drafts_is_the_reference_law(instance, spec_name, method, k):
+    """Exact, no sampling: Σ_x P(x) outcome_law(x) is the committed one-iteration law."""
+    reference = REFERENCE[instance][f"K={k}"][spec_name]["output_law"]
+    assert law_distance(output_law(method, instance, k), reference) < 1e-9
+
+
+def test_a_wrong_law_is_told_apart(monkeypatch):
+    """The comparison has power: token verification's law is not block verification's, and
+    block verification with its running product clipped per factor, Π min(1, p/q) (the lossy
+    vLLM-Ascend #7807 bug class), is off the reference on every random instance."""
+    reference = REFERENCE["R1-random-s101"]["K=1"]["BV"]["output_law"]
+    assert law_distance(output_law("token", "R1-random-s101", 1), reference) > 1e-3
+
+    def per_factor(px, qx, dtype):
+        return (px / qx).clamp_max(1).cumprod(-1).to(dtype)
+
+    monkeypatch.setattr(outcomes, "running_products", per_factor)
+    for instance in [name for name in REFERENCE if name != "toy"]:
+        reference = REFERENCE[instance]["K=1"]["BV"]["output_law"]
+        assert law_distance(output_law("block", instance, 1), reference) > 1e-4
+
+
+def test_outcome_law_is_what_the_verifier_draws():
+    """On one draft of the default-like shape (V = 64, γ = 4, K = 2), 100,000 verifier runs
+    with fresh uniforms follow the law (chi-square at ALPHA); the path is gbv's."""
+    n, k, gamma, V = 100_000, 2, 4, 64
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(1, k, gamma, V, generator=g, dtype=torch.float64) * 2).softmax(-1)
+    p = (torch.randn(1, k, gamma + 1, V, generator=g, dtype=torch.float64) * 2).softmax(-1)
+    x = q.argmax(-1)  # a likely draft, so deep outcomes get mass
+    x[0, 1, 1] = (x[0, 0, 1] + 1) % V
+    for method, kk in (("block", 1), ("gbv", 2), ("token", 1)):
+        xs, qs, ps = x[:, :kk], q[:, :kk], p[:, :kk]
+        path, law = outcome_law(method, xs, qs, ps)
+        out = verify(
+            method,
+            xs.expand(n, -1, -1),
+            qs.float().expand(n, -1, -1, -1),
+            ps.float().expand(n, -1, -1, -1),
+            generator=g,
+        )
+        assert (out.path == path).all()
+        chosen = xs[0, int(path)].tolist()
+        expected = {
+            ",".join(map(str, [*chosen[:tau], y])): float(law[0, tau, y])
+            for tau in range(gamma + 1)
+            for y in range(V)
+            if law[0, tau, y] > 0
+        }
+        _, _, pvalue = chi_square(Counter(sequences(out.tokens, out.num_tokens)), expected, n)
+        assert pvalue > ALPHA, method
+
+
+def test_law_mass_reads_only_prefixes_of_the_path():
+    law = torch.zeros(1, 3, 5, dtype=torch.float64)
+    law[0, 0, 4], law[0, 1, 2], law[0, 2, 0] = 0.5, 0.3, 0.2
+    x = torch.tensor([[1, 3]])
+    # (4,) τ = 0; (1, 2) τ = 1 on the path; (2, 2) is not the path's; (1, 3, 0) the bonus
+    assert law_mass(law, x, [[(4,), (2, 2), (1, 2), (1, 3, 0), (4,)]]) == [1.0]
+    assert law_mass(law, x, [[(3, 2), (1, 3, 1)]]) == [0.0]

@@ -16,11 +16,25 @@ mass where p exceeds q, unknown: the draft's next choices are its best guess); t
 ∝ q[k, γ](y), the draft's row after the path. Two estimates of a: a constant (the running
 acceptance rate) or the draft's confidence in its token, q[k, i](x[k, i]). Paths that share
 their first τ tokens emit the same prefix for the same y: its estimate is their sum.
+
+`outcome_law` is the other side: the exact law of the outcome given the step's draft *and*
+the target's rows p, which the verifier's uniforms then decide. No predictor that ranks
+outcomes before verification, from anything independent of those uniforms, holds the real
+outcome among F more often than the F likeliest outcomes of that law do (their mass): the
+ceiling of a speculation cache's hit rate on a given pair, and, for any predictor, its
+expected hit rate (the law's mass on the outcomes it prepared) without the noise of one draw.
 """
 
 from __future__ import annotations
 
 import torch
+
+from verification import Backend
+from verification.block import level_probs, residual_mass, running_products
+from verification.common import positive_part_or, take_rows
+from verification.gbv import select_path, skewed_draft
+
+LAW_METHODS = ("token", "block", "gbv")
 
 
 def outcome_scores(
@@ -94,3 +108,94 @@ def actual_outcomes(
     """The prefix each request's verification emitted: x[path, :τ] + [y]."""
     rows, t, pth, emitted = x.tolist(), tau.tolist(), path.tolist(), tokens.tolist()
     return [(*rows[b][pth[b]][: t[b]], emitted[b][t[b]]) for b in range(len(t))]
+
+
+def outcome_law(
+    method: str,  # one of LAW_METHODS
+    x: torch.Tensor,  # [n, K, γ] int64: draft tokens (K = 1 but for gbv)
+    q: torch.Tensor,  # [n, K, γ, V]: the rows they were drawn from
+    p: torch.Tensor,  # [n, K, γ+1, V]: the target's rows along each path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact law of the step's outcome given x, q and p: (path [n] int64, law [n, γ+1, V]
+    float64), law[b, τ, y] = P(the verifier emits x[b, path, :τ] + [y]). The path is the one
+    the verifier reads: 0, or gbv's selection, which x, q and p decide (no uniform). The rules
+    are the verifiers' own (verification/, docs/verification.md §1, §2, §8)."""
+    n, k = x.shape[:2]
+    if method not in LAW_METHODS or (k > 1 and method != "gbv"):
+        raise ValueError(f"outcome_law: method {method!r} with K = {k} (laws: {LAW_METHODS})")
+    q, p = q.double(), p.double()
+    path = torch.zeros(n, dtype=torch.int64, device=x.device)
+    if k > 1:  # GBV: block verification of the selected path against the skewed draft q̃
+        path = select_path(x, q, p)
+        xs, ps = take_rows(x, path), take_rows(p, path)
+        backend = Backend.TORCH_HOST if x.device.type == "cpu" else Backend.TORCH_DEVICE
+        q_tilde, q_tilde_x = skewed_draft(xs, take_rows(q, path), ps, k, backend)
+        return path, _block_law(xs, q_tilde, ps, q_tilde_x)
+    if method == "token":
+        return path, _token_law(x[:, 0], q[:, 0], p[:, 0])
+    return path, _block_law(x[:, 0], q[:, 0], p[:, 0], None)
+
+
+def _token_law(
+    x: torch.Tensor,  # [n, γ] int64
+    q: torch.Tensor,  # [n, γ, V] float64
+    p: torch.Tensor,  # [n, γ+1, V] float64
+) -> torch.Tensor:
+    """Token verification: x_i passes with min(1, p/q) until the first failure, which
+    emits y ~ (p - q)_+; after all γ the bonus y ~ p. [n, γ+1, V]"""
+    drafted = x.unsqueeze(-1)
+    accept = (p[:, :-1].gather(-1, drafted) / q.gather(-1, drafted)).clamp_max(1)[..., 0]
+    ones = torch.ones_like(accept[:, :1])
+    reach = torch.cat([ones, accept.cumprod(-1)], dim=1)  # [n, γ+1]: P(τ >= i)
+    tau_law = reach * torch.cat([1 - accept, ones], dim=1)  # [n, γ+1]
+    return tau_law.unsqueeze(-1) * _emitted_rows(p, q, torch.ones_like(reach))
+
+
+def _block_law(
+    x: torch.Tensor,  # [n, γ] int64
+    q: torch.Tensor,  # [n, γ, V] float64 (gbv: q̃)
+    p: torch.Tensor,  # [n, γ+1, V] float64
+    q_x: torch.Tensor | None,  # [n, γ]: q(x_i) as the verifier reads it (gbv), else gathered
+) -> torch.Tensor:
+    """Block verification: level i passes with h_i (h_0 = 1, h_γ = p_γ), each on its own η,
+    and τ is the highest passing level, so P(τ = i) = h_i Π_{j > i} (1 - h_j); the emitted
+    y ~ (p_τ p - q)_+ at τ (the bonus: p). [n, γ+1, V]"""
+    gamma = x.shape[1]
+    drafted = x.unsqueeze(-1)
+    q_x = q.gather(-1, drafted)[..., 0] if q_x is None else q_x.double()
+    pi = running_products(p[:, :gamma].gather(-1, drafted)[..., 0], q_x, torch.float64)
+    mass = residual_mass(Backend.TORCH_HOST, p[:, 1:gamma], q[:, 1:], pi[:, :-1])  # [n, γ-1]
+    ones = torch.ones_like(pi[:, :1])
+    h = torch.cat([ones, level_probs(mass, pi[:, :-1]), pi[:, -1:]], dim=1)  # [n, γ+1]
+    fail_above = (1 - h[:, 1:]).flip(1).cumprod(1).flip(1)  # [n, γ]: Π_{j > i} (1 - h_j)
+    tau_law = h * torch.cat([fail_above, ones], dim=1)  # [n, γ+1]
+    return tau_law.unsqueeze(-1) * _emitted_rows(p, q, torch.cat([ones, pi], dim=1))
+
+
+def _emitted_rows(
+    p: torch.Tensor,  # [n, γ+1, V]
+    q: torch.Tensor,  # [n, γ, V]
+    scale: torch.Tensor,  # [n, γ+1]: what p is scaled by at each τ (block: p_τ; token: 1)
+) -> torch.Tensor:
+    """The law of y at each τ: (scale p - q)_+ normalised, q = 0 after the whole path (the
+    bonus), p itself where nothing is left (a branch of probability 0, spec §11). [n, γ+1, V]"""
+    q_rows = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+    rows = positive_part_or(scale.unsqueeze(-1) * p - q_rows, p)
+    return rows / rows.sum(-1, keepdim=True)
+
+
+def law_mass(
+    law: torch.Tensor,  # [n, γ+1, V]: outcome_law's
+    x: torch.Tensor,  # [n, γ] int64: the path it is on
+    prefixes: list[list[tuple[int, ...]]],  # per request, prepared outcomes (predict_outcomes)
+) -> list[float]:
+    """The law's mass on each request's prepared prefixes: its chance of a hit."""
+    rows = x.tolist()
+    return [
+        sum(
+            float(law[b, len(o) - 1, o[-1]])
+            for o in dict.fromkeys(prepared)
+            if len(o) <= len(rows[b]) + 1 and list(o[:-1]) == rows[b][: len(o) - 1]
+        )
+        for b, prepared in enumerate(prefixes)
+    ]
