@@ -8,7 +8,20 @@ built. After each step the predictor's F likeliest outcomes, from the draft alon
 compared with the prefix the verifier emitted. This measures the predictor, not a cache: no
 proposal is prepared or reused here.
 
-    .venv/bin/python scripts/bench_outcomes.py --json docs/outcomes.json
+Beside the sampled hits, each step's exact outcome law given the target's rows too
+(`outcome_law`, token / block / gbv) gives, without the noise of one draw, every predictor's
+expected hit rate (the law's mass on the outcomes it ranked first) and the `ceiling`: the mass
+of the law's own F likeliest outcomes, which no predictor ranking before verification can
+beat on these drafts. It also checks that the emitted outcome had positive probability.
+Where the draft's predictor loses (one path: token, block): `exact tau` ranks with the law's
+τ and the draft's estimate of y given τ, `exact y` with the draft's τ (the constant
+acceptance) and the law's y given τ; each scored by the law's mass on its first F.
+`--downweight` < 1 runs Saguaro sampling (the draft's top max(F) tokens scaled by it:
+workers/sampling.downweight_top), another lossless draft law with its own ceiling; the
+predictor then ranks y by the residual the cache estimates (speculation.residual_estimate).
+
+    .venv/bin/python scripts/bench_outcomes.py --per-kind 7 --new-tokens 48 \
+        --methods token block gbv --json docs/outcomes_t1.0.json
 """
 
 from __future__ import annotations
@@ -30,21 +43,36 @@ from loadtest.everyday import everyday_ids  # noqa: E402
 from service.engine import build_engine  # noqa: E402
 from service.requests import make_request  # noqa: E402
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from workers.outcomes import actual_outcomes, predict_outcomes  # noqa: E402
+from workers.outcomes import (  # noqa: E402
+    LAW_METHODS,
+    actual_outcomes,
+    law_mass,
+    outcome_law,
+    outcome_scores,
+    predict_outcomes,
+)
 from workers.sampling import SamplingParams  # noqa: E402
+from workers.speculation import residual_estimate  # noqa: E402
 
 PREDICTORS = ("constant", "confidence")
+LAW_ROWS = ("ceiling", "exact tau", "exact y")  # ranked with the law, wholly or in part
 
 
 class Recorder:
     """Wraps the engine's verify_step: verifies the first γ of γ + 1 drafted tokens and counts
     the predictor's hits, per predictor and fan-out."""
 
-    def __init__(self, fanouts: list[int]):
+    def __init__(self, fanouts: list[int], downweight: tuple[int, float] | None = None):
         self.fanouts = fanouts
+        self.downweight = downweight
         self.hits = {(p, f): 0 for p in PREDICTORS for f in fanouts}
+        # expected hits (the exact law's mass), per predictor and the ceiling, per fan-out
+        self.expected = {(p, f): 0.0 for p in (*PREDICTORS, *LAW_ROWS) for f in fanouts}
+        self.single_path = 0  # outcomes that the hybrid rows (one path) were computed on
+        self.lawful = 0  # outcomes whose law was computed
         self.outcomes = 0
         self.accepted, self.tried = 1.0, 2.0  # running acceptance rate, prior 0.5
+        self.emitted = 0.0  # tokens emitted by the steps (τ + 1 each): block efficiency
         self.original = engine_module.verify_step
 
     def __call__(self, plan, x, q, p, generators):
@@ -59,6 +87,7 @@ class Recorder:
         wide = torch.full((x.shape[0], gamma + 2), -1, dtype=torch.int64)
         wide[:, : gamma + 1] = verdict.tokens
         self.count(x[:, :, :gamma], q, verdict)
+        self.weigh(plan, x[:, :, :gamma], q, p[:, :, : gamma + 1], verdict)
         return replace(verdict, tokens=wide)
 
     def count(self, x, q, verdict) -> None:
@@ -69,14 +98,63 @@ class Recorder:
             "constant": torch.full_like(drafted, self.accepted / self.tried),
             "confidence": drafted,
         }
+        ranked_by = {}
+        rows = q
+        if self.downweight is not None:  # y ranked where the Saguaro residual is expected
+            rows = torch.cat([residual_estimate(q[:, :, :-1], *self.downweight), q[:, :, -1:]], 2)
         for name in PREDICTORS:  # the F likeliest are the first F of the ranking
-            ranked = predict_outcomes(x, q, accept[name], max(self.fanouts))
+            ranked = ranked_by[name] = predict_outcomes(x, rows, accept[name], max(self.fanouts))
             for f in self.fanouts:
                 self.hits[name, f] += sum(a in r[:f] for a, r in zip(actual, ranked, strict=True))
         self.outcomes += len(actual)
+        self.ranked, self.rows = ranked_by, rows  # for weigh
+        self.emitted += float((tau + 1).sum())
         gamma = x.shape[2]
         self.accepted += float(tau.sum())
         self.tried += float((tau + (tau < gamma)).sum())
+
+    def weigh(self, plan, x, q, p, verdict) -> None:
+        """The exact law of each group's outcomes: expected hits and the ceiling."""
+        gamma = x.shape[2]
+        for method, k, _, rows in plan.groups:
+            if method not in LAW_METHODS:
+                continue
+            idx = torch.tensor(rows)
+            path, law = outcome_law(method, x[idx], q[idx, :, :gamma], p[idx])
+            if k == 1:
+                self.hybrids(law, x[idx, 0], self.rows[idx, 0])
+            assert (path == verdict.path[idx]).all(), "the law's path is not the verifier's"
+            chosen = x[idx, path]  # [m, γ]
+            tau, emitted = verdict.num_accepted[idx], verdict.tokens[idx]
+            emitted_prob = law[torch.arange(len(rows)), tau, emitted.gather(1, tau[:, None])[:, 0]]
+            assert (emitted_prob > 0).all(), "an outcome of probability 0 was emitted"
+            top = law.flatten(1).topk(max(self.fanouts), dim=-1).values.cumsum(-1)  # [m, F]
+            for f in self.fanouts:
+                self.expected["ceiling", f] += float(top[:, f - 1].sum())
+                for name in PREDICTORS:
+                    ranked = [self.ranked[name][i][:f] for i in rows]
+                    self.expected[name, f] += sum(law_mass(law, chosen, ranked))
+            self.lawful += len(rows)
+
+    def hybrids(
+        self,
+        law: torch.Tensor,  # [m, γ+1, V]: the exact law on the one path
+        x: torch.Tensor,  # [m, γ]
+        q: torch.Tensor,  # [m, γ+1, V]: the rows the predictor ranks y with
+    ) -> None:
+        """The rows `exact tau` and `exact y`: half the ranking from the law, half the draft's."""
+        tau_law = law.sum(-1, keepdim=True)  # [m, γ+1, 1]
+        y_law = law / tau_law.clamp_min(1e-300)
+        accept = torch.full_like(x, self.accepted / self.tried, dtype=q.dtype)
+        draft = outcome_scores(x[:, None], q[:, None], accept[:, None])[:, 0].double()
+        tau_draft = draft.sum(-1, keepdim=True)
+        y_draft = draft / tau_draft.clamp_min(1e-300)
+        for name, scores in (("exact tau", tau_law * y_draft), ("exact y", tau_draft * y_law)):
+            top = scores.flatten(1).topk(max(self.fanouts), dim=-1).indices  # [m, F]
+            mass = law.flatten(1).gather(1, top).cumsum(-1)  # one path: every entry its own
+            for f in self.fanouts:
+                self.expected[name, f] += float(mass[:, f - 1].sum())
+        self.single_path += len(x)
 
 
 def main() -> None:
@@ -93,6 +171,9 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=2, help="everyday prompts per kind")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument(
+        "--downweight", type=float, default=1.0, help="Saguaro factor (< 1) for the top max(F)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -104,7 +185,9 @@ def main() -> None:
     started = time.time()
     for method in args.methods:
         k = args.k if method == "gbv" else 1
-        recorder = Recorder(args.fanout)
+        saguaro = (max(args.fanout), args.downweight) if args.downweight < 1 else None
+        recorder = Recorder(args.fanout, saguaro)
+        engine.executor.draft.downweight = saguaro
         engine_module.verify_step = recorder
         try:
             reqs = [
@@ -124,9 +207,21 @@ def main() -> None:
         finally:
             engine_module.verify_step = recorder.original
         rate = {f"{p} F={f}": h / recorder.outcomes for (p, f), h in recorder.hits.items()}
+        per = {p: recorder.lawful for p in (*PREDICTORS, "ceiling")}
+        per |= {p: recorder.single_path for p in LAW_ROWS[1:]}
+        expected = {f"{p} F={f}": e / per[p] for (p, f), e in recorder.expected.items() if per[p]}
         key = f"{method} K={k} gamma={args.gamma} T={args.temperature}"
-        result["rows"][key] = dict(outcomes=recorder.outcomes, hit_rate=rate)
-        print(key, recorder.outcomes, {n: round(v, 3) for n, v in rate.items()}, flush=True)
+        if saguaro:
+            key += f" saguaro={args.downweight}"
+        result["rows"][key] = dict(
+            outcomes=recorder.outcomes,
+            block_efficiency=recorder.emitted / recorder.outcomes,
+            hit_rate=rate,
+            expected_hit_rate=expected,
+        )
+        be = round(recorder.emitted / recorder.outcomes, 3)
+        print(key, recorder.outcomes, be, {n: round(v, 3) for n, v in rate.items()}, flush=True)
+        print("  expected", {n: round(v, 3) for n, v in expected.items()}, flush=True)
     result["minutes"] = round((time.time() - started) / 60, 1)
     result["command"] = "python " + " ".join(sys.argv)
     if args.json:
