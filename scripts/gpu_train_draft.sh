@@ -7,7 +7,7 @@
 # at .gpu/target.gguf (or its parts .gpu/target.gguf.part*, joined in name order).
 # Budget (minutes): GEN_MIN (round 1 answers, 3.5), ROUND2_MIN (follow-up turns, 0.75),
 # TRAIN_MIN (2); PROMPTS (round 1 prompts built, 20000), BATCH (answers sampled at once, 256),
-# SEED (3: seeds 0-2 and 4-8 were sampled on the CPU, so these prompts and answers are new),
+# SEED (3: seeds 0-2 and 4-9 were sampled on the CPU, so these prompts and answers are new),
 # ALPHA_WEIGHT (the total-variation loss's weight, 4, as the committed draft was trained).
 # Trains on every committed seed (models/smollm2-draft-answers/, unpacked first; UNPACK=0 skips
 # them, as a CPU smoke test should) and the new one.
