@@ -86,34 +86,37 @@ class Recorder:
         )
         wide = torch.full((x.shape[0], gamma + 2), -1, dtype=torch.int64)
         wide[:, : gamma + 1] = verdict.tokens
-        self.count(x[:, :, :gamma], q, verdict)
-        self.weigh(plan, x[:, :, :gamma], q, p[:, :, : gamma + 1], verdict)
+        x = x[:, :, :gamma]
+        rate = self.accepted / self.tried  # the running acceptance rate before this step
+        ranked, rows = self.rank(x, q, rate)
+        self.count(x, verdict, ranked)
+        self.weigh(plan, x, q, p[:, :, : gamma + 1], verdict, ranked, rows, rate)
+        tau = verdict.num_accepted
+        self.emitted += float((tau + 1).sum())
+        self.accepted += float(tau.sum())
+        self.tried += float((tau + (tau < gamma)).sum())
         return replace(verdict, tokens=wide)
 
-    def count(self, x, q, verdict) -> None:
-        tau = verdict.num_accepted
-        actual = actual_outcomes(x, tau, verdict.path, verdict.tokens)
+    def rank(self, x, q, rate: float) -> tuple[dict, torch.Tensor]:
+        """Each predictor's ranking of the outcomes, and the rows it ranked y with."""
         drafted = q[:, :, : x.shape[2]].gather(-1, x[..., None])[..., 0]  # [n, K, γ]
-        accept = {
-            "constant": torch.full_like(drafted, self.accepted / self.tried),
-            "confidence": drafted,
-        }
-        ranked_by = {}
+        accept = {"constant": torch.full_like(drafted, rate), "confidence": drafted}
         rows = q
         if self.downweight is not None:  # y ranked where the Saguaro residual is expected
             rows = torch.cat([residual_estimate(q[:, :, :-1], *self.downweight), q[:, :, -1:]], 2)
-        for name in PREDICTORS:  # the F likeliest are the first F of the ranking
-            ranked = ranked_by[name] = predict_outcomes(x, rows, accept[name], max(self.fanouts))
-            for f in self.fanouts:
-                self.hits[name, f] += sum(a in r[:f] for a, r in zip(actual, ranked, strict=True))
-        self.outcomes += len(actual)
-        self.ranked, self.rows = ranked_by, rows  # for weigh
-        self.emitted += float((tau + 1).sum())
-        gamma = x.shape[2]
-        self.accepted += float(tau.sum())
-        self.tried += float((tau + (tau < gamma)).sum())
+        top = max(self.fanouts)  # the F likeliest are the first F of the ranking
+        return {name: predict_outcomes(x, rows, accept[name], top) for name in PREDICTORS}, rows
 
-    def weigh(self, plan, x, q, p, verdict) -> None:
+    def count(self, x, verdict, ranked: dict) -> None:
+        """The sampled hits: the emitted outcome among each predictor's first F."""
+        actual = actual_outcomes(x, verdict.num_accepted, verdict.path, verdict.tokens)
+        for name in PREDICTORS:
+            for f in self.fanouts:
+                hits = zip(actual, ranked[name], strict=True)
+                self.hits[name, f] += sum(a in r[:f] for a, r in hits)
+        self.outcomes += len(actual)
+
+    def weigh(self, plan, x, q, p, verdict, ranked: dict, ranked_rows, rate: float) -> None:
         """The exact law of each group's outcomes: expected hits and the ceiling."""
         gamma = x.shape[2]
         for method, k, _, rows in plan.groups:
@@ -122,7 +125,7 @@ class Recorder:
             idx = torch.tensor(rows)
             path, law = outcome_law(method, x[idx], q[idx, :, :gamma], p[idx])
             if k == 1:
-                self.hybrids(law, x[idx, 0], self.rows[idx, 0])
+                self.hybrids(law, x[idx, 0], ranked_rows[idx, 0], rate)
             assert (path == verdict.path[idx]).all(), "the law's path is not the verifier's"
             chosen = x[idx, path]  # [m, γ]
             tau, emitted = verdict.num_accepted[idx], verdict.tokens[idx]
@@ -132,8 +135,8 @@ class Recorder:
             for f in self.fanouts:
                 self.expected["ceiling", f] += float(top[:, f - 1].sum())
                 for name in PREDICTORS:
-                    ranked = [self.ranked[name][i][:f] for i in rows]
-                    self.expected[name, f] += sum(law_mass(law, chosen, ranked))
+                    prepared = [ranked[name][i][:f] for i in rows]
+                    self.expected[name, f] += sum(law_mass(law, chosen, prepared))
             self.lawful += len(rows)
 
     def hybrids(
@@ -141,11 +144,12 @@ class Recorder:
         law: torch.Tensor,  # [m, γ+1, V]: the exact law on the one path
         x: torch.Tensor,  # [m, γ]
         q: torch.Tensor,  # [m, γ+1, V]: the rows the predictor ranks y with
+        rate: float,  # the constant estimate of acceptance
     ) -> None:
         """The rows `exact tau` and `exact y`: half the ranking from the law, half the draft's."""
         tau_law = law.sum(-1, keepdim=True)  # [m, γ+1, 1]
         y_law = law / tau_law.clamp_min(1e-300)
-        accept = torch.full_like(x, self.accepted / self.tried, dtype=q.dtype)
+        accept = torch.full_like(x, rate, dtype=q.dtype)
         draft = outcome_scores(x[:, None], q[:, None], accept[:, None])[:, 0].double()
         tau_draft = draft.sum(-1, keepdim=True)
         y_draft = draft / tau_draft.clamp_min(1e-300)

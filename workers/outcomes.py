@@ -124,16 +124,16 @@ def outcome_law(
     if method not in LAW_METHODS or (k > 1 and method != "gbv"):
         raise ValueError(f"outcome_law: method {method!r} with K = {k} (laws: {LAW_METHODS})")
     q, p = q.double(), p.double()
+    backend = Backend.TORCH_HOST if x.device.type == "cpu" else Backend.TORCH_DEVICE
     path = torch.zeros(n, dtype=torch.int64, device=x.device)
     if k > 1:  # GBV: block verification of the selected path against the skewed draft q̃
         path = select_path(x, q, p)
         xs, ps = take_rows(x, path), take_rows(p, path)
-        backend = Backend.TORCH_HOST if x.device.type == "cpu" else Backend.TORCH_DEVICE
         q_tilde, q_tilde_x = skewed_draft(xs, take_rows(q, path), ps, k, backend)
-        return path, _block_law(xs, q_tilde, ps, q_tilde_x)
+        return path, _block_law(xs, q_tilde, ps, q_tilde_x, backend)
     if method == "token":
         return path, _token_law(x[:, 0], q[:, 0], p[:, 0])
-    return path, _block_law(x[:, 0], q[:, 0], p[:, 0], None)
+    return path, _block_law(x[:, 0], q[:, 0], p[:, 0], None, backend)
 
 
 def _token_law(
@@ -156,6 +156,7 @@ def _block_law(
     q: torch.Tensor,  # [n, γ, V] float64 (gbv: q̃)
     p: torch.Tensor,  # [n, γ+1, V] float64
     q_x: torch.Tensor | None,  # [n, γ]: q(x_i) as the verifier reads it (gbv), else gathered
+    backend: Backend,  # a torch one (float64 rows: never numba's or a fused kernel's)
 ) -> torch.Tensor:
     """Block verification: level i passes with h_i (h_0 = 1, h_γ = p_γ), each on its own η,
     and τ is the highest passing level, so P(τ = i) = h_i Π_{j > i} (1 - h_j); the emitted
@@ -164,7 +165,7 @@ def _block_law(
     drafted = x.unsqueeze(-1)
     q_x = q.gather(-1, drafted)[..., 0] if q_x is None else q_x.double()
     pi = running_products(p[:, :gamma].gather(-1, drafted)[..., 0], q_x, torch.float64)
-    mass = residual_mass(Backend.TORCH_HOST, p[:, 1:gamma], q[:, 1:], pi[:, :-1])  # [n, γ-1]
+    mass = residual_mass(backend, p[:, 1:gamma], q[:, 1:], pi[:, :-1])  # [n, γ-1]
     ones = torch.ones_like(pi[:, :1])
     h = torch.cat([ones, level_probs(mass, pi[:, :-1]), pi[:, -1:]], dim=1)  # [n, γ+1]
     fail_above = (1 - h[:, 1:]).flip(1).cumprod(1).flip(1)  # [n, γ]: Π_{j > i} (1 - h_j)
