@@ -121,7 +121,11 @@ def start_ray(settings: Settings) -> None:
         ray.init(address=address)
         return
     _local_cluster_env()
+    # "local": always a new cluster of our own. Without it ray.init joins whatever cluster
+    # /tmp/ray/ray_current_cluster names (another job's `ray start` on this machine, such as
+    # tests/two_nodes.py running beside the live-service tests), and then refuses num_cpus.
     ray.init(
+        address="local",
         num_cpus=settings.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
         runtime_env={
