@@ -4,8 +4,6 @@ it are marked ``xdist_group("ray")`` so that they all run on one worker)."""
 
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
 
@@ -27,9 +25,6 @@ def service(redis_url):
 
     from service.app import run
 
-    # Ray's metrics agent publishes what actors record every 10 s by default; 0.5 s keeps the
-    # replica-metrics test short. Read by the raylet this process starts, so set it first.
-    os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
     settings = Settings(
         port=0,
         http_port=free_port(),
