@@ -379,7 +379,7 @@ def test_output_law_with_a_feature_draft(method, k, cache):
 
 
 @pytest.mark.xdist_group("ray")
-@pytest.mark.parametrize("kind", ["token", "feature"])
+@pytest.mark.parametrize("kind", [pytest.param("token", marks=pytest.mark.slow), "feature"])
 def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service, tmp_path, kind):
     """A replica's draft actor with a speculation cache (prepared while the target actor
     verifies): 1,000 seeded requests (spectr_gbv K = 2, a carried method, 3 tokens over γ = 2)
