@@ -1,7 +1,7 @@
 """Run by tests/test_multinode.py in a fresh interpreter (a process joins one Ray cluster):
-a simulated two-node cluster on 127.0.0.1, the draft placed on one node and the target's two
-shards on the other through custom resources from the settings, then everything on one node;
-prints both runs' seeded outputs and where each actor ran, as JSON."""
+a simulated two-node cluster on 127.0.0.1, the draft placed on one node and the target on the
+other through custom resources from the settings; prints the seeded outputs, those of the
+in-process engine on the same requests, and where each actor ran, as JSON."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 from service.config import ReplicaConfig
+from service.engine import build_engine
 from service.replica import build_remote_engine
 from service.requests import make_request
 from tests.test_engine import MIXED
@@ -27,22 +28,30 @@ def node_of(actor) -> str:
 
 
 def run(draft_node: str, target_node: str, prompts: list[list[int]]) -> dict:
+    """One target shard: the shards of a replica share a node anyway (one STRICT_PACK
+    placement group), so what crosses nodes is the draft's rows, whatever the shard count."""
     cfg = ReplicaConfig(
         draft_dir=str(TINY_DRAFT),
         target_dir=str(TINY_TARGET),
         max_batch=len(MIXED),
-        tensor_parallel=2,
         draft=dict(resources={draft_node: 0.01}),
         target_shard=dict(resources={target_node: 0.01}),
     )
     engine, _ = build_remote_engine(cfg)
-    requests = [
-        make_request(engine.limits, prompt, 16, method, k, gamma, SamplingParams(1.0), seed=90 + i)
-        for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
-    ]
+    local = build_engine(cfg.draft_dir, cfg.target_dir, len(MIXED))[0]
+
+    def requests():
+        return [
+            make_request(
+                engine.limits, prompt, 16, method, k, gamma, SamplingParams(1.0), seed=90 + i
+            )
+            for i, (prompt, (method, k, gamma)) in enumerate(zip(prompts, MIXED, strict=True))
+        ]
+
     try:
         return dict(
-            tokens=[r.token_ids for r in engine.generate(requests)],
+            tokens=[r.token_ids for r in engine.generate(requests())],
+            local=[r.token_ids for r in local.generate(requests())],
             draft_node=node_of(engine.draft.actors[0]),
             target_nodes=[node_of(a) for a in engine.target.actors],
         )
@@ -62,8 +71,7 @@ def main() -> None:
     try:
         nodes = {n["NodeID"]: sorted(set(n["Resources"]) & {"a", "b"}) for n in ray.nodes()}
         prompts = [[1 + i, 40 + 3 * i, 7, 100 + i] for i in range(len(MIXED))]
-        split, together = run("a", "b", prompts), run("b", "b", prompts)
-        print(json.dumps(dict(nodes=nodes, split=split, together=together)))
+        print(json.dumps(dict(nodes=nodes, split=run("a", "b", prompts))))
     finally:
         ray.shutdown()
         cluster.shutdown()
