@@ -142,8 +142,8 @@ def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
     assert node.node_ip_address == "127.0.0.1"
     wanted = [f'ray_blockspec_step_phase_seconds_count{{phase="{p}"}}' for p in StepTimes.PHASES]
     wanted += ["ray_blockspec_step_batch_size_count", "ray_blockspec_queue_depth"]
-    # Ray's metrics agent publishes every 10 s (its default; a shorter interval keeps an idle
-    # test cluster busy: 0.75 of a core at 0.5 s against 0.24 at 10 s), so allow a few reports.
+    # Ray's metrics agent publishes every 10 s (its default; at 0.5 s the idle test cluster
+    # costs 0.29 of a core against 0.24: scripts/bench_idle_cluster.py), so allow a few reports.
     deadline, metrics = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # each metric shows up at its first report interval
         if busy.done():
