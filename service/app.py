@@ -13,6 +13,7 @@ from ray import serve
 
 from service.config import Settings
 from service.http_api import OpenAIFrontend, http_app
+from service.ports import SERVE_EXCLUSIVE_ENV
 from service.replica import Replica
 
 # What a local cluster's processes (GCS, raylet, Serve's controller and proxy, the actors) read
@@ -21,10 +22,11 @@ from service.replica import Replica
 # readiness checks of this many seconds (Ray's default 5: 15 s in all) and starts another. On a
 # busy 2-core host a proxy starting beside the replicas' model loads can need longer, and the
 # restart then outlasts serve.start's fixed 60 s wait for it; 20 s gives the first proxy the
-# whole minute.
+# whole minute. SERVE_EXCLUSIVE_ENV: the HTTP proxy's port is ours alone (service/ports.py).
 LOCAL_CLUSTER_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20",
+    **SERVE_EXCLUSIVE_ENV,
 }
 
 
@@ -129,7 +131,7 @@ def start_ray(settings: Settings) -> None:
         num_cpus=settings.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
         runtime_env={
-            "env_vars": dict(LOCAL_CLUSTER_ENV),
+            "env_vars": {key: os.environ[key] for key in LOCAL_CLUSTER_ENV},  # as set above
             "worker_process_setup_hook": "service.app.serve_replicas_on_loopback",
         },
         _system_config={"max_direct_call_object_size": settings.ray_inline_bytes},

@@ -18,6 +18,7 @@ commands start fast. tests/test_cli.py checks it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from fractions import Fraction
@@ -151,12 +152,19 @@ def serve_forever(args) -> None:
     import asyncio
     import signal
 
+    from service.ports import check_free, listeners
+
+    settings = serve_settings(args)
+    # Before Ray is even imported: a port that is not ours alone is refused, named with its
+    # flag (a cluster we join listens on its head node, not necessarily here).
+    if not (settings.ray_address or os.environ.get("RAY_ADDRESS")):
+        check_free(settings.host, listeners(settings))
+
     from ray import serve
 
     from service.app import run
     from workers.models import check_pair
 
-    settings = serve_settings(args)
     # Before any Ray start: a pair that cannot work together is refused here, naming both.
     check_pair(settings.replica.draft_dir, settings.replica.target_dir)
     start = time.perf_counter()
@@ -300,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve_flags(s: argparse.ArgumentParser) -> None:
     """`blockspec serve`'s flags: each one a Settings field (None: leave it to the config)."""
-    s.add_argument("--host", help="gRPC/metrics listen address (default: 127.0.0.1)")
+    s.add_argument("--host", help="listen address of gRPC, HTTP and metrics (default: 127.0.0.1)")
     s.add_argument("--port", type=int, help="gRPC port (default: 50051; 0 = any free port)")
     s.add_argument(
         "--http-port", type=int, help="OpenAI-compatible HTTP port (default: 8000; 0 = off)"
@@ -342,9 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         demo(args.trials, args.seed)
     elif args.command == "serve":
+        from service.ports import PortTaken
+
         try:
             serve_forever(args)
-        except ValueError as err:  # a model pair that cannot be served
+        except (ValueError, PortTaken) as err:  # a model pair or a port that cannot be served
             raise SystemExit(f"error: {err}") from None
     elif args.command == "chat":
         from service import client

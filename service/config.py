@@ -155,7 +155,7 @@ class Settings(BaseSettings):
         env_prefix="BLOCKSPEC_", env_nested_delimiter="__", extra="forbid"
     )
 
-    host: str = "127.0.0.1"  # gRPC listen address (loopback unless you mean otherwise)
+    host: str = "127.0.0.1"  # where gRPC, HTTP and metrics listen (loopback unless meant)
     port: int = Field(50051, ge=0, le=65535)  # 0: any free port
     metrics_port: int = Field(9464, ge=0, le=65535)  # Prometheus /metrics on `host`; 0: off
     # OpenAI-compatible HTTP API (Serve's HTTP proxy) on `host`; 0: off. Plain HTTP: keep it on

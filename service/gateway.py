@@ -42,6 +42,7 @@ from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, Req
 from service.detokenizer import TextStream
 from service.engine import RequestStats, StepTimes
 from service.policy import AUTO
+from service.ports import GRPC_EXCLUSIVE
 from service.requests import (
     CHARS_PER_POSITION,
     CHAT_ROLES,
@@ -595,7 +596,8 @@ class GatewayServer:
             settings.max_in_flight_per_client,
         )
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[auth])
+        # Exclusive: another server that binds this port later fails instead of sharing it.
+        self.server = grpc.aio.server(interceptors=[auth], options=GRPC_EXCLUSIVE)
         _add_generator(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

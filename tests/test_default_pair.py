@@ -148,7 +148,8 @@ def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):
     from workers.models import TINY_DRAFT
 
     with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--draft", str(TINY_DRAFT), "--target", str(DEFAULT_TARGET)])
+        ports = ["--port", "0", "--http-port", "0", "--metrics-port", "0"]  # none probed
+        main(["serve", *ports, "--draft", str(TINY_DRAFT), "--target", str(DEFAULT_TARGET)])
     assert str(TINY_DRAFT) in str(exit_.value) and str(DEFAULT_TARGET) in str(exit_.value)
     assert "vocabulary" in str(exit_.value)
 

@@ -31,6 +31,7 @@ from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from service import app as service_app
 from service.config import Settings
+from service.ports import SERVE_EXCLUSIVE_ENV
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 SERVE_CONFIG = DEPLOY / "serve_config.yaml"
@@ -334,6 +335,9 @@ def dockerfile_problems(text: str, settings: Settings) -> list[str]:
                 f"{key}={env.get(key)!r}, args.replica.{field} is "
                 f"{getattr(settings.replica, field)!r}"
             )
+    for key, value in SERVE_EXCLUSIVE_ENV.items():  # Serve's proxy keeps its port to itself
+        if env.get(key) != value:
+            problems.append(f"ENV {key}={env.get(key)!r}, service/ports.py wants {value!r}")
     return problems
 
 

@@ -286,6 +286,36 @@ def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
     assert wait_idle(service).active == 0
 
 
+def test_a_second_deployment_cannot_take_the_ports_of_the_first(service):
+    """Every listener binds exclusively: no socket can join one (as a later server that sets
+    SO_REUSEPORT, gRPC's and Serve's default, would), `blockspec serve` on the same ports exits
+    naming the first taken one, and the first deployment answers every request."""
+    import errno
+    import socket
+    import subprocess
+    import sys
+
+    settings = service["settings"]
+    ports = dict(port=service["address"]["port"], http_port=settings.http_port)
+    ports["metrics_port"] = service["address"]["metrics_port"]
+    for name, port in ports.items():
+        with socket.socket() as joining:
+            joining.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError) as err:
+                joining.bind(("127.0.0.1", port))
+            assert err.value.errno == errno.EADDRINUSE, name
+    argv = [f"--{name.replace('_', '-')}={port}" for name, port in ports.items()]
+    code = "import sys; from service.cli import main; main(sys.argv[1:])"
+    second = subprocess.run(
+        [sys.executable, "-c", code, "serve", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert second.returncode == 1
+    assert second.stderr.startswith(f"error: 127.0.0.1:{ports['port']} (gRPC, --port) is already")
+    request = pb.GenerateRequest(prompt="x", max_new_tokens=2)
+    replicas = {service["stub"].Generate(request).replica for _ in range(8)}
+    assert len(replicas) == 1 and "" not in replicas  # all answered, by the one replica
+
+
 def test_session_continuation_reuses_the_kv_cache_and_lives_in_redis(service):
     sid = f"s-{time.time_ns()}"
 
