@@ -40,7 +40,7 @@ def first_token_s(engine, req) -> tuple[float, list[int], int]:
     """(seconds to the first emitted tokens, the reply's tokens, cached prompt tokens)."""
     start, first = time.perf_counter(), []
 
-    def on_tokens(_tokens: list[int]) -> None:
+    def on_tokens(_progress) -> None:
         if not first:
             first.append(time.perf_counter() - start)
 

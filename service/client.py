@@ -55,7 +55,7 @@ class Reply:
     first_token_s: float | None = None  # send -> first chunk carrying tokens or text
     seconds: float = 0.0  # send -> last chunk
     finish: str = ""
-    stats: pb.SpeculationStats | None = None  # None: the server sent none (a stop string)
+    stats: pb.SpeculationStats | None = None  # None: the server sent none
     replica: str = ""
     session_id: str = ""
     chunks: list[str] = field(default_factory=list)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.engine import GenerationResult, SpeculativeEngine, StepResult, StepTimes
+from service.engine import GenerationResult, Progress, SpeculativeEngine, StepResult, StepTimes
 from service.requests import GenerationRequest
 from workers.actors import WorkerLost
 
@@ -57,7 +57,7 @@ class ReplicaFailed(RuntimeError):
 # step it took part in, then one Done or Failed.
 @dataclass
 class Emitted:
-    token_ids: list[int]  # the step's new output tokens
+    progress: Progress  # the step's new output tokens, and the request's stats so far
 
 
 @dataclass
@@ -161,9 +161,9 @@ class Coordinator:
 
     # ------------------------------------------------------------ loop (own thread)
     @staticmethod
-    def _streamer(deliver: Deliver) -> Callable[[list[int]], None]:
-        """The engine's on_tokens callback for a request: each step's tokens as Emitted."""
-        return lambda tokens: deliver(Emitted(tokens))
+    def _streamer(deliver: Deliver) -> Callable[[Progress], None]:
+        """The engine's on_tokens callback for a request: each step's progress as Emitted."""
+        return lambda progress: deliver(Emitted(progress))
 
     def _finish(self, request_id: str, event: Done | Failed) -> None:
         with self._lock:

@@ -113,6 +113,26 @@ class RequestStats:
         """Block efficiency: emitted tokens per target call (accepted + 1 per call)."""
         return (self.accepted + self.target_calls) / max(self.target_calls, 1)
 
+    def copy(self) -> RequestStats:
+        return RequestStats(
+            self.target_calls,
+            self.accepted,
+            list(self.accepted_per_position),
+            Counter(self.steps_by_config),
+            replace(self.steps),
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A streamed request after one step: the tokens the step added to its output, and its
+    stats so far (a copy, whole for the step), so that a stream cut short (a stop string the
+    gateway found) still knows what ran."""
+
+    token_ids: list[int]
+    stats: RequestStats
+    cached_tokens: int
+
 
 @dataclass
 class GenerationResult:
@@ -459,8 +479,8 @@ class _Active:
     stats: RequestStats = field(default_factory=RequestStats)
     emitted: int = 0  # tokens emitted so far, including any past a stop (they are in the caches)
     cached_tokens: int = 0
-    # Called with the tokens each step appends to the output (streaming), on the engine's thread.
-    on_tokens: Callable[[list[int]], None] | None = field(default=None, repr=False)
+    # Called with each step's Progress (streaming), on the engine's thread.
+    on_tokens: Callable[[Progress], None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -533,11 +553,12 @@ class SpeculativeEngine:
         self,
         req: GenerationRequest,
         request_id: str | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[Progress], None] | None = None,
     ) -> str:
         """Queue a request checked against `limits` (service/requests.py; the engine trusts it)
-        under `request_id` (one is made when None); `on_tokens` is called with the tokens each
-        step appends to its output (streaming), on the engine's thread. Returns the id."""
+        under `request_id` (one is made when None); `on_tokens` is called with each step's
+        Progress (the tokens it appended to the output; streaming), on the engine's thread,
+        once the step is done. Returns the id."""
         request_id = request_id or f"req-{next(self._ids)}"
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         gen = torch.Generator().manual_seed(seed)
@@ -727,12 +748,14 @@ class SpeculativeEngine:
             accepted = verdict.num_accepted.tolist()
             outcomes = [(a.auto, accepted[i]) for i, a in enumerate(batch) if a.auto is not None]
             self.policy.observe(arm, shape, time.perf_counter() - admitting, outcomes)
-        finished = self._advance(plan, x, verdict, kept)
+        finished, streamed = self._advance(plan, x, verdict, kept)
         seconds["overhead"] = planned - start + time.perf_counter() - speculated
         seconds["prefill"] = seconds.get("prefill", 0.0) + prefill  # remote: posted calls
         times = StepTimes(**seconds, batch_size=len(batch))
         for a in batch:
             a.stats.steps.add(times)
+        for a, tokens in streamed:  # now that its stats hold the whole step
+            a.on_tokens(Progress(tokens, a.stats.copy(), a.cached_tokens))
         self.times.add(times)
         self.steps += 1
         return StepResult(finished, times)
@@ -809,12 +832,14 @@ class SpeculativeEngine:
         x: torch.Tensor,  # [n, K, γ] int64: the step's draft tokens, on the host
         verdict: Verdict,
         kept: torch.Tensor | None,  # [n] int64: draft tokens the draft kept; None: no commit
-    ) -> list[GenerationResult]:
-        """Append emitted tokens, update pending tokens and stats; retire finished requests."""
+    ) -> tuple[list[GenerationResult], list[tuple[_Active, list[int]]]]:
+        """Append emitted tokens, update pending tokens and stats; retire finished requests.
+        Returns the finished requests' results and each streamed request's new tokens."""
         tokens, tau, path = verdict.tokens, verdict.num_accepted, verdict.path
         keep = [0] * len(self.active) if kept is None else kept.tolist()
         done: list[int] = []
         results = []
+        streamed = []
         # draft tokens per path that the draft has run
         run = min(plan.verification.max_gamma - 1, x.shape[2])
         for i, a in enumerate(self.active):
@@ -854,7 +879,7 @@ class SpeculativeEngine:
             if a.auto is not None:
                 a.auto.remaining = a.req.max_new_tokens - len(a.output)
             if a.on_tokens is not None:
-                a.on_tokens(a.output[before:])
+                streamed.append((a, a.output[before:]))
             if reason:
                 results.append(
                     GenerationResult(a.request_id, a.output, reason, a.stats, a.cached_tokens)
@@ -862,7 +887,7 @@ class SpeculativeEngine:
                 done.append(i)
         for i in reversed(done):
             self._retire(i)
-        return results
+        return results, streamed
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Run requests to completion (continuous batching); results in request order."""

@@ -475,6 +475,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
             handle = self.replicas.options(stream=True, multiplexed_model_id=routing)
             stream = call.stream = handle.generate.remote(request)
             final: FinishedEvent | None = None
+            cut = False  # stopped here on a stop string: the replica parked no KV for it
             try:
                 async for event in stream:  # TokensEvent..., FinishedEvent
                     if isinstance(event, FinishedEvent):
@@ -488,9 +489,13 @@ class GenerationService(pb_grpc.GeneratorServicer):
                         self.metrics.first_token.labels(call.method).observe(call.first_token_s)
                     chunk = pb.GenerateChunk(text=delta, token_ids=new_ids)
                     if text.stopped:
-                        stream.cancel()  # the replica frees the request's KV slot
+                        stream.cancel()  # the replica frees the request's KV slot (no parking)
                         held.append(chunk)
-                        final = FinishedEvent("stop", stats=None, cached_tokens=0, replica="")
+                        # What ran up to here: the stats of the step that found the stop.
+                        final = FinishedEvent(
+                            "stop", event.stats, event.cached_tokens, event.replica
+                        )
+                        cut = True
                         break
                     if not (delta or new_ids):
                         continue
@@ -511,13 +516,12 @@ class GenerationService(pb_grpc.GeneratorServicer):
         call.finished = True
         if final is None:
             raise RuntimeError("the replica's stream ended without a finish event")
-        if final.stats is not None:
-            self.metrics.finished(call.method, final.stats, len(output))
+        self.metrics.finished(call.method, final.stats, len(output))
         tail = text.flush()
         call.reply += tail
         if request.session_id:
-            await self._save_session(session, request, output, final, call)
-        stats = final.stats and speculation_stats(final.stats, final.cached_tokens, request)
+            await self._save_session(session, request, output, final, call, parked=not cut)
+        stats = speculation_stats(final.stats, final.cached_tokens, request)
         yield pb.GenerateChunk(
             text=tail,
             finish_reason=FINISH[final.finish_reason],
@@ -533,6 +537,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
         output: list[int],
         final: FinishedEvent,
         call: _Call,
+        parked: bool,
     ) -> None:
         now = time.time()
         tokens = [*request.prompt_ids, *output]
@@ -548,7 +553,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
                     method=request.method, k=request.k, gamma=request.gamma, temperature=temperature
                 ),
                 replica=final.replica or None,
-                kv_length=len(tokens) - 1 if final.replica else 0,
+                kv_length=len(tokens) - 1 if parked else 0,
                 created=old.created if old else now,
                 updated=now,
                 turns=(old.turns if old else 0) + 1,

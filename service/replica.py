@@ -157,9 +157,11 @@ class Replica:
         try:
             while True:
                 match await events.get():
-                    case Emitted(token_ids):
-                        if token_ids:
-                            yield TokensEvent(token_ids)
+                    case Emitted(progress):
+                        if progress.token_ids:
+                            yield TokensEvent(
+                                progress.token_ids, progress.stats, progress.cached_tokens, self.id
+                            )
                     case Failed(error):
                         finished = True
                         raise error

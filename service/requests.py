@@ -120,9 +120,13 @@ class GenerationRequest:
 
 @dataclass
 class TokensEvent:
-    """New output tokens of one decode step."""
+    """New output tokens of one decode step, with the request's stats so far (what a stream
+    cut by a stop string finishes with)."""
 
     token_ids: list[int]
+    stats: RequestStats
+    cached_tokens: int  # prompt tokens whose KV a parked session supplied
+    replica: str  # the replica serving it
 
 
 @dataclass
@@ -130,7 +134,7 @@ class FinishedEvent:
     """The end of a request's stream."""
 
     finish_reason: str  # "length" | "stop"
-    stats: RequestStats | None  # None when the gateway stopped it (a stop string)
+    stats: RequestStats
     cached_tokens: int  # prompt tokens whose KV a parked session supplied
     replica: str  # the replica that served it ("" when unknown)
 

@@ -128,7 +128,7 @@ def test_stats_line_numbers():
     assert line.startswith("[gbv K=2 γ=3 ×9, none ×1] 20 tokens in 0.50s (40.0 tok/s)")
     assert "first token 0.12s" in line and "finish=stop" in line
     assert config_ran({"block/1/4": 5}) == "block K=1 γ=4"
-    # A reply cut by a stop string carries no stats: the line says what the client knows.
+    # A server that sent no stats: the line says what the client knows.
     line = stats_line(Reply(tokens=3, seconds=1.0, finish="stop"))
     assert line == "3 tokens in 1.00s (3.0 tok/s), finish=stop"
 

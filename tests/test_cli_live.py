@@ -42,6 +42,20 @@ def test_generate_prints_the_completion_and_the_servers_stats(service, capsys):
     assert stats["ran"] == "gbv K=1 γ=4" and int(stats["tokens"]) == len(ref.token_ids)
 
 
+def test_a_reply_cut_by_a_stop_string_prints_the_whole_stats_line(service, capsys):
+    argv = ["generate", "def f(x):", "--address", _address(service), "--seed", "1"]
+    argv += ["--max-new-tokens", "12", "--temperature", "0", "--method", "gbv"]
+    main(argv)
+    whole, _ = capsys.readouterr()
+    stop = whole.strip()[len(whole.strip()) // 2]  # a character from its middle
+    main([*argv, "--stop", stop])
+    out, err = capsys.readouterr()
+    stats = STATS.search(err)
+    assert stats, err
+    assert stats["ran"] == "gbv K=1 γ=4" and stats["finish"] == "stop"
+    assert out.rstrip("\n") == whole[: whole.index(stop)].rstrip("\n")
+
+
 def test_generate_refusal_is_an_error_line(service, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "x", "--address", _address(service), "--method", "block", "--k", "3"])

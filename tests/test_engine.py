@@ -584,9 +584,9 @@ def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
     hf, target, draft = pair
     engine = make_engine(target, draft, max_batch=2)
     greedy = SamplingParams(temperature=0.0)
-    streamed: list[int] = []
+    progress: list = []
     request = functools.partial(make_request, engine.limits, max_new_tokens=20, sampling=greedy)
-    engine.add(request([4, 5, 6], method="traversal", k=2, gamma=3), on_tokens=streamed.extend)
+    engine.add(request([4, 5, 6], method="traversal", k=2, gamma=3), on_tokens=progress.append)
     gone = engine.add(request([7, 8], method="block", k=1, gamma=3))
     waiting = engine.add(request([9], method="block", k=1, gamma=3))
     engine.step()
@@ -598,4 +598,8 @@ def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
     while engine.active:
         results += engine.step().finished
     (res,) = results
+    streamed = [token for step in progress for token in step.token_ids]
     assert res.token_ids == greedy_reference(hf, [4, 5, 6], 20) == streamed
+    # Each step's progress carries the stats as they stood after it, the last as the result's.
+    assert [p.stats.target_calls for p in progress] == list(range(1, len(progress) + 1))
+    assert progress[-1].stats == res.stats and progress[0].stats is not res.stats

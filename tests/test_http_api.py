@@ -90,8 +90,13 @@ def test_streamed_completion_adds_up_and_stop_strings_cut(client, model):
     parts = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True)]
     assert "".join(parts) == whole and len(parts) > 2
     stop = whole[len(whole) // 2 : len(whole) // 2 + 2]
-    cut = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    answer = client.completions.create(**kwargs, stop=[stop])
+    cut = answer.choices[0]
     assert cut.finish_reason == "stop" and cut.text == whole[: whole.index(stop)]
+    stats = answer.model_extra["blockspec"]  # what ran, as after any other finish
+    assert stats["replica"] and stats["target_calls"] > 0 and stats["tokens_per_call"] >= 1
+    assert stats["method"] and stats["gamma"] > 0 and stats["k"] == 1
+    assert stats["cached_prompt_tokens"] == answer.usage.prompt_tokens_details.cached_tokens
 
 
 def test_prompt_as_token_ids(service, client, model):

@@ -283,6 +283,23 @@ def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
     )
     assert stopped.finish_reason == pb.FINISH_REASON_STOP
     assert stopped.text == text[: text.find(stop)]
+    # Cut by the gateway, it still reports what ran: the same steps as the whole answer's up
+    # to the cut (same seed), the configuration, and the replica.
+    cut = stopped.stats
+    assert (cut.method, cut.k, cut.gamma) == (unary.stats.method, 3, unary.stats.gamma)
+    assert 0 < cut.target_calls <= unary.stats.target_calls and cut.tokens_per_call >= 1
+    assert dict(cut.steps_by_config) == {f"gbv/3/{cut.gamma}": cut.target_calls}
+    assert stopped.replica == unary.replica != ""
+    streamed = list(
+        service["stub"].GenerateStream(
+            pb.GenerateRequest(
+                prompt="def f(x):", max_new_tokens=40, seed=7, method="gbv", k=3, stop=[stop]
+            )
+        )
+    )
+    again = streamed[-1].stats  # the same seed: the same steps (their times differ)
+    assert (again.target_calls, again.accepted_tokens) == (cut.target_calls, cut.accepted_tokens)
+    assert again.steps_by_config == cut.steps_by_config and streamed[-1].replica == unary.replica
     assert wait_idle(service).active == 0
 
 
