@@ -214,6 +214,24 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{help} (default: {shown})"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors end as every error of this tool does: a line
+    `error: ...` on stderr and exit status 1 (after the usage, for what the flags are)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        raise SystemExit(f"error: {self.prog}: {message}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"blockspec {version('blockspec')}"
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "blockspec (not installed)"
+
+
 SERVER_DEFAULT = "default: the server's"
 
 
@@ -251,9 +269,8 @@ def _client_flags(p: argparse.ArgumentParser, local: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = dict(formatter_class=HelpFormatter)
-    ap = argparse.ArgumentParser(
-        prog="blockspec", description="Lossless speculative decoding", **fmt
-    )
+    ap = Parser(prog="blockspec", description="Lossless speculative decoding", **fmt)
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("methods", help="list the verification methods", **fmt)
     d = sub.add_parser("demo", help="run every verifier on the spec's toy instance", **fmt)
@@ -357,19 +374,37 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, PortTaken) as err:  # a model pair or a port that cannot be served
             raise SystemExit(f"error: {err}") from None
     elif args.command == "chat":
-        from service import client
+        raise SystemExit(client_command(args))
+    elif status := client_command(args):
+        raise SystemExit(status)
 
-        raise SystemExit(client.chat(args))
-    elif args.address:
-        from service import client
 
-        client.generate(args)
-    else:
-        try:
+def client_command(args) -> int:
+    """generate and chat: every way they can fail ends as one `error: ...` line on stderr and
+    exit status 1, never a traceback (an unforeseen failure says its type)."""
+    from service import client
+
+    try:
+        client.check_args(args)
+        if args.command == "chat":
+            return client.chat(args)
+        if args.local:
             generate_local(args)
-        except ValueError as err:  # InvalidArgument names its field; a bad pair does not
-            code = "INVALID_ARGUMENT: " if hasattr(err, "field") else ""
-            raise SystemExit(f"error: {code}{err}") from None
+        else:
+            client.generate(args)
+    except client.UsageError as err:
+        print(err, file=sys.stderr)
+        return 1
+    except ValueError as err:  # --local: InvalidArgument names its field; a bad pair does not
+        code = "INVALID_ARGUMENT: " if hasattr(err, "field") else ""
+        print(f"error: {code}{err}", file=sys.stderr)
+        return 1
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -61,6 +61,79 @@ class Reply:
     chunks: list[str] = field(default_factory=list)
 
 
+class UsageError(Exception):
+    """A flag or an input line that cannot be sent: printed as ``error: message``."""
+
+    def __str__(self) -> str:
+        return f"error: {self.args[0]}"
+
+
+# What the wire can carry (protos/blockspec.proto): a value outside is refused before sending,
+# in the server's words where the server has a bound (the seed's); the server judges the rest.
+INT32 = (-(1 << 31), 1 << 31, "must fit in 32 bits")
+WIRE_RANGES = {
+    "seed": (0, 1 << 64, "must lie in [0, 2^64)"),
+    **dict.fromkeys(("max_new_tokens", "k", "gamma", "top_k"), INT32),
+}
+# The text flags, as the user wrote them (the prompt is positional).
+TEXT_FLAGS = ("prompt", "system", "stop", "session", "method", "address", "token", "tls_ca")
+
+
+def flag_name(attribute: str) -> str:
+    return attribute if attribute == "prompt" else "--" + attribute.replace("_", "-")
+
+
+def utf8_fault(text: str) -> str | None:
+    """Why `text` is not UTF-8 text, or None. Python hands over undecodable bytes of argv and
+    stdin as lone surrogates (PEP 383); protobuf strings (and JSON) carry UTF-8 only. Refused
+    rather than replaced: a U+FFFD would send a prompt other than the one given."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogateescape")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})"
+        return "not valid UTF-8 (a lone surrogate)"
+
+
+def address_fault(address: str) -> str | None:
+    """Why `address` is no HOST:PORT, or None (a gRPC target with a scheme, such as
+    `unix:/path` or `dns:///host:port`, is left to gRPC)."""
+    if address.startswith("unix:") or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"must be HOST:PORT with a port in 1..65535, got {address!r}"
+    return None
+
+
+def check_args(args) -> None:
+    """Refuse (UsageError) the flags that could not be sent: a number the wire cannot carry,
+    text that is not UTF-8, a timeout that is not a positive number of seconds."""
+    for name, (low, high, rule) in WIRE_RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not low <= value < high:
+            raise UsageError(f"{flag_name(name)}: {rule}, got {value}")
+    for name in TEXT_FLAGS:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            fault = isinstance(value, str) and utf8_fault(value)
+            if fault:
+                raise UsageError(f"{flag_name(name)}: {fault}")
+    address = getattr(args, "address", None)
+    if address is not None and (fault := address_fault(address)):
+        raise UsageError(f"--address: {fault}")
+    token = getattr(args, "token", None) or os.environ.get("BLOCKSPEC_TOKEN")
+    if token and not all(" " <= c <= "~" for c in token):  # an HTTP/2 header's characters
+        raise UsageError("--token (or $BLOCKSPEC_TOKEN): must be printable ASCII")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise UsageError(f"--timeout: must be a positive number of seconds, got {timeout}")
+
+
 def request_fields(args) -> dict:
     """The GenerateRequest fields the flags set (flags left at None are not sent)."""
     fields = {name: getattr(args, name) for name in REQUEST_FIELDS}
@@ -76,7 +149,10 @@ class Client:
     """A channel to a running service, with the caller's credentials."""
 
     def __init__(self, address: str, tls_ca: str | None = None, token: str | None = None):
-        self.channel = client_channel(address, tls_ca)
+        try:
+            self.channel = client_channel(address, tls_ca)
+        except OSError as err:
+            raise UsageError(f"--tls-ca: cannot read {tls_ca}: {err.strerror}") from None
         self.stub = pb_grpc.GeneratorStub(self.channel)
         self.metadata = bearer(token or os.environ.get("BLOCKSPEC_TOKEN"))
 
@@ -199,11 +275,19 @@ class _Tee:
 
 
 def _read_line(prompt: str) -> str | None:
-    """The next input line (None at end of input)."""
+    """The next input line (None at end of input); bytes that are not UTF-8 arrive as lone
+    surrogates (stdin is set to surrogateescape), for `utf8_fault` to refuse."""
     try:
         return input(prompt)
     except EOFError:
         return None
+
+
+def _tolerant_stdin() -> None:
+    """Undecodable input bytes reach the chat loop instead of failing inside input()."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)  # a TextIOWrapper's (not a StringIO)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
 
 
 def chat(args) -> int:
@@ -212,6 +296,7 @@ def chat(args) -> int:
     session id and the next user message; the server keeps the history and its KV cache."""
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
+    _tolerant_stdin()
     interactive = sys.stdin.isatty()
     prompt = "> " if interactive else ""
     show_stats = args.stats
@@ -230,6 +315,10 @@ def chat(args) -> int:
                 return 0
             text = line.strip()
             if not text:
+                continue
+            fault = utf8_fault(text)
+            if fault:
+                print(f"error: this line is {fault}; not sent", file=sys.stderr, flush=True)
                 continue
             if text.startswith("/"):
                 command = text.split()[0].lower()

@@ -241,3 +241,112 @@ def test_chat_survives_an_error(fake, monkeypatch, capsys):
 
 def test_client_error_reads_code_and_message():
     assert str(ClientError("UNAVAILABLE", "down")) == "error: UNAVAILABLE: down"
+
+
+# Bad flags and inputs, each as a user could type it (undecodable argv bytes reach Python as
+# lone surrogates, PEP 383): every one ends as `error: ...` on stderr with exit status 1.
+BAD_FLAGS = [
+    ["--seed", "-1"],
+    ["--seed", "123456789012345678901234"],
+    ["--seed", str(1 << 64)],
+    ["--seed", "abc"],
+    ["--k", "99999999999"],
+    ["--gamma", "-99999999999"],
+    ["--top-k", str(1 << 31)],
+    ["--max-new-tokens", str(1 << 40)],
+    ["--temperature", "hot"],
+    ["--top-p", "-inf"],
+    ["--timeout", "-1"],
+    ["--timeout", "0"],
+    ["--timeout", "nan"],
+    ["--timeout", "inf"],
+    ["--tls-ca", "/nonexistent/ca.pem"],
+    ["--token", "a\nb"],
+    ["--token", "\udcff"],
+    ["--stop", "\udcff"],
+    ["--method", "\udcfe"],
+    ["--bogus"],
+]
+BAD_ADDRESSES = ["", "not an address", "127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1"]
+
+
+def _bad_argvs(address: str) -> list[list[str]]:
+    generate = ["generate", "hi", "--address", address]
+    argvs = [[*generate, *flags] for flags in BAD_FLAGS]
+    argvs += [["generate", "hi", "--address", bad] for bad in BAD_ADDRESSES]
+    argvs += [["chat", "--address", address, *flags] for flags in BAD_FLAGS[:3]]
+    argvs += [
+        ["generate", "hi \udcff\udcfe there", "--address", address],
+        [*generate, "--session", "\udcff"],
+        ["chat", "--address", address, "--system", "\udcff"],
+        ["generate", "--address", address],  # no prompt
+        ["generate", "hi", "--local", "--address", address],
+        ["generate", "hi", "--local", "--seed", "-1"],  # refused before loading a model
+        [],
+        ["bogus"],
+    ]
+    return argvs
+
+
+def test_no_bad_argument_gets_a_traceback(fake, monkeypatch, capsys):
+    argvs = _bad_argvs(fake.address)
+    assert len(argvs) >= 30
+    for argv in argvs:
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+        with pytest.raises(SystemExit) as exit_:  # any other exception fails the test
+            main(argv)
+        out, err = capsys.readouterr()
+        code = exit_.value.code
+        # SystemExit("error: ...") prints its message and exits 1; SystemExit(1) after printing.
+        message = code if isinstance(code, str) else err.strip().splitlines()[-1]
+        assert code == 1 or isinstance(code, str), (argv, code)
+        assert message.startswith("error: ") and "Traceback" not in err, (argv, err)
+        assert out == "", argv
+    assert fake.requests == []  # nothing bad was sent
+
+
+def test_the_client_names_the_flag_and_the_rule(fake, capsys):
+    for flags, message in [
+        (["--seed", "-1"], "error: --seed: must lie in [0, 2^64), got -1"),
+        (["--k", str(1 << 31)], f"error: --k: must fit in 32 bits, got {1 << 31}"),
+        (["--stop", "a\udcff"], "error: --stop: not valid UTF-8 (byte 0xff at offset 1)"),
+        (["--timeout", "0"], "error: --timeout: must be a positive number of seconds, got 0.0"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", "hi", "--address", fake.address, *flags])
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err.strip() == message
+
+
+def test_undecodable_argv_bytes_are_refused_not_a_traceback(fake):
+    """The real thing: bytes that are not UTF-8 on the command line of a new process."""
+    code = "import sys; from service.cli import main; main(sys.argv[1:])"
+    argv = [b"generate", b"hi \xff\xfe there", b"--address", fake.address.encode()]
+    done = subprocess.run(
+        [sys.executable.encode(), b"-c", code.encode(), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and done.stdout == b""
+    assert done.stderr == b"error: prompt: not valid UTF-8 (byte 0xff at offset 3)\n"
+    assert fake.requests == []
+
+
+def test_chat_refuses_an_undecodable_line_and_goes_on(fake, monkeypatch, capsys):
+    stdin = io.TextIOWrapper(io.BytesIO(b"hi \xff\xfe there\nsecond\n"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", stdin)
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--address", fake.address])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 0 and out == "Hello, world!\n"
+    assert "error: this line is not valid UTF-8 (byte 0xff at offset 3); not sent" in err
+    (request,) = fake.requests  # the second line only
+    assert [m.content for m in request.messages] == ["second"]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("blockspec ")
