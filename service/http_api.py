@@ -197,14 +197,16 @@ class TextPart(_Strict):
 
 class Message(_Strict):
     role: str  # the validator checks it (service/requests.py CHAT_ROLES)
-    content: str | list[TextPart] | None = None
+    # Required, as OpenAI's: null is for an assistant turn with tool calls, which this API
+    # does not take.
+    content: str | list[TextPart]
     name: str | None = None  # OpenAI's participant name: accepted, not rendered
     tool_call_id: str | None = None  # a tool message's: accepted, not rendered
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class StreamOptions(_Strict):

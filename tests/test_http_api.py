@@ -428,6 +428,10 @@ async def post(frontend: OpenAIFrontend, body, chat: bool = False):
         ({"model": "target", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          True, 400, "messages[0].content[0].type", "invalid_value"),
         ({"model": "target", "messages": []}, True, 400, "messages", "invalid_value"),
+        ({"model": "target", "messages": [{"role": "user", "content": None}]}, True, 400,
+         "messages[0].content", "invalid_type"),  # OpenAI refuses a null user turn too
+        ({"model": "target", "messages": [{"role": "user"}]}, True, 400,
+         "messages[0].content", "missing_required_parameter"),
         ({"model": "other", "prompt": "x"}, False, 404, None, "model_not_found"),
         (b"{not json", False, 400, None, None),
         (b"[1]", False, 400, None, None),
