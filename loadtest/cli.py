@@ -1,4 +1,4 @@
-"""`python -m loadtest` / `blockspec-loadtest`: compare verifiers on a running service.
+r"""`python -m loadtest` / `blockspec-loadtest`: compare verifiers on a running service.
 
     python -m loadtest --address 127.0.0.1:50051 --methods token block gbv --k 1 2 4 \
         --gamma 4 8 --temperature 0.6 1.0 --concurrency 1 2 4 8 16 32 --requests 32 \
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import os
 import platform
 import random
@@ -33,7 +34,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from loadtest.driver import OWN_CHOICE, Client, Config, closed_loop, open_loop
 from loadtest.prompts import prompt_ids
 from loadtest.report import parse_slo, summarize, write_outputs
+from service.cli import HelpFormatter
 
+# Fewer recorded requests than this per point give no interval (1) or a wide one: warned.
+FEW_REQUESTS = 6
 COMPARED = ("tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "block_efficiency")
 
 
@@ -130,7 +134,7 @@ async def run(args) -> None:
                     points.append(dict(config=cfg.label, load=f"{kind}={level:g}", **point))
                     progress.console.print(
                         f"{cfg.label} {kind}={level:g}: {point['tokens_per_s']:.1f} tok/s "
-                        f"(±{point['tokens_per_s_ci']:.0%}), "
+                        f"({interval(point)}), "
                         f"p50 {point['latency_p50']:.2f} s, BE {point['block_efficiency']:.2f}, "
                         f"batch {point['mean_batch_size']:.1f}, errors {point['errors'] or 0}"
                     )
@@ -145,6 +149,14 @@ async def run(args) -> None:
         meta["compare"] = _compare(points, [c.label for c in configs])
     write_outputs(Path(args.out), points, records, meta)
     print(f"wrote {args.out}/report.md, results.json, results.csv and plots")
+
+
+def interval(point: dict) -> str:
+    """The tokens/s interval as the console line shows it."""
+    spread = point["tokens_per_s_ci"]
+    if math.isnan(spread):
+        return f"no interval from {point['ok']} request{'s' * (point['ok'] != 1)}"
+    return f"±{spread:.0%}"
 
 
 def _compare(points: list[dict], labels: list[str]) -> list[dict]:
@@ -184,35 +196,46 @@ def _environment(info) -> dict:
     }
 
 
+class Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The description as written (its example command), every option's default shown."""
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--address", default="127.0.0.1:50051")
+    ap = argparse.ArgumentParser(prog="loadtest", description=__doc__, formatter_class=Help)
+    ap.add_argument("--address", default="127.0.0.1:50051", help="the service's gRPC HOST:PORT")
     ap.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
     ap.add_argument("--token", help="bearer token (default: $BLOCKSPEC_TOKEN)")
-    ap.add_argument("--methods", nargs="+", default=["none", "token", "block", "gbv"])
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--gamma", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0])
-    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    methods = ["none", "token", "block", "gbv"]
+    ap.add_argument("--methods", nargs="+", default=methods, help="verifiers, none, auto")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4], help="draft paths K")
+    ap.add_argument("--gamma", type=int, nargs="+", default=[4, 8], help="draft lengths γ")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0], help="temperatures")
+    levels = [1, 2, 4, 8, 16, 32]
+    ap.add_argument("--concurrency", type=int, nargs="*", default=levels, help="closed loops")
     ap.add_argument("--rate", type=float, nargs="*", default=[], help="open-loop requests/s")
     ap.add_argument("--requests", type=int, default=32, help="recorded requests per point")
     ap.add_argument("--duration", type=float, help="closed loop: stop sending after S seconds")
     ap.add_argument("--warmup", type=int, default=2, help="unrecorded requests per point")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--prompts", default="humaneval", help="'humaneval' or a JSONL file")
-    ap.add_argument("--num-prompts", type=int, default=164)
+    ap.add_argument("--num-prompts", type=int, default=164, help="prompts drawn from")
     ap.add_argument("--tokenizer", help="tokenizer directory (default: the default target's)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the prompts' and seeds' draws")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="'method:K:γ:T' each")
     ap.add_argument("--slo", help="goodput thresholds, seconds: 'ttft=0.5,tpot=0.1,e2e=10'")
     ap.add_argument("--progress", action="store_true", help="progress bar even when not a tty")
-    ap.add_argument("--out", default="loadtest-results")
+    ap.add_argument("--out", default="loadtest-results", help="report folder")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.requests < FEW_REQUESTS and not args.duration:
+        print(
+            f"warning: {args.requests} recorded requests per point are too few for a stable "
+            f"median, and give {'no' if args.requests < 2 else 'a wide'} interval on tokens/s; "
+            f"use --requests {FEW_REQUESTS} or more (default 32)",
+            file=sys.stderr,
+        )
     asyncio.run(run(args))
