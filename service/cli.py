@@ -189,7 +189,14 @@ def serve_forever(args) -> None:
     asyncio.run(wait())
     print("draining...", flush=True)
     gateway.drain.remote().result()
-    serve.shutdown()
+    # Our application only: a cluster we joined keeps its other applications and Serve.
+    serve.delete(settings.app_name)
+    # A local cluster goes with us. ray.shutdown() ends it whole, Serve's controller with it;
+    # serve.shutdown() would kill the controller while its own call waits on it, which Ray
+    # reports as a failed task on every exit.
+    import ray
+
+    ray.shutdown()
 
 
 class HelpFormatter(argparse.HelpFormatter):

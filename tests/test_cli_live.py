@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import io
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from protos import blockspec_pb2 as pb
 from service.cli import main
+from tests.live_service import TINY_PAIR
+from tests.redis_server import free_port
 
 pytestmark = pytest.mark.xdist_group("ray")
 
@@ -88,3 +93,41 @@ def test_chat_second_turn_continues_the_session(service, monkeypatch, capsys):
     assert len(STATS.findall(err)) == 2 and out.count("\n") >= 2
     sessions = re.findall(r"session=([0-9a-f]{32})", err)
     assert len(sessions) == 2 and sessions[0] == sessions[1]
+
+
+@pytest.mark.slow  # a Ray cluster of its own: ~30 s
+def test_serve_answers_then_stops_cleanly_on_ctrl_c():
+    """`blockspec serve` as a user runs it: it says where it listens, answers, and on Ctrl-C
+    drains and exits 0 without Ray reporting failed tasks (as serve.shutdown() made it do)."""
+    http = free_port()
+    argv = ["serve", "--port", "0", "--http-port", str(http), "--metrics-port", "0"]
+    argv += ["--draft", TINY_PAIR["draft_dir"], "--target", TINY_PAIR["target_dir"]]
+    code = "import sys; from service.cli import main; main(sys.argv[1:])"
+    server = subprocess.Popen(
+        [sys.executable, "-c", code, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in server.stdout:
+            lines.append(line)
+            if line.startswith("blockspec serving"):
+                break
+        ready = re.search(r"gRPC on 127\.0\.0\.1:(\d+), OpenAI HTTP on 127\.0\.0\.1:(\d+)", line)
+        assert ready and int(ready[2]) == http, "".join(lines)
+        generate = ["generate", "x", "--address", f"127.0.0.1:{ready[1]}", "--max-new-tokens=3"]
+        done = subprocess.run(
+            [sys.executable, "-c", code, *generate],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0 and "finish=length" in done.stderr, done.stderr
+        server.send_signal(signal.SIGINT)
+        rest, _ = server.communicate(timeout=120)
+    finally:
+        server.kill()
+    assert server.returncode == 0, rest
+    assert "draining..." in rest and "failed" not in rest, rest
