@@ -473,6 +473,10 @@ class _Active:
     # holds a live record, whose law it keeps (its own features past the record's root;
     # workers/feature_draft.py), or a speculation cache is on (workers/speculation.py)
     own_features: bool = False
+    # feature draft: the first draft cache position written under its own-feature law (None:
+    # none). A cold prefill computes every position from the target's features, so a parked
+    # draft cache is reusable only up to here (seeded output must not depend on cache hits).
+    own_from: int | None = None
     output: list[int] = field(default_factory=list)
     last_emitted: tuple[int, ...] | None = None  # what the last step emitted (speculation key)
     carry: TargetModification | None = None
@@ -674,10 +678,13 @@ class SpeculativeEngine:
         total = len(a.req.prompt_ids) + a.emitted  # what the caches hold, minus pending tokens
         self.draft.move(index, slot)
         self.target.move(index, slot)
+        draft_len = min(total - len(a.draft_pending), len(history))
+        if a.own_from is not None:
+            draft_len = min(draft_len, a.own_from)
         self.parked[key] = _Parked(
             slot,
             history,
-            draft_len=min(total - len(a.draft_pending), len(history)),
+            draft_len=draft_len,
             target_len=min(total - 1, len(history)),
             scope=None if a.req.session_id else a.req.cache_scope,
         )
@@ -737,6 +744,9 @@ class SpeculativeEngine:
         own = self._own_law(plan, verdict)
         for a, carry, mine in zip(batch, verdict.carries, own.tolist(), strict=True):
             a.carry = carry
+            own_now = a.own_features or (plan.drafted and self.feed.keeps_own(mine))
+            if own_now and a.own_from is None:  # this step's pending token, or its kept path
+                a.own_from = len(a.req.prompt_ids) + a.emitted - len(a.draft_pending)
             a.own_features = self.feed.keeps_own(mine)
         # The target committed its paths itself; the draft keeps what its feed says (a feature
         # draft: a path only under its own-feature law, see _Active.own_features).
