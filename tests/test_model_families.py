@@ -35,6 +35,9 @@ from workers.llama import KVCache, Llama, LlamaSpec
 from workers.models import load_model
 
 VOCAB, TOL = 256, 1e-4
+# bfloat16 logits (up to ~17 here) of two layouts: equal bit for bit on the AVX-512 BF16 VM;
+# another CPU may sum in another order, and bfloat16 keeps 8 bits.
+BF16_TOL = 0.1
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -115,7 +118,7 @@ def tree_logits(model: Llama, seed: int = 1):
         for t in range(T):
             mask[r, t, chains[r][t]] = True
             depth[r, t] = len(chains[r][t]) - 1
-    cache = KVCache(model.spec, model.kv_heads, n, 32, torch.float32, "cpu")
+    cache = KVCache(model.spec, model.kv_heads, n, 32, model.embed.dtype, "cpu")
     prefill(model, cache, 0, contexts)
     positions = cache.lengths[:n, None, None] + depth  # [n, R, T]
     logits, *_ = model(tokens, positions, cache, mask.expand(n, R, T, T))  # [n, R, T, V]
@@ -184,9 +187,22 @@ def test_onednn_packed_weights_give_dense_logits(family):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_default_packs_large_float32_cpu_weights():
-    """By default (packed=None) a projection is packed when it is float32 on a CPU and at least
-    PACK_MIN_ELEMENTS; no bfloat16 one."""
+def test_bfloat16_packed_weights_give_dense_logits(family):
+    """In bfloat16 too, oneDNN-packed weights give F.linear's logits up to rounding: each
+    projection's output is rounded to bfloat16 after another summation order."""
+    name, _, path = family
+    loaded = load_model(path, "bfloat16")
+    packed, plain = loaded.build(packed=True), loaded.build(packed=False)
+    assert all(w.packed and w.weight.is_mkldnn for w in linears(packed)), name
+    for (got, _), (want, _) in zip(tree_logits(packed), tree_logits(plain), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=BF16_TOL)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_default_packs_large_cpu_weights_in_a_dtype_the_cpu_computes(native, monkeypatch):
+    """By default (packed=None) a projection is packed when it is on a CPU and at least
+    PACK_MIN_ELEMENTS: float32 always, bfloat16 where the CPU has bfloat16 instructions."""
+    monkeypatch.setattr(workers.llama, "native_bf16", lambda: native)
     cfg = LlamaConfig(**{**COMMON, "hidden_size": 512, "intermediate_size": 768})
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     spec, state = LlamaSpec.from_hf_config(cfg), hf.state_dict()
@@ -196,7 +212,9 @@ def test_default_packs_large_float32_cpu_weights():
     )
     assert {w.packed for w in linears(big)} == {True, False}  # the 256-token head stays dense
     bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    assert not any(w.packed for w in linears(Llama(spec, bf16)))
+    packed = [w.packed for w in linears(Llama(spec, bf16))]
+    assert packed == [native and w.shape.numel() >= workers.llama.PACK_MIN_ELEMENTS
+                      for w in linears(big)]  # fmt: skip
 
 
 def test_greedy_equals_hugging_face_generate(family):

@@ -38,6 +38,7 @@ to the memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -412,14 +413,27 @@ PACK_MIN_ELEMENTS = 1 << 18
 
 
 def packs_weights(weight: torch.Tensor) -> bool:
-    """Whether ``Llama`` packs this weight by default: float32 on a CPU with oneDNN, at least
-    PACK_MIN_ELEMENTS. (bf16 on a CPU without AMX is slow either way; a GPU has cuBLAS.)"""
+    """Whether ``Llama`` packs this weight by default: on a CPU with oneDNN, at least
+    PACK_MIN_ELEMENTS, float32, or bfloat16 where the CPU computes bfloat16 itself (a GPU has
+    cuBLAS)."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
         and weight.numel() >= PACK_MIN_ELEMENTS
         and torch.backends.mkldnn.is_available()
+        and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16()))
     )
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """This CPU has bfloat16 instructions (AVX-512 BF16 or AMX). There oneDNN's packed bfloat16
+    products beat float32 ones, where F.linear's did not (docs/benchmarks.md, "bfloat16");
+    elsewhere oneDNN would convert every product to float32, and bfloat16 stays dense."""
+    cpu = torch.cpu
+    try:
+        return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    except AttributeError:  # private helpers: a torch without them packs no bfloat16
+        return False
 
 
 class RowParallel(nn.Module):
