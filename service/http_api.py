@@ -30,6 +30,7 @@ counted by route and status (``blockspec_http_requests_total``).
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -302,15 +303,42 @@ class CompletionBody(_Body):
         return self.params(prompt=prompt)
 
 
+# A whole request's deadline, seconds from its arrival: this API's own header, and for a request
+# answered in one piece the read timeout that OpenAI's SDKs send (no byte of the answer comes
+# before its end, so the client gives up after that long). A stream's read timeout bounds the
+# gaps between its chunks, not the whole: it sets no deadline.
+TIMEOUT_HEADER = "x-request-timeout"
+SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+
+
+def request_timeout(request: Request, stream: bool) -> float | None:
+    """The request's deadline in seconds from now (None: none); a bad value is refused."""
+    names = (TIMEOUT_HEADER,) if stream else (TIMEOUT_HEADER, SDK_READ_TIMEOUT_HEADER)
+    for name in names:
+        text = request.headers.get(name)
+        if text is None:
+            continue
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds < math.inf:
+            message = f"header {name}: must be a positive number of seconds, got {text!r}"
+            raise invalid(None, message, "invalid_header")
+        return seconds
+    return None
+
+
 class _Context:
     """What service.gateway.GenerationService uses of a grpc.aio.ServicerContext, for one
     HTTP call."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, timeout: float | None = None):
         self.metadata = self.metadata_of(request)
         client = request.client
         self.address = f"ipv4:{client.host}:{client.port}" if client else "unknown:0"
         self.callbacks: list[Callable] = []
+        self.deadline = None if timeout is None else time.monotonic() + timeout
 
     @staticmethod
     def metadata_of(request: Request) -> list[tuple[str, str]]:
@@ -328,7 +356,7 @@ class _Context:
         self.callbacks.append(callback)
 
     def time_remaining(self) -> float | None:
-        return None
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     def done(self) -> None:
         """The HTTP exchange ended (answered, failed, or the client went away)."""
@@ -409,9 +437,10 @@ class OpenAIFrontend:
         try:
             self.authorize(request)
             body, params = await self._parse(request, ChatBody if chat else CompletionBody)
+            timeout = request_timeout(request, body.stream)
         except ApiError as err:
             return err.response()
-        context = _Context(request)
+        context = _Context(request, timeout)
         call, chunks = self.service.open(params, context, unary=not body.stream)
         answer = _Answer(self.model_id, chat, call)
         streaming = False  # once the event stream owns the exchange, it ends it

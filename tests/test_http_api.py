@@ -17,7 +17,7 @@ from starlette.requests import Request
 from protos import blockspec_pb2 as pb
 from service.auth import BearerAuth
 from service.gateway import Refusal
-from service.http_api import ApiError, OpenAIFrontend
+from service.http_api import ApiError, OpenAIFrontend, request_timeout
 from tests.test_service import poll_gateway_metrics, scrape, stats, wait_idle
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
@@ -97,6 +97,23 @@ def test_streamed_completion_adds_up_and_stop_strings_cut(client, model):
     assert stats["replica"] and stats["target_calls"] > 0 and stats["tokens_per_call"] >= 1
     assert stats["method"] and stats["gamma"] > 0 and stats["k"] == 1
     assert stats["cached_prompt_tokens"] == answer.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_request_timeout_is_a_deadline_that_frees_the_replica(service, client, model):
+    """X-Request-Timeout, and for an answer in one piece the SDK's own timeout, end the work at
+    the deadline (504 `timeout`); the replica cancels the request instead of finishing its 300
+    tokens (~4 s here) for nobody."""
+    long = dict(model=model, prompt="x", max_tokens=300, extra_body=dict(ignore_eos=True))
+    before = wait_idle(service).cancelled
+    start = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**long, extra_headers={"X-Request-Timeout": "0.5"})
+    assert err.value.status_code == 504 and err.value.body["type"] == "timeout"
+    assert time.monotonic() - start < 3
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).completions.create(**long)
+    idle = wait_idle(service, timeout=2.0)
+    assert idle.active == 0 and idle.cancelled == before + 2
 
 
 def test_prompt_as_token_ids(service, client, model):
@@ -368,6 +385,28 @@ async def post_completion(service, body: dict):
     """POST /v1/completions on a gateway's GenerationService, without the proxy: (status, JSON)."""
     response = await OpenAIFrontend(service, "target").complete(_request({}, body), False)
     return response.status_code, json.loads(response.body)
+
+
+@pytest.mark.parametrize(
+    ("headers", "stream", "seconds"),
+    [
+        ({}, False, None),
+        ({"X-Request-Timeout": "2.5"}, True, 2.5),
+        ({"X-Stainless-Read-Timeout": "30"}, False, 30.0),  # answered in one piece: the whole
+        ({"X-Stainless-Read-Timeout": "30"}, True, None),  # a stream's: between chunks only
+        ({"X-Request-Timeout": "4", "X-Stainless-Read-Timeout": "30"}, False, 4.0),
+    ],
+)
+def test_the_request_timeout_headers(headers, stream, seconds):
+    assert request_timeout(_request(headers), stream) == seconds
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_a_bad_request_timeout_is_refused_naming_the_header(value):
+    with pytest.raises(ApiError) as err:
+        request_timeout(_request({"X-Request-Timeout": value}), False)
+    assert err.value.status == 400 and err.value.code == "invalid_header"
+    assert err.value.message.startswith("header x-request-timeout: must be a positive number")
 
 
 def test_authorization_mirrors_the_grpc_interceptor():
