@@ -84,6 +84,9 @@ class ReplicaConfig(BaseModel):
     # Steps with more drafted requests prepare nothing: the draft's extra work would take the
     # device's throughput from the target (not yet calibrated on a GPU).
     speculation_max_batch: int = Field(4, ge=1)
+    # A step whose actor calls take longer is stuck (a hung actor process): its draft and
+    # target actors are restarted and the step redone, as when one dies.
+    step_timeout_s: float = Field(120.0, gt=0)
     max_new_tokens: int = Field(512, ge=1)  # per-request limit
     max_k: int = Field(4, ge=1)
     max_gamma: int = Field(16, ge=1)

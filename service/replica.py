@@ -96,6 +96,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len, speculation)
     target_spec = actor_spec(cfg.target_dir, cfg.target_shard)
     target = start_target(target_spec, cfg.tensor_parallel, slots, max_len)
+    draft.step_timeout_s = target.step_timeout_s = cfg.step_timeout_s
     draft.wait_ready()  # loaded while the target shards were starting
     target.use_draft(draft)
     policy = AutoPolicy(cfg.auto_arms)

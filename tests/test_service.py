@@ -727,17 +727,37 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
         stop_remote_engine(engine)
 
 
+def _stop_process(actor) -> None:
+    """SIGSTOP the actor's process: alive, holding its calls, answering nothing (a hang)."""
+    import os
+    import signal
+
+    import ray
+
+    pid = ray.get(actor.__ray_call__.remote(lambda _actor: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+
+
 @pytest.mark.parametrize(
-    ("kind", "world"),
-    [("draft", 1), pytest.param("target", 1, marks=pytest.mark.slow), ("target", 2)],
+    ("kind", "world", "fault"),
+    [
+        ("draft", 1, "killed"),
+        pytest.param("target", 1, "killed", marks=pytest.mark.slow),
+        ("target", 2, "killed"),
+        ("draft", 1, "hung"),
+    ],
 )  # a target of 2 shards: a killed shard's restart, and its peer failing in a collective
-def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(service, kind, world):
+def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(
+    service, kind, world, fault
+):
     """Kill the draft actor or a target shard (rank 1 of 2: its peer then fails in a
-    collective) mid-generation: the coordinator restarts the dead workers, rebuilds every
-    request's KV from its tokens, redoes the step, and each request of a sampled, seeded mixed
-    batch finishes with the tokens of an undisturbed run on the same engine. (Rebuilt caches
-    come from a batched prefill instead of step-by-step appends, which can move p and q in the
-    last bits, as in the concurrent-service test above: 8 of 10 must match exactly.)"""
+    collective) mid-generation, or stop the draft's process (a hang: the step times out after
+    step_timeout_s and its actors are restarted): the coordinator restarts the workers,
+    rebuilds every request's KV from its tokens, redoes the step, and each request of a
+    sampled, seeded mixed batch finishes with the tokens of an undisturbed run on the same
+    engine. (Rebuilt caches come from a batched prefill instead of step-by-step appends, which
+    can move p and q in the last bits, as in the concurrent-service test above: 8 of 10 must
+    match exactly.)"""
     import ray
 
     from service.config import ReplicaConfig
@@ -745,7 +765,9 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
     from service.replica import build_remote_engine
     from tests.test_engine import MIXED
 
-    cfg = ReplicaConfig(**TINY_PAIR, max_batch=len(MIXED), max_sessions=0, tensor_parallel=world)
+    cfg = ReplicaConfig(
+        **TINY_PAIR, max_batch=len(MIXED), max_sessions=0, tensor_parallel=world, step_timeout_s=5
+    )
     engine, _ = build_remote_engine(cfg)
     tokenizer = build_engine(cfg.draft_dir, cfg.target_dir, 1)[1]
 
@@ -767,7 +789,7 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(se
                 steps.append(len(steps))
                 if len(steps) == 3:  # mid-generation: every request has tokens, none is done
                     actors = engine.draft.actors if kind == "draft" else engine.target.actors
-                    ray.kill(actors[-1])
+                    _stop_process(actors[-1]) if fault == "hung" else ray.kill(actors[-1])
                     killed.set()
             if isinstance(event, Done):
                 results[request_id] = event.result.token_ids

@@ -344,6 +344,10 @@ class WorkerLost(RuntimeError):
 class _Remote:
     """Pipelined calls to one or more actors that run the same ops in lockstep."""
 
+    # A step's calls not done after this long are stuck: the step's actors are restarted
+    # (None: wait forever). A replica sets its ReplicaConfig.step_timeout_s.
+    step_timeout_s: float | None = None
+
     def __init__(self, launch: Callable[[], list]):
         use_numpy_wire()
         self._launch = launch  # starts the actors
@@ -380,7 +384,7 @@ class _Remote:
         """Raise what an unwaited call raised (they have run once a later call returned);
         returns the seconds they computed (per actor of a lockstep group: the mean)."""
         earlier, self._unwaited = self._unwaited, []
-        seconds = [s for _, s in _gather(earlier)]
+        seconds = [s for _, s in _gather(earlier, self.step_timeout_s)]
         return sum(seconds) / len(self.actors)
 
     @property
@@ -514,9 +518,13 @@ class RemoteTarget(_Remote):
             refs.append(actor.speculate.remote(roots, num_paths, depth, params, drafted, *own))
         try:
             posted = draft._check_posted() + self._check_posted()  # prefills, moves, commits
-            x, verdict, states, seconds = _gather(refs)[0]
+            x, verdict, states, seconds = _gather(refs, self.step_timeout_s)[0]
         except ray.exceptions.RayActorError as exc:  # the generators were left as they were
             raise WorkerLost(str(exc)) from exc
+        except StepTimedOut as exc:  # which actor is stuck is unknown: restart them all
+            for actor in draft.actors + self.actors:
+                ray.kill(actor)
+            raise WorkerLost(f"the step's actors did not answer: {exc}") from exc
         except ray.exceptions.RayTaskError as exc:  # a shard's collective broke: a peer died?
             if draft.alive() and self.alive():
                 raise  # the step itself failed
@@ -543,12 +551,22 @@ class ActorSpec:
     cuda_graphs: bool = True  # on CUDA: decode forwards replayed (workers/graphs.py)
 
 
-def _gather(refs: list[ray.ObjectRef]) -> list:
+class StepTimedOut(TimeoutError):
+    """Calls of a step that did not finish in time: an actor is alive but stuck (a hung
+    process, a collective whose peer never came)."""
+
+
+def _gather(refs: list[ray.ObjectRef], timeout_s: float | None = None) -> list:
     """ray.get, but a failed call raises at once: when one shard of a tensor-parallel group
-    dies, its peers wait in a collective that would never finish."""
+    dies, its peers wait in a collective that would never finish. Raises StepTimedOut when the
+    calls are not all done within `timeout_s` (None: no bound)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
-    while len(pending) > 1:
-        ready, pending = ray.wait(pending, num_returns=1)
+    while pending:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise StepTimedOut(f"{len(pending)} of {len(refs)} calls not done in {timeout_s} s")
         ray.get(ready)
     return ray.get(refs)
 
