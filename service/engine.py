@@ -579,15 +579,18 @@ class SpeculativeEngine:
         self.waiting.append(active)
         return request_id
 
-    def cancel(self, request_id: str) -> bool:
-        """Drop a waiting or active request (between steps); its KV slot is freed, not parked."""
+    def cancel(self, request_id: str, park: bool = True) -> bool:
+        """Drop a waiting or active request (between steps). An active one's KV is parked as a
+        finished request's is (under its session, or as its scope's prefix): a reply the
+        gateway cut at a stop string leaves its prefix to the next turn. `park=False` frees
+        it instead (caches that a worker restart emptied)."""
         for i, a in enumerate(self.waiting):
             if a.request_id == request_id:
                 del self.waiting[i]
                 return True
         for i, a in enumerate(self.active):
             if a.request_id == request_id:
-                self._retire(i, park=False)
+                self._retire(i, park=park)
                 return True
         return False
 
@@ -719,7 +722,7 @@ class SpeculativeEngine:
         self.parked.clear()
         lost = [a.request_id for a in self.active if a.own_features]
         for request_id in lost:
-            self.cancel(request_id)
+            self.cancel(request_id, park=False)  # the restarted workers hold none of its KV
         if self.active:
             zeros = [0] * len(self.active)
             self._prefill(0, self.active, zeros, zeros)

@@ -475,7 +475,6 @@ class GenerationService(pb_grpc.GeneratorServicer):
             handle = self.replicas.options(stream=True, multiplexed_model_id=routing)
             stream = call.stream = handle.generate.remote(request)
             final: FinishedEvent | None = None
-            cut = False  # stopped here on a stop string: the replica parked no KV for it
             try:
                 async for event in stream:  # TokensEvent..., FinishedEvent
                     if isinstance(event, FinishedEvent):
@@ -489,13 +488,12 @@ class GenerationService(pb_grpc.GeneratorServicer):
                         self.metrics.first_token.labels(call.method).observe(call.first_token_s)
                     chunk = pb.GenerateChunk(text=delta, token_ids=new_ids)
                     if text.stopped:
-                        stream.cancel()  # the replica frees the request's KV slot (no parking)
+                        stream.cancel()  # the replica parks the request's KV (engine.cancel)
                         held.append(chunk)
                         # What ran up to here: the stats of the step that found the stop.
                         final = FinishedEvent(
                             "stop", event.stats, event.cached_tokens, event.replica
                         )
-                        cut = True
                         break
                     if not (delta or new_ids):
                         continue
@@ -520,7 +518,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
         tail = text.flush()
         call.reply += tail
         if request.session_id:
-            await self._save_session(session, request, output, final, call, parked=not cut)
+            await self._save_session(session, request, output, final, call)
         stats = speculation_stats(final.stats, final.cached_tokens, request)
         yield pb.GenerateChunk(
             text=tail,
@@ -537,7 +535,6 @@ class GenerationService(pb_grpc.GeneratorServicer):
         output: list[int],
         final: FinishedEvent,
         call: _Call,
-        parked: bool,
     ) -> None:
         now = time.time()
         tokens = [*request.prompt_ids, *output]
@@ -553,7 +550,7 @@ class GenerationService(pb_grpc.GeneratorServicer):
                     method=request.method, k=request.k, gamma=request.gamma, temperature=temperature
                 ),
                 replica=final.replica or None,
-                kv_length=len(tokens) - 1 if parked else 0,
+                kv_length=len(tokens) - 1,
                 created=old.created if old else now,
                 updated=now,
                 turns=(old.turns if old else 0) + 1,

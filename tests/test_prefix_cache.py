@@ -86,3 +86,35 @@ def test_a_seeded_request_gives_the_same_tokens_with_and_without_a_hit(sampling)
     hit = ask(warm, follow, seed=4, new=16, sampling=sampling)
     assert miss.cached_tokens == 0 and hit.cached_tokens >= len(PROMPT)
     assert hit.token_ids == miss.token_ids
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0)])
+def test_a_cancelled_request_leaves_its_prefix_with_the_same_seeded_tokens(sampling):
+    """A request cancelled between steps (the gateway cut it at a stop string, or its client
+    left) parks its KV as a finished one does: the next request over its prefix reuses it and
+    gets the tokens it gets without a hit."""
+    cold, warm = engine(prefix_caching=False), engine()
+    cut = []
+    for eng in (cold, warm):
+        req = make_request(eng.limits, PROMPT, 40, "block", sampling=sampling, seed=3,
+                           cache_scope="alice")  # fmt: skip
+        request_id = eng.add(req)
+        for _ in range(3):
+            eng.step()
+        (active,) = eng.active
+        cut.append(list(active.output))
+        assert eng.cancel(request_id) and not eng.active
+    assert cut[0] == cut[1] and len(warm.parked) == 1
+    follow = [*PROMPT, *cut[1], 8, 9]
+    miss = ask(cold, follow, seed=4, new=16, sampling=sampling)
+    hit = ask(warm, follow, seed=4, new=16, sampling=sampling)
+    assert miss.cached_tokens == 0 and hit.cached_tokens >= len(PROMPT) + len(cut[1]) - 1
+    assert hit.token_ids == miss.token_ids
+
+
+def test_a_cancel_without_parking_frees_the_slot():
+    """park=False (a restart emptied the workers' caches) leaves nothing to reuse."""
+    eng = engine()
+    request_id = eng.add(make_request(eng.limits, PROMPT, 40, "block", cache_scope="alice"))
+    eng.step()
+    assert eng.cancel(request_id, park=False) and not eng.parked
