@@ -125,12 +125,13 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class Progress:
-    """A streamed request after one step: the tokens the step added to its output, and its
-    stats so far (a copy, whole for the step), so that a stream cut short (a stop string the
-    gateway found) still knows what ran."""
+    """A streamed request after one step: the tokens the step added to its output, and, for
+    a request with stop strings, its stats so far (a copy, whole for the step): the gateway
+    may cut its stream at one, and then finishes it with these. Without stop strings nothing
+    cuts a stream short, so no step copies or ships them (None)."""
 
     token_ids: list[int]
-    stats: RequestStats
+    stats: RequestStats | None
     cached_tokens: int
 
 
@@ -768,7 +769,8 @@ class SpeculativeEngine:
         for a in batch:
             a.stats.steps.add(times)
         for a, tokens in streamed:  # now that its stats hold the whole step
-            a.on_tokens(Progress(tokens, a.stats.copy(), a.cached_tokens))
+            stats = a.stats.copy() if a.req.stop else None
+            a.on_tokens(Progress(tokens, stats, a.cached_tokens))
         self.times.add(times)
         self.steps += 1
         return StepResult(finished, times)

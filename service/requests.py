@@ -120,11 +120,11 @@ class GenerationRequest:
 
 @dataclass
 class TokensEvent:
-    """New output tokens of one decode step, with the request's stats so far (what a stream
-    cut by a stop string finishes with)."""
+    """New output tokens of one decode step, with a request's stats so far when it has stop
+    strings (what a stream cut at one finishes with; None otherwise)."""
 
     token_ids: list[int]
-    stats: RequestStats
+    stats: RequestStats | None
     cached_tokens: int  # prompt tokens whose KV a parked session supplied
     replica: str  # the replica serving it
 

@@ -9,6 +9,7 @@ methods; at temperature > 0 the law of the first generated tokens equals the tar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections import Counter
@@ -585,9 +586,13 @@ def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
     engine = make_engine(target, draft, max_batch=2)
     greedy = SamplingParams(temperature=0.0)
     progress: list = []
+    bare: list = []  # the stream of a request without stop strings: no stats
     request = functools.partial(make_request, engine.limits, max_new_tokens=20, sampling=greedy)
-    engine.add(request([4, 5, 6], method="traversal", k=2, gamma=3), on_tokens=progress.append)
-    gone = engine.add(request([7, 8], method="block", k=1, gamma=3))
+    stops = dataclasses.replace(
+        request([4, 5, 6], method="traversal", k=2, gamma=3), stop=("never said",)
+    )
+    engine.add(stops, on_tokens=progress.append)
+    gone = engine.add(request([7, 8], method="block", k=1, gamma=3), on_tokens=bare.append)
     waiting = engine.add(request([9], method="block", k=1, gamma=3))
     engine.step()
     assert len(engine.active) == 2 and len(engine.waiting) == 1
@@ -603,3 +608,4 @@ def test_cancel_frees_the_slot_and_streaming_reports_every_token(pair):
     # Each step's progress carries the stats as they stood after it, the last as the result's.
     assert [p.stats.target_calls for p in progress] == list(range(1, len(progress) + 1))
     assert progress[-1].stats == res.stats and progress[0].stats is not res.stats
+    assert len(bare) == 1 and bare[0].token_ids and bare[0].stats is None
