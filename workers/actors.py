@@ -559,16 +559,24 @@ class StepTimedOut(TimeoutError):
 def _gather(refs: list[ray.ObjectRef], timeout_s: float | None = None) -> list:
     """ray.get, but a failed call raises at once: when one shard of a tensor-parallel group
     dies, its peers wait in a collective that would never finish. Raises StepTimedOut when the
-    calls are not all done within `timeout_s` (None: no bound)."""
+    calls are not all done within `timeout_s` (None: no bound). One call (a whole target's
+    step) is one ray.get, as before the bound."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def left() -> float | None:
+        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
     pending = list(refs)
-    while pending:
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            raise StepTimedOut(f"{len(pending)} of {len(refs)} calls not done in {timeout_s} s")
-        ray.get(ready)
-    return ray.get(refs)
+    try:
+        while len(pending) > 1:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left())
+            if not ready:
+                raise ray.exceptions.GetTimeoutError()
+            ray.get(ready)
+        return ray.get(refs, timeout=left())
+    except ray.exceptions.GetTimeoutError:
+        message = f"{len(pending)} of {len(refs)} calls not done in {timeout_s} s"
+        raise StepTimedOut(message) from None
 
 
 def start_draft(
