@@ -748,10 +748,11 @@ class SpeculativeEngine:
         own = self._own_law(plan, verdict)
         for a, carry, mine in zip(batch, verdict.carries, own.tolist(), strict=True):
             a.carry = carry
-            own_now = a.own_features or (plan.drafted and self.feed.keeps_own(mine))
-            if own_now and a.own_from is None:  # this step's pending token, or its kept path
+            own_next = self.feed.keeps_own(mine)
+            # this step's pending token read its own feature, or its kept path was drafted so
+            if a.own_from is None and (a.own_features or own_next):
                 a.own_from = len(a.req.prompt_ids) + a.emitted - len(a.draft_pending)
-            a.own_features = self.feed.keeps_own(mine)
+            a.own_features = own_next
         # The target committed its paths itself; the draft keeps what its feed says (a feature
         # draft: a path only under its own-feature law, see _Active.own_features).
         kept = self.feed.kept(verdict.num_accepted, own) if plan.drafted else None
