@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 from concurrent import futures
@@ -21,6 +22,7 @@ from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.cli import build_parser, main
 from service.client import ClientError, Reply, config_ran, stats_line
+from tests.cli_process import BLOCKSPEC
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "transformers", "ray", "numpy", "tokenizers", "safetensors", "rich"}
@@ -320,10 +322,9 @@ def test_the_client_names_the_flag_and_the_rule(fake, capsys):
 
 def test_undecodable_argv_bytes_are_refused_not_a_traceback(fake):
     """The real thing: bytes that are not UTF-8 on the command line of a new process."""
-    code = "import sys; from service.cli import main; main(sys.argv[1:])"
     argv = [b"generate", b"hi \xff\xfe there", b"--address", fake.address.encode()]
     done = subprocess.run(
-        [sys.executable.encode(), b"-c", code.encode(), *argv],
+        [*map(os.fsencode, BLOCKSPEC), *argv],
         cwd=ROOT,
         capture_output=True,
         timeout=60,

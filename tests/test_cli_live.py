@@ -8,12 +8,12 @@ import io
 import re
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from protos import blockspec_pb2 as pb
 from service.cli import main
+from tests.cli_process import BLOCKSPEC
 from tests.live_service import TINY_PAIR
 from tests.redis_server import free_port
 
@@ -102,9 +102,8 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c():
     http = free_port()
     argv = ["serve", "--port", "0", "--http-port", str(http), "--metrics-port", "0"]
     argv += ["--draft", TINY_PAIR["draft_dir"], "--target", TINY_PAIR["target_dir"]]
-    code = "import sys; from service.cli import main; main(sys.argv[1:])"
     server = subprocess.Popen(
-        [sys.executable, "-c", code, *argv],
+        [*BLOCKSPEC, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -119,7 +118,7 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c():
         assert ready and int(ready[2]) == http, "".join(lines)
         generate = ["generate", "x", "--address", f"127.0.0.1:{ready[1]}", "--max-new-tokens=3"]
         done = subprocess.run(
-            [sys.executable, "-c", code, *generate],
+            [*BLOCKSPEC, *generate],
             capture_output=True,
             text=True,
             timeout=60,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import grpc
 import pytest
 
 from service.ports import GRPC_EXCLUSIVE, Listener, PortTaken, check_free
+from tests.cli_process import BLOCKSPEC
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,10 +69,9 @@ def test_serve_refuses_a_taken_port_before_starting_ray():
         port = held.getsockname()[1]
         argv = ["serve", "--port", str(free_port()), "--http-port", str(port)]
         argv += ["--metrics-port", str(free_port())]
-        code = "import sys; from service.cli import main; main(sys.argv[1:])"
         start = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-c", code, *argv],
+            [*BLOCKSPEC, *argv],
             cwd=ROOT,
             capture_output=True,
             text=True,

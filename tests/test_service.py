@@ -26,6 +26,7 @@ from service.config import Settings
 from service.engine import StepTimes, build_engine
 from service.requests import ReplicaStats, make_request
 from service.sessions import RedisStore
+from tests.cli_process import BLOCKSPEC
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
 from verification import VERIFIERS
 from workers.draft import padding_groups
@@ -310,7 +311,6 @@ def test_a_second_deployment_cannot_take_the_ports_of_the_first(service):
     import errno
     import socket
     import subprocess
-    import sys
 
     settings = service["settings"]
     ports = dict(port=service["address"]["port"], http_port=settings.http_port)
@@ -322,9 +322,8 @@ def test_a_second_deployment_cannot_take_the_ports_of_the_first(service):
                 joining.bind(("127.0.0.1", port))
             assert err.value.errno == errno.EADDRINUSE, name
     argv = [f"--{name.replace('_', '-')}={port}" for name, port in ports.items()]
-    code = "import sys; from service.cli import main; main(sys.argv[1:])"
     second = subprocess.run(
-        [sys.executable, "-c", code, "serve", *argv], capture_output=True, text=True, timeout=120
+        [*BLOCKSPEC, "serve", *argv], capture_output=True, text=True, timeout=120
     )
     assert second.returncode == 1
     assert second.stderr.startswith(f"error: 127.0.0.1:{ports['port']} (gRPC, --port) is already")
