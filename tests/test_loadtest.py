@@ -169,3 +169,36 @@ def test_auto_is_compared_with_the_best_fixed_configuration_at_each_load():
     assert v["headroom"] == pytest.approx((15 / 15 * 40 / 30) ** 0.5)  # none at c=8, block at 1
     best = best_per_method(points)
     assert best[("1.0", "c=8")]["block"]["tokens_per_s"] == 30.0
+
+
+def test_the_console_interval_says_when_there_is_none():
+    """One request has no spread to estimate: said so, not `±nan%`."""
+    from loadtest.cli import interval
+
+    assert interval(dict(tokens_per_s_ci=0.123, ok=8)) == "±12%"
+    assert interval(dict(tokens_per_s_ci=math.nan, ok=1)) == "no interval from 1 request"
+    assert interval(dict(tokens_per_s_ci=math.nan, ok=0)) == "no interval from 0 requests"
+
+
+def test_help_shows_defaults_and_the_example_as_written():
+    from loadtest.cli import parser
+
+    ap = parser()
+    assert "--concurrency 1 2 4 8 16 32 --requests 32 \\\n" in ap.format_help()  # lines kept
+    formatter = ap._get_formatter()
+    for action in ap._actions:
+        if action.option_strings and action.dest != "help":  # argparse shows no help-less one
+            assert action.help and "default" in formatter._get_help_string(action), action.dest
+
+
+@pytest.mark.parametrize(("requests", "warned"), [(1, True), (5, True), (6, False)])
+def test_too_few_requests_per_point_are_warned(requests, warned, monkeypatch, capsys):
+    async def no_run(args) -> None:
+        pass
+
+    monkeypatch.setattr("loadtest.cli.run", no_run)
+    loadtest(["--requests", str(requests)])
+    err = capsys.readouterr().err
+    assert ("warning: " in err) == warned, err
+    if requests == 1:
+        assert "give no interval" in err
