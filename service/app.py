@@ -134,7 +134,6 @@ def start_ray(settings: Settings) -> None:
             "env_vars": {key: os.environ[key] for key in LOCAL_CLUSTER_ENV},  # as set above
             "worker_process_setup_hook": "service.app.serve_replicas_on_loopback",
         },
-        _system_config={"max_direct_call_object_size": settings.ray_inline_bytes},
     )
 
 

@@ -168,12 +168,6 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(3600.0, gt=0)
     ray_address: str | None = None  # join this cluster; None: RAY_ADDRESS or a local cluster
     ray_num_cpus: int | None = None  # logical CPUs of a local cluster (None: the machine's)
-    # Local cluster: actor results up to this size travel inline in the task reply instead of
-    # through the shared-memory object store (Ray's default: 100 KiB). The draft actor puts rows
-    # over 256 KiB in the store itself (workers/actors.py), so this decides only for smaller
-    # steps, where inline is faster (docs/service_benchmark.md). Ray also caps a reply's inlined
-    # bytes at `task_rpc_inlined_bytes_limit` (10 MiB). A joined cluster keeps its own.
-    ray_inline_bytes: int = Field(8 << 20, ge=0)
     # TLS for the gRPC port (PEM files); with tls_client_ca_file, mutual TLS.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None

@@ -11,7 +11,8 @@ separately (`StepTimes`):
               verify -> per (method, K, γ) group, batched (`verify_step`); the target keeps
                         the accepted paths' KV entries
   commit:     the draft keeps its accepted tokens; append tokens, retire finished requests
-Over Ray the speculate part is one chained call, and verification runs on the target's rank 0.
+Over Ray the speculate part is one chained exchange over the actors' links, and verification runs
+on the target's rank 0.
 In process, the step's tensors are made on the workers' device and the host reads the verdict
 once a step (`verdict_on_host`); over Ray they travel through the host anyway.
 
@@ -424,7 +425,7 @@ class LocalExecutor:
 
 @dataclass
 class RayExecutor:
-    """Workers behind Ray actors (workers/actors.py): one chained call per step
+    """Workers behind Ray actors (workers/actors.py): one chained exchange per step
     (`RemoteTarget.speculate`), verified on the target's rank 0 next to its rows."""
 
     draft: RemoteDraft
@@ -450,12 +451,14 @@ class RayExecutor:
         )  # fmt: skip
 
     def restart_lost(self) -> None:
-        """Restart the actor groups that no longer answer; both reload at once."""
+        """Restart the actor groups that no longer answer (both reload at once), then wire
+        every actor's links afresh."""
         dead = [worker for worker in (self.draft, self.target) if not worker.alive()]
         for worker in dead:
             worker.restart()
         for worker in dead:
             worker.wait_ready()
+        self.target.use_draft(self.draft)
 
 
 @dataclass

@@ -8,7 +8,7 @@ enforces CUDA's same-device rule), so:
 - every verifier, ``none``, ``auto``, a mixed batch and a session's follow-up decode on the
   fake device with a token draft (the tiny pair, loaded by ``build_engine(device="cuda")``)
   and a feature draft, and through the Ray actors' classes (in process, every tensor through
-  the numpy wire), and give the CPU engine's seeded tokens;
+  a link's serialization), and give the CPU engine's seeded tokens;
 - the host's syncs (reads of device data, blocking copies to it: each one a wait for the GPU)
   are counted per decode step and bounded per method (host_sync_bound);
 - mutants that drop one ``.to(device)`` fail with CUDA's error, and one that leaves a per-step
@@ -21,7 +21,6 @@ tests/test_verify_graphs.py cover the kernels and graphs.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import sys
 import textwrap
@@ -35,6 +34,7 @@ from test_feature_draft import random_fc
 
 import service.engine
 import workers.actors as actors
+import workers.channel as channel
 from service.engine import LocalExecutor, RayExecutor, build_engine
 from service.policy import AUTO, PLAIN
 from service.requests import GenerationRequest, Limits, make_request
@@ -402,16 +402,9 @@ def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
 
 # ------------------------------------------------------------------------------ Ray actors
 def wire(obj):
-    """What Ray's numpy wire (workers.actors.use_numpy_wire) makes of obj on the other side:
-    the same, with every tensor on the host."""
-    if isinstance(obj, torch.Tensor):
-        return actors._tensor_from_wire(actors._tensor_to_wire(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **fields)
-    if isinstance(obj, list | tuple):
-        return type(obj)(wire(x) for x in obj)
-    return obj
+    """What a link (workers/channel.py) makes of obj on the other side: the same, with every
+    tensor on the host."""
+    return channel.loads(channel.dumps(obj))
 
 
 class WiredDraft:
@@ -436,15 +429,15 @@ class WiredDraft:
 
 class WiredTarget(WiredDraft):
     """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
-    chains the draft's and the target's calls, every tensor through the wire."""
+    chains the draft's and the target's messages, every tensor through the wire."""
 
     def speculate(self, draft, draft_args, roots, num_paths, depth, params, generators, verify):
         states = [g.get_state() for g in generators]
         drafted = None
         if draft_args is not None:
             drafted = wire(draft.actor.propose(*wire(draft_args), params))
-        inputs = wire((roots, num_paths, depth, params))
-        out = self.actor.speculate(*inputs, drafted, states, verify)
+        inputs = wire((roots, num_paths, depth, params, states, verify))
+        out = self.actor.speculate(*inputs, drafted)
         x, verdict, states, seconds = wire(out)
         for g, state in zip(generators, states, strict=True):
             g.set_state(state)
@@ -454,9 +447,9 @@ class WiredTarget(WiredDraft):
 @pytest.fixture(scope="module")
 def wired():
     """The tiny pair as Ray's draft and target actors on the fake device, called in process
-    (their classes without Ray), every argument and result through the numpy wire."""
+    (their classes without Ray), every argument and result through a link's serialization."""
     with pytest.MonkeyPatch.context() as patch, FakeCuda():
-        patch.setattr(actors, "use_numpy_wire", lambda: None)  # Ray's serializer: `wire` here
+        patch.setattr(actors, "use_numpy_wire", lambda: None)  # Ray's serializer: not here
         slots, dtype, threads = MAX_BATCH + 1, "float32", 1
         draft = actors.DraftActor.__ray_metadata__.modified_class(
             str(TINY_DRAFT), slots, MAX_LEN, dtype, "cuda", threads
@@ -477,7 +470,6 @@ def test_the_ray_actors_decode_on_the_device_as_the_cpu_engine(tiny, wired, monk
     """Over Ray every tensor arrives on the host; the actors move what they get (the carried
     records of greedy_block come back from the coordinator each step)."""
     cpu, _ = tiny
-    monkeypatch.setattr(actors, "STORE_BYTES", 1 << 40)  # no object store without Ray
     expected = run_cpu(cpu, requests(methods))
     out, per_step, sites = run_fake(wired, requests(methods))
     assert out == expected

@@ -1,30 +1,33 @@
 """The models as Ray actors: one draft actor and a group of tensor-parallel target shard actors.
 
 `RemoteDraft` and `RemoteTarget` give the coordinator the worker interface the engine needs
-(workers/protocols.py: a `Draft` and a `Target`: prefill, move, commit) plus one chained call
-per decode step, `RemoteTarget.speculate`, which the engine's Ray step executor makes:
+(workers/protocols.py: a `Draft` and a `Target`: prefill, move, commit) plus one chained
+exchange per decode step, `RemoteTarget.speculate`, which the engine's Ray step executor makes:
 
     coordinator --(pending tokens, draft keys)---------> draft actor: propose
     draft actor --(draft tokens, rows q)---------------> target shards: tree, forward
     coordinator --(generator states)-------------------> target rank 0: verification (the
-                                                          engine's function, sent with the call)
+                                                          engine's function, sent with the step)
     target rank 0 --(emitted tokens, τ, path, states, carry)--> coordinator
 
-Each tensor moves once, from the actor that makes it to the one that reads it: the draft's rows
-q ([n, K, γ, V], the largest payload) go as a numpy array, through the shared-memory object
-store when large (zero-copy on one node), never through the coordinator; the target's rows p
-never leave rank 0. With a feature draft, the target's features of a prefill go from rank 0 to
-the draft actor by reference; only the pending tokens' come back (`prefill_features`). The
-coordinator still drives the step and owns every request's state: its tokens, its verifier's
-generator (its state travels with the call to rank 0 and comes back) and its carry. The draft
-needs no generator state: its uniforms are a hash of the request's draft key and the step's
-root position (workers/sampling.py), which travel as one [n, 2] tensor.
+Ray starts, places and restarts the actors and answers the calls made between steps (loading,
+readiness, wiring); the steps' messages go over links wired once (workers/channel.py: one
+socket per pair of processes above, ~0.1 ms a hop where a Ray call costs ~0.85 ms). Each actor
+serves its links on one thread, in the order the coordinator sent: the coordinator's ops, and
+rank 0's step waits for the draft's proposal on its link from the draft. Each tensor moves
+once, from the process that makes it to the one that reads it: the draft's rows q
+([n, K, γ, Vh], the largest payload) go to rank 0, never through the coordinator; the target's
+rows p never leave rank 0. The coordinator still drives the step and owns every request's state:
+its tokens, its verifier's generator (its state travels with the step to rank 0 and comes back)
+and its carry. The draft needs no generator state: its uniforms are a hash of the request's
+draft key and the step's root position (workers/sampling.py), which travel as one [n, 2] tensor.
+With a feature draft, rank 0 sends each prefill padding group's draft inputs to the coordinator,
+which posts them to the draft (it prefills that group while rank 0 runs the next).
 
-Calls that return nothing (prefill, move, commit) are sent without waiting: Ray runs one caller's
-calls on an actor in submission order, so the next call that waits also waits for them, and any
-error they raised is raised there. Each actor reports the seconds it computed; what the step's
-call took beyond that is *transfer* (serialization, object store, scheduling) in the engine's
-step-time breakdown.
+Ops that return nothing (prefill, move, commit) are posted without waiting; an actor reports the
+seconds they computed, and the first error one raised, with its next reply. Each actor reports
+the seconds it computed; what the step took beyond that is *transfer* (serialization, sockets,
+waking the processes) in the engine's step-time breakdown.
 
 The target shards live in one STRICT_PACK placement group (tensor parallelism wants one node);
 their torch.distributed group rendezvouses on rank 0's loopback store.
@@ -33,9 +36,10 @@ their torch.distributed group rendezvouses on rank 0's loopback store.
 from __future__ import annotations
 
 import functools
+import pickle
+import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.channel import LOOPBACK, Link, LinkBroken, accept, dial, dumps, listen, new_key, ready
 from workers.draft import padding_groups
 from workers.feature_draft import split_groups
 from workers.graphs import graphs_available
@@ -58,19 +63,13 @@ from workers.target import path_rows
 from workers.tensor_parallel import TargetShard, join_group, loopback_store
 from workers.tree import build_tree
 
-DRAFT_OPS = ("prefill", "move", "commit")
-# Draft rows larger than this go through the object store (one copy in, zero-copy reads on the
-# same node); smaller ones travel inline with the call's reply. Inline is faster for small
-# payloads and the store for large ones; the crossover lies between 128 KiB and 1 MiB
-# (docs/service_benchmark.md).
-STORE_BYTES = 256 << 10
+POSTED_OPS = ("prefill", "move", "commit")  # what the coordinator posts without waiting
 
 
 def _tensor_to_wire(t: torch.Tensor) -> tuple[Any, str]:
-    """How Ray sends a torch.Tensor between our processes: as a numpy array (bf16 as its int16
-    bits), arriving on the CPU. Torch's own pickling goes through torch.save, ~50 µs a tensor
-    each way: a step moves dozens of small tensors (tokens, counts, generator states, verdicts);
-    numpy takes ~10 µs."""
+    """How Ray sends a torch.Tensor between our processes (the calls between steps): as a
+    numpy array (bf16 as its int16 bits), arriving on the CPU. Torch's own pickling goes
+    through torch.save, ~50 µs a tensor each way; numpy takes ~10 µs."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -98,14 +97,84 @@ def _actor_device(device: str) -> str:
     return "cuda:0" if torch.device(device).type == "cuda" else device
 
 
-# STEP_CALLS: the methods called on every decode step (propose, speculate, and the posted
-# prefill/move/commit ops) record no Ray task events. The GCS keeps up to 100,000 of them by
-# default, and at tens of calls a second they were its whole growth over a soak
-# (docs/reliability.md). Loading, readiness and restart calls keep theirs.
+def _portable(exc: BaseException) -> BaseException:
+    """exc, or a RuntimeError naming it where it does not pickle (it crosses a link)."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class _Served:
+    """An actor's side of the links: one thread runs what arrives, in order. Posted ops'
+    seconds and their first error wait here for the actor's next reply."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._listener = None
+        self._posted = 0.0
+        self._failed: BaseException | None = None
+
+    def node(self) -> tuple[str, str]:
+        """(node id, node IP): where the coordinator finds this actor's listener."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def _open(self, host: str, key: bytes):
+        """A fresh listener; the previous wiring's thread has ended (its coordinator closed
+        its links first) or is left to end on its own."""
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+        self._posted, self._failed = 0.0, None
+        self._listener = listen(host, key)
+        return self._listener
+
+    def _start(self, serve: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=serve, name="blockspec-links", daemon=True)
+        self._thread.start()
+
+    def _run_posted(self, op: str, args: tuple) -> None:
+        start = time.perf_counter()
+        try:
+            if self._failed is None:  # after a failure the caches are suspect: the reply fails
+                self.call(op, args)
+        except Exception as exc:
+            self._failed = _portable(exc)
+        self._posted += time.perf_counter() - start
+
+    def _take_posted(self) -> tuple[float, BaseException | None]:
+        out = (self._posted, self._failed)
+        self._posted, self._failed = 0.0, None
+        return out
+
+    def call(self, op: str, args: tuple) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Drafted:
+    """A draft actor's proposal, on its way to the target shards (each step has one, empty
+    when nothing is drafted: it also brings the draft's posted seconds and failures)."""
+
+    tokens: torch.Tensor | None  # [n, K, γ] int64; None: nothing drafted
+    rows: torch.Tensor | None  # [n, K, γ, Vh] float32: q on the draft head's ids (rank 0 only)
+    seconds: float = 0.0  # the draft actor's compute
+    posted: float = 0.0  # seconds of the ops posted to the draft since its last proposal
+    error: BaseException | None = None  # a posted op's or the proposal's
+
+
+@dataclass
+class Reply:
+    """A target rank's answer to a step (or rank 0's to a feature prefill)."""
+
+    out: Any  # rank 0: (x [n, K, γ], verdict, generator states, seconds per phase); else None
+    posted: float  # this rank's posted ops' seconds since its last reply
+    draft_posted: float = 0.0  # rank 0: the draft's (from its proposal)
+    error: BaseException | None = None
 
 
 @ray.remote
-class DraftActor:
+class DraftActor(_Served):
     def __init__(
         self,
         path: str,
@@ -117,6 +186,7 @@ class DraftActor:
         speculation: tuple = (0,),  # fan-out (0: no cache), downweight, max batch
         cuda_graphs: bool = True,
     ):
+        super().__init__()
         use_numpy_wire()
         torch.set_num_threads(threads)
         device = _actor_device(device)
@@ -132,17 +202,6 @@ class DraftActor:
     def ready(self) -> None:
         """Returns once the constructor (model load) has run; raises what it raised."""
 
-    @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def call(self, op: str, args: tuple) -> tuple[Any, float]:
-        if op not in DRAFT_OPS:  # ops come from RemoteDraft only: a wrong one is our bug
-            raise RuntimeError(f"unknown draft op {op!r}; expected one of {DRAFT_OPS}")
-        start = time.perf_counter()
-        # Another actor's output passed by reference (the target's prefill features: see
-        # RemoteTarget.prefill_features) is fetched here, not through the coordinator.
-        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
-        out = getattr(self.worker, op)(*args)
-        return out, time.perf_counter() - start
-
     def head_vocab(self) -> torch.Tensor | None:
         """[Vh] int64: the ids the draft's head keeps (q is zero elsewhere); None: all."""
         return self.worker.model.head_vocab
@@ -151,7 +210,65 @@ class DraftActor:
         """The proposer's host side, which the coordinator runs (it holds no state)."""
         return self.worker.feed
 
-    @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
+    def speculation_stats(self) -> dict[str, int]:
+        """The speculation cache's counters (workers/speculation.py); empty without one."""
+        cache = self.speculation
+        if cache is None:
+            return {}
+        return dict(hits=cache.hits, lookups=cache.lookups, prepared=cache.prepared)
+
+    def wire(self, host: str, key: bytes, ranks: list[tuple[str, int]]) -> tuple[str, int]:
+        """Dial the target ranks' listeners, listen on host for the coordinator and serve
+        (returns the address it dials)."""
+        listener = self._open(host, key)
+        links = [dial(address, key, "draft") for address in ranks]
+
+        def serve() -> None:
+            try:
+                coordinator = accept(listener, {"coordinator"})["coordinator"]
+                listener.close()
+                while True:
+                    op, args = coordinator.recv()
+                    if op == "step":
+                        self._step(links, *args)
+                    else:
+                        self._run_posted(op, args)
+            except (LinkBroken, OSError):  # the coordinator closed the wiring, or died
+                pass
+            finally:
+                for link in links:
+                    link.close()
+
+        self._start(serve)
+        return listener.address
+
+    def _step(self, ranks: list[Link], args: tuple | None, params: list) -> None:
+        """Propose (args: propose's, or None: nothing drafted) and send it to every rank; then,
+        with a speculation cache, prepare the next step's proposals while the ranks score."""
+        posted, failed = self._take_posted()
+        drafted = Drafted(None, None, 0.0, posted, failed)
+        if args is not None and failed is None:
+            try:
+                drafted = self.propose(*args, params)
+                drafted.posted = posted
+            except Exception as exc:
+                drafted.error = _portable(exc)
+        ranks[0].send(drafted)
+        if len(ranks) > 1:  # the other ranks build the tree: the tokens, not q
+            frames = dumps(Drafted(drafted.tokens, None, error=drafted.error))
+            for link in ranks[1:]:
+                link.send_frames(frames)
+        if self._last is not None:
+            self._run_posted("prepare", ())
+
+    def call(self, op: str, args: tuple) -> None:
+        if op == "prepare":
+            self.prepare()
+        elif op in POSTED_OPS:
+            getattr(self.worker, op)(*args)
+        else:  # ops come from RemoteDraft only: a wrong one is our bug
+            raise RuntimeError(f"unknown draft op {op!r}; expected one of {POSTED_OPS}")
+
     def propose(
         self, pending, pending_count, paths, depths, draws, features, own, keys, params
     ) -> Drafted:
@@ -172,40 +289,19 @@ class DraftActor:
                 pending, pending_count, paths, depths, params, draws, features,
                 whole_vocab=False, own=own,
             )  # fmt: skip
-        rows = q.cpu().numpy()  # numpy: zero-copy through the object store, unlike torch
-        rows = ray.put(rows) if rows.nbytes > STORE_BYTES else rows
-        return Drafted(x.cpu(), rows, time.perf_counter() - start)
+        return Drafted(x.cpu(), q.cpu(), time.perf_counter() - start)
 
-    def speculation_stats(self) -> dict[str, int]:
-        """The speculation cache's counters (workers/speculation.py); empty without one."""
-        cache = self.speculation
-        if cache is None:
-            return {}
-        return dict(hits=cache.hits, lookups=cache.lookups, prepared=cache.prepared)
-
-    @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def prepare(self) -> tuple[None, float]:
+    def prepare(self) -> None:
         """Prepare the next step's proposals for the last proposal's likeliest outcomes
-        (workers/speculation.py). Posted right after `propose`, so it runs here while the
-        target shards score and verify that proposal; the engine's commit comes after it."""
-        start = time.perf_counter()
+        (workers/speculation.py), while the target shards score and verify that proposal;
+        the engine's commit comes after it."""
         if self._last is not None:
             self.speculation.prepare(self.worker, *self._last)
             self._last = None
-        return None, time.perf_counter() - start
-
-
-@dataclass
-class Drafted:
-    """A draft actor's proposal, on its way to the target shards."""
-
-    tokens: torch.Tensor  # [n, K, γ] int64
-    rows: np.ndarray | ray.ObjectRef  # [n, K, γ, Vh] float32: q on the draft head's ids
-    seconds: float  # the draft actor's compute
 
 
 @ray.remote
-class TargetShardActor:
+class TargetShardActor(_Served):
     def __init__(
         self,
         path: str,
@@ -218,6 +314,7 @@ class TargetShardActor:
         threads: int,
         cuda_graphs: bool = True,
     ):
+        super().__init__()
         use_numpy_wire()
         torch.set_num_threads(threads)
         self.device = _actor_device(device)
@@ -237,38 +334,76 @@ class TargetShardActor:
     def join(self, port: int, timeout_s: float) -> None:
         join_group(self.shard.rank, self.shard.world, port, self.device, timeout_s, self._store)
 
-    @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
-    def call(self, op: str, args: tuple) -> tuple[None, float]:
-        """Runs a TargetWorker op; its output stays here (prefill's features go to a feature
-        draft by prefill_features)."""
-        start = time.perf_counter()
-        self.shard.execute(op, args)
-        return None, time.perf_counter() - start
-
-    @ray.method(num_returns="streaming", enable_task_events=False)  # as prefill: STEP_CALLS
-    def prefill_features(
-        self,
-        args: tuple,  # TargetWorker.prefill's (slot0, contexts, keep)
-        draft_keep: list[int],
-        draft_pending: list[int],
-    ) -> Iterator[list[torch.Tensor]]:
-        """Rank 0, feature draft: prefill one padding group at a time. Yields, per group, what
-        the draft's prefill reads of it (workers.feature_draft.split_groups; it goes to the
-        draft actor by reference), then the pending tokens' features, for the coordinator."""
-        tails = []
-        groups = self.shard.worker.prefill_groups(*args)
-        for _, _, inputs, pending in split_groups(groups, draft_keep, draft_pending):
-            tails += pending
-            yield inputs
-        yield tails
-
     def use_draft(self, head_vocab: torch.Tensor | None, reads_features: bool) -> None:
         """The ids the draft's rows arrive on ([Vh] int64; None: the whole vocabulary), and
         whether it reads the target's features (rank 0 then returns those of what it commits)."""
         self._draft_vocab = None if head_vocab is None else head_vocab.to(self.device)
         self._send_features = reads_features
 
-    @ray.method(enable_task_events=False)  # per step: see STEP_CALLS
+    def wire(self, host: str, key: bytes) -> tuple[str, int]:
+        """Listen on host for the coordinator and the draft actor, and serve (returns the
+        address they dial)."""
+        listener = self._open(host, key)
+
+        def serve() -> None:
+            links: dict[str, Link] = {}
+            try:
+                links = accept(listener, {"coordinator", "draft"})
+                listener.close()
+                coordinator, draft = links["coordinator"], links["draft"]
+                while True:
+                    op, args = coordinator.recv()
+                    if op == "speculate":
+                        coordinator.send(self._step(args, draft))
+                    elif op == "prefill_features":
+                        self._prefill_features(coordinator, *args)
+                    else:
+                        self._run_posted(op, args)
+            except (LinkBroken, OSError):  # the coordinator closed the wiring, or died
+                pass
+            finally:
+                for link in links.values():
+                    link.close()
+
+        self._start(serve)
+        return listener.address
+
+    def call(self, op: str, args: tuple) -> None:
+        """Runs a TargetWorker op; its output stays here."""
+        self.shard.execute(op, args)
+
+    def _step(self, args: tuple, draft: Link) -> Reply:
+        try:  # the draft's proposal comes whether it drafted or not
+            drafted = draft.recv()
+        except LinkBroken as exc:
+            return Reply(None, 0.0, error=LinkBroken(f"the draft actor's link: {exc}"))
+        posted, failed = self._take_posted()
+        reply = Reply(None, posted, drafted.posted, failed or drafted.error)
+        if reply.error is None:
+            try:
+                reply.out = self.speculate(*args, drafted if drafted.tokens is not None else None)
+            except Exception as exc:
+                reply.error = _portable(exc)
+        return reply
+
+    def _prefill_features(self, coordinator: Link, args, draft_keep, draft_pending) -> None:
+        """Rank 0, feature draft: prefill one padding group at a time, sending each group's
+        draft inputs as it is done (workers.feature_draft.split_groups), then a Reply whose
+        out is the pending tokens' features."""
+        posted, failed = self._take_posted()
+        reply = Reply(None, posted, error=failed)
+        if failed is None:
+            try:
+                tails = []
+                groups = self.shard.worker.prefill_groups(*args)
+                for _, _, inputs, pending in split_groups(groups, draft_keep, draft_pending):
+                    tails += pending
+                    coordinator.send(inputs)
+                reply.out = tails
+            except Exception as exc:
+                reply.error = _portable(exc)
+        coordinator.send(reply)
+
     @torch.inference_mode()
     def speculate(
         self,
@@ -276,9 +411,9 @@ class TargetShardActor:
         num_paths: list[int],  # [n]
         depth: list[int],  # [n]
         params: list[SamplingParams],
-        drafted: Drafted | None,  # None: nothing drafted (a batch of plain requests)
         states: list[torch.Tensor] | None,  # rank 0: the verifier generators' states
         verify: Callable | None,  # rank 0: (x, q, p, generators) -> verdict; others: None
+        drafted: Drafted | None,  # None: nothing drafted (a batch of plain requests)
     ) -> tuple[torch.Tensor, Any, list[torch.Tensor], dict[str, float]] | None:
         """Score the step's trees on every rank; on rank 0 verify, then every rank commits.
 
@@ -301,7 +436,7 @@ class TargetShardActor:
         laps["target"] = time.perf_counter() - start
         accepted = torch.zeros(2, n, dtype=torch.int64, device=dev)  # path, τ
         if rank0:
-            q = self._draft_rows(drafted, p)  # fetching it is transfer, not a phase
+            q = self._draft_rows(drafted, p)
             start = time.perf_counter()
             generators = [torch.Generator().set_state(s) for s in states]
             verdict = verify(x, q, p, generators)  # path and τ on the host (verify_on_host)
@@ -324,12 +459,7 @@ class TargetShardActor:
         """The draft's rows q on the whole vocabulary [n, K, γ, V], on p's device."""
         if drafted is None:
             return None
-        rows = drafted.rows
-        if isinstance(rows, ray.ObjectRef):
-            rows = ray.get(rows)
-        with warnings.catch_warnings():  # a store object is read-only; q is only read
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch.from_numpy(rows).to(p.device, non_blocking=True)
+        q = drafted.rows.to(p.device, non_blocking=True)
         if self._draft_vocab is None:
             return q
         full = q.new_zeros(*q.shape[:-1], p.shape[-1])
@@ -341,25 +471,30 @@ class WorkerLost(RuntimeError):
     `restart` their actors; the caches are gone with them (the engine rebuilds them)."""
 
 
-class _Remote:
-    """Pipelined calls to one or more actors that run the same ops in lockstep."""
+class StepTimedOut(TimeoutError):
+    """Replies of a step that did not come in time: an actor is alive but stuck (a hung
+    process, a collective whose peer never came)."""
 
-    # A step's calls not done after this long are stuck: the step's actors are restarted
-    # (None: wait forever). A replica sets its ReplicaConfig.step_timeout_s.
+
+class _Remote:
+    """One or more actors that run the same ops in lockstep, over their links (`wire`)."""
+
+    # A step's replies not all in after this long: the step's actors are restarted (None:
+    # wait forever). A replica sets its ReplicaConfig.step_timeout_s.
     step_timeout_s: float | None = None
 
     def __init__(self, launch: Callable[[], list]):
         use_numpy_wire()
         self._launch = launch  # starts the actors
         self.actors = launch()
-        self._unwaited: list[ray.ObjectRef] = []
+        self.links: list[Link] = []  # one per actor, in `actors`' order: set by `wire`
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every actor has loaded its model (raises a load failure)."""
         ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
 
     def alive(self, timeout_s: float = 10.0) -> bool:
-        """Whether every actor of the group answers (between steps: they are idle)."""
+        """Whether every actor of the group answers (its Ray calls run beside its links)."""
         try:
             self.wait_ready(timeout_s)
             return True
@@ -368,24 +503,30 @@ class _Remote:
 
     def restart(self) -> None:
         """Replace every actor of the group with a fresh one: models reloaded, caches empty
-        (`wait_ready` waits for the load)."""
-        for actor in self.actors:
-            ray.kill(actor)  # a survivor of a tensor-parallel group cannot rejoin a new one
-        self._unwaited = []
+        (`wait_ready` waits for the load; `wire` links them again)."""
+        self.abandon()  # a survivor of a tensor-parallel group cannot rejoin a new one
         self.actors = self._launch()
 
-    def _post(self, op: str, *args) -> list[ray.ObjectRef]:
-        payload = ray.put(args) if len(self.actors) > 1 else args  # serialized once for all
-        refs = [a.call.remote(op, payload) for a in self.actors]
-        self._unwaited += refs
-        return refs
+    def close_links(self) -> None:
+        """Close this end of the links: the actors' serving threads end on it."""
+        for link in self.links:
+            link.close()
+        self.links = []
 
-    def _check_posted(self) -> float:
-        """Raise what an unwaited call raised (they have run once a later call returned);
-        returns the seconds they computed (per actor of a lockstep group: the mean)."""
-        earlier, self._unwaited = self._unwaited, []
-        seconds = [s for _, s in _gather(earlier, self.step_timeout_s)]
-        return sum(seconds) / len(self.actors)
+    def abandon(self) -> None:
+        """Kill the actors (a stuck one still answers Ray's calls, beside its links, so it
+        would pass for alive): `restart` starts new ones."""
+        self.close_links()
+        for actor in self.actors:
+            ray.kill(actor)
+
+    def _post(self, op: str, *args) -> None:
+        frames = dumps((op, args))  # serialized once for all
+        try:
+            for link in self.links:
+                link.send_frames(frames)
+        except LinkBroken as exc:
+            raise WorkerLost(f"an actor's link broke: {exc}") from exc
 
     @property
     def device(self) -> torch.device:
@@ -400,6 +541,10 @@ class _Remote:
 class RemoteDraft(_Remote):
     """The draft actor's proxy (a `Draft`: workers/protocols.py)."""
 
+    def __init__(self, launch: Callable[[], list], speculating: bool = False):
+        super().__init__(launch)
+        self.speculating = speculating  # the actor keeps a speculation cache
+
     def prefill(
         self,
         slot0: int,
@@ -411,19 +556,6 @@ class RemoteDraft(_Remote):
 
     def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
         self._post("commit", path, keep)
-
-    def __init__(self, launch: Callable[[], list], speculating: bool = False):
-        super().__init__(launch)
-        self.speculating = speculating  # the actor keeps a speculation cache
-
-    def propose(self, *args) -> ray.ObjectRef:
-        """Start DraftActor.propose; the result (a `Drafted`) goes straight to the target.
-        With a speculation cache, its `prepare` is posted next: the draft works while the
-        target verifies."""
-        drafted = self.actors[0].propose.remote(*args)
-        if self.speculating:
-            self._unwaited.append(self.actors[0].prepare.remote())
-        return drafted
 
     def speculation_stats(self) -> dict[str, int]:
         """The actor's speculation cache counters: hits, lookups, prepared ({}: no cache)."""
@@ -438,20 +570,26 @@ class RemoteDraft(_Remote):
 class RemoteTarget(_Remote):
     """The target shard actors' proxy (a `Target`: workers/protocols.py)."""
 
-    _draft_vocab: torch.Tensor | None = None  # [Vh]: the draft head's ids (None: all)
-    _send_features = False  # the draft reads the target's features
-
-    def use_draft(self, draft: RemoteDraft) -> None:
+    def use_draft(self, draft: RemoteDraft, timeout_s: float = 60.0) -> None:
         """Tell rank 0 which ids the draft's rows arrive on and whether the draft reads the
-        target's features (at start and after a restart)."""
-        self._draft_vocab = ray.get(draft.actors[0].head_vocab.remote())
-        self._send_features = draft.feed.reads_features
-        ray.get(self.actors[0].use_draft.remote(self._draft_vocab, self._send_features))
-
-    def restart(self) -> None:
-        super().restart()
-        # runs before any step
-        self.actors[0].use_draft.remote(self._draft_vocab, self._send_features)
+        target's features, then wire the links between the coordinator (this process), the
+        draft actor and the ranks afresh (at start and after any restart)."""
+        vocab = ray.get(draft.actors[0].head_vocab.remote())
+        ray.get(self.actors[0].use_draft.remote(vocab, draft.feed.reads_features))
+        draft.close_links()
+        self.close_links()
+        actors = self.actors + draft.actors
+        nodes = ray.get([a.node.remote() for a in actors], timeout=timeout_s)
+        here = ray.get_runtime_context().get_node_id()
+        one_node = all(node == here for node, _ in nodes)
+        # Listeners on loopback where the replica is one machine, else on the node's address.
+        host = [LOOPBACK if one_node else ip for _, ip in nodes]
+        key = new_key()
+        ranks = [a.wire.remote(h, key) for a, h in zip(self.actors, host, strict=False)]
+        ranks = ray.get(ranks, timeout=timeout_s)
+        at_draft = ray.get(draft.actors[0].wire.remote(host[-1], key, ranks), timeout=timeout_s)
+        draft.links = [dial(at_draft, key, "coordinator", timeout_s)]
+        self.links = [dial(address, key, "coordinator", timeout_s) for address in ranks]
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None
@@ -466,29 +604,39 @@ class RemoteTarget(_Remote):
         keep: list[int],
         draft_keep: list[int],
         draft_pending: list[int],
-        to_draft: DraftPrefill,  # gets a reference to each group's draft inputs
+        to_draft: DraftPrefill,  # posts each group's draft inputs to the draft
     ) -> list[torch.Tensor]:
         """Prefill for a feature draft. Rank 0 prefills one padding group at a time
-        (workers.draft.padding_groups of the contexts' lengths, in order); as each is done,
-        to_draft(lo, hi, ref) gets a reference to what the draft's prefill reads of contexts
-        lo..hi, so that the draft prefills it while rank 0 runs the next group, and the
-        features go from rank 0 to the draft actor, not through here. Returns the pending
-        tokens' features [pending_i, E], which the requests' next step sends.
+        (workers.draft.padding_groups of the contexts' lengths, in order) and sends what the
+        draft's prefill reads of each as it is done; to_draft(lo, hi, inputs) posts it to the
+        draft, which prefills it while rank 0 runs the next group. Returns the pending tokens'
+        features [pending_i, E], which the requests' next step sends.
 
-        Waits for every call posted so far: the caller's wall time counts them (the step's
-        `prefill`), not the next step's posted-compute seconds, so they count once."""
+        Waits for every op posted to the ranks so far: the caller's wall time counts them (the
+        step's `prefill`), not the next step's posted-compute seconds, so they count once."""
         args = (slot0, contexts, keep)
-        payload = ray.put(args) if len(self.actors) > 1 else args  # serialized once for all
-        stream = self.actors[0].prefill_features.remote(payload, draft_keep, draft_pending)
-        self._unwaited += [a.call.remote("prefill", payload) for a in self.actors[1:]]
+        rank0 = self.links[0]
         try:
+            rank0.send(("prefill_features", (args, draft_keep, draft_pending)))
+            if len(self.links) > 1:
+                frames = dumps(("prefill", args))
+                for link in self.links[1:]:
+                    link.send_frames(frames)
             for lo, hi in padding_groups([len(c) for c in contexts]):  # rank 0's groups
-                to_draft(lo, hi, next(stream))
-            tails = ray.get(next(stream))
-            self._check_posted()
-            return tails
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerLost(str(exc)) from exc
+                message = rank0.recv(self.step_timeout_s)
+                if isinstance(message, Reply):  # it failed before this group
+                    break
+                to_draft(lo, hi, message)
+            else:
+                message = rank0.recv(self.step_timeout_s)
+        except LinkBroken as exc:
+            raise WorkerLost(f"target rank 0's link broke: {exc}") from exc
+        except TimeoutError as exc:  # stuck (its Ray calls still answer): restart the ranks
+            self.abandon()
+            raise WorkerLost(f"target rank 0 did not answer: {exc}") from exc
+        if message.error is not None:
+            raise message.error
+        return message.out
 
     def speculate(
         self,
@@ -503,38 +651,57 @@ class RemoteTarget(_Remote):
         generators: list[torch.Generator],
         verify: Callable,  # (x, q, p, generators) -> verdict with .path and .num_accepted
     ) -> tuple[torch.Tensor, Any, dict[str, float]]:
-        """One decode step over the actors, waited once: draft → target shards → back.
+        """One decode step over the links, waited once: draft → target shards → back.
 
         Returns (draft tokens [n, K, γ], verify's verdict, seconds per phase with `transfer`:
-        the call's wall time beyond the actors' compute). The generators come back advanced."""
+        the step's wall time beyond the actors' compute). The generators come back advanced."""
         start = time.perf_counter()
         states = [g.get_state() for g in generators]
-        drafted = None
-        if draft_args is not None:
-            drafted = draft.propose(*draft_args, params)
-        refs = []
-        for rank, actor in enumerate(self.actors):
-            own = (states, verify) if rank == 0 else (None, None)  # only rank 0 verifies
-            refs.append(actor.speculate.remote(roots, num_paths, depth, params, drafted, *own))
         try:
-            posted = draft._check_posted() + self._check_posted()  # prefills, moves, commits
-            x, verdict, states, seconds = _gather(refs, self.step_timeout_s)[0]
-        except ray.exceptions.RayActorError as exc:  # the generators were left as they were
-            raise WorkerLost(str(exc)) from exc
+            draft.links[0].send(("step", (draft_args, params)))
+            for rank, link in enumerate(self.links):
+                own = (states, verify) if rank == 0 else (None, None)  # only rank 0 verifies
+                link.send(("speculate", (roots, num_paths, depth, params, *own)))
+            replies = _gather(self.links, self.step_timeout_s)
+        except LinkBroken as exc:  # the generators were left as they were
+            raise WorkerLost(f"an actor's link broke: {exc}") from exc
         except StepTimedOut as exc:  # which actor is stuck is unknown: restart them all
-            for actor in draft.actors + self.actors:
-                ray.kill(actor)
+            draft.abandon()
+            self.abandon()
             raise WorkerLost(f"the step's actors did not answer: {exc}") from exc
-        except ray.exceptions.RayTaskError as exc:  # a shard's collective broke: a peer died?
-            if draft.alive() and self.alive():
-                raise  # the step itself failed
-            raise WorkerLost(f"a peer of a failed call died: {exc}") from exc
-        seconds["prefill"] = posted
+        failed = next((r.error for r in replies if r.error is not None), None)
+        if failed is not None:
+            if isinstance(failed, LinkBroken) or not (draft.alive() and self.alive()):
+                raise WorkerLost(f"an actor of the step died: {failed!r}") from failed
+            raise failed  # the step itself failed
+        x, verdict, states, seconds = replies[0].out
+        posted = sum(r.posted for r in replies) / len(replies)
+        seconds["prefill"] = replies[0].draft_posted + posted  # prefills, moves, commits
         for g, state in zip(generators, states, strict=True):
             g.set_state(state)
         wall = time.perf_counter() - start
         seconds["transfer"] = max(wall - sum(seconds.values()), 0.0)
         return x, verdict, seconds
+
+
+def _gather(links: list[Link], timeout_s: float | None) -> list[Reply]:
+    """Each link's reply, in order; returns early once one reports an error (when a shard of a
+    tensor-parallel group fails, its peers wait in a collective that would never finish).
+    Raises StepTimedOut when they are not all in within `timeout_s` (None: no bound)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    replies: dict[int, Reply] = {}
+    while len(replies) < len(links):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        waiting = [link for i, link in enumerate(links) if i not in replies]
+        arrived = ready(waiting, left)
+        if not arrived:
+            message = f"{len(waiting)} of {len(links)} replies not in after {timeout_s} s"
+            raise StepTimedOut(message)
+        for link in arrived:
+            reply = replies[links.index(link)] = link.recv()
+            if reply.error is not None:
+                return [reply]
+    return [replies[i] for i in range(len(links))]
 
 
 @dataclass(frozen=True)
@@ -549,34 +716,6 @@ class ActorSpec:
     num_gpus: float
     resources: dict[str, float] = field(default_factory=dict)  # custom ones: where it may run
     cuda_graphs: bool = True  # on CUDA: decode forwards replayed (workers/graphs.py)
-
-
-class StepTimedOut(TimeoutError):
-    """Calls of a step that did not finish in time: an actor is alive but stuck (a hung
-    process, a collective whose peer never came)."""
-
-
-def _gather(refs: list[ray.ObjectRef], timeout_s: float | None = None) -> list:
-    """ray.get, but a failed call raises at once: when one shard of a tensor-parallel group
-    dies, its peers wait in a collective that would never finish. Raises StepTimedOut when the
-    calls are not all done within `timeout_s` (None: no bound). One call (a whole target's
-    step) is one ray.get, as before the bound."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def left() -> float | None:
-        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-    pending = list(refs)
-    try:
-        while len(pending) > 1:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left())
-            if not ready:
-                raise ray.exceptions.GetTimeoutError()
-            ray.get(ready)
-        return ray.get(refs, timeout=left())
-    except ray.exceptions.GetTimeoutError:
-        message = f"{len(pending)} of {len(refs)} calls not done in {timeout_s} s"
-        raise StepTimedOut(message) from None
 
 
 def start_draft(

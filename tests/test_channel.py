@@ -1,0 +1,128 @@
+"""The replica's links (workers/channel.py): what a message keeps, how a link fails, how fast
+a multi-frame message comes back, and that a waiting reader spins nothing."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import threading
+import time
+from multiprocessing import AuthenticationError
+
+import pytest
+import torch
+
+from workers import channel
+
+
+@pytest.fixture()
+def pair():
+    """(our end, the echoing peer's listener thread) over loopback."""
+    key = channel.new_key()
+    listener = channel.listen(channel.LOOPBACK, key)
+
+    def echo() -> None:
+        link = channel.accept(listener, {"test"})["test"]
+        try:
+            while True:
+                message = link.recv()
+                if message == "close":
+                    break
+                link.send(message)
+        except channel.LinkBroken:
+            pass
+        link.close()
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    link = channel.dial(listener.address, key, "test")
+    yield link, thread
+    link.close()
+    listener.close()
+
+
+def test_tensors_arrive_equal_writable_and_on_the_host():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    message = dict(
+        f32=base,
+        bf16=base.to(torch.bfloat16),
+        i64=torch.tensor([[1, -2], [3, 2**40]]),
+        strided=base.t(),  # not contiguous
+        empty=torch.zeros(0, 3),
+        scalar=torch.tensor(7),
+        other=[1, "two", (3.0, None)],
+    )
+    out = channel.loads(channel.dumps(message))
+    for name, t in message.items():
+        if isinstance(t, torch.Tensor):
+            assert out[name].dtype == t.dtype and out[name].shape == t.shape, name
+            assert torch.equal(out[name], t), name
+            out[name].add_(1)  # writable: the receiver's own memory
+    assert out["other"] == message["other"]
+    assert torch.equal(message["f32"], base)  # the sender's tensor is untouched
+
+
+def test_a_message_crosses_a_link_and_its_large_buffer_travels_out_of_band(pair):
+    link, _ = pair
+    rows = torch.rand(2, 2, 4, 8192)  # 512 KiB: q rows of two requests
+    frames = channel.dumps(("step", rows))
+    assert len(frames) == 2 and len(frames[0]) < 1024  # the pickle holds no tensor bytes
+    link.send(("step", rows))
+    op, back = link.recv(timeout_s=10)
+    assert op == "step" and torch.equal(back, rows)
+
+
+def test_multi_frame_messages_return_without_nagles_delay(pair):
+    """A message is several writes; with Nagle's algorithm on, the second waits for the peer's
+    delayed ACK (~40 ms on Linux) and a round trip takes that long."""
+    link, _ = pair
+    message = (torch.zeros(4), torch.ones(1250))  # three frames
+    laps = []
+    for _ in range(30):
+        start = time.perf_counter()
+        link.send(message)
+        link.recv(timeout_s=10)
+        laps.append(time.perf_counter() - start)
+    assert statistics.median(laps) < 0.01, laps
+
+
+def test_a_closed_peer_breaks_the_link_and_silence_times_out(pair):
+    link, thread = pair
+    with pytest.raises(channel.LinkTimedOut):
+        link.recv(timeout_s=0.2)
+    link.send("close")
+    thread.join(timeout=10)
+    with pytest.raises(channel.LinkBroken):
+        link.recv(timeout_s=10)
+
+
+def test_a_wrong_key_is_refused():
+    listener = channel.listen(channel.LOOPBACK, channel.new_key())
+    refused = []
+
+    def accept() -> None:
+        try:
+            listener.accept()
+        except AuthenticationError as exc:
+            refused.append(exc)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    with pytest.raises(AuthenticationError):
+        channel.dial(listener.address, channel.new_key(), "intruder")
+    thread.join(timeout=10)
+    listener.close()
+    assert refused
+
+
+def test_a_reader_waiting_on_a_link_spins_nothing(pair):
+    """The peer's thread blocks in the kernel while nothing arrives (this process's CPU time
+    over a second of waiting stays near zero)."""
+    link, _ = pair
+    link.send("warm")
+    link.recv(timeout_s=10)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert used < 0.1, used
