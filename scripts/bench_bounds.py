@@ -14,9 +14,12 @@ computing at once, and the Ray floor of one distributed step.
 2. **Two processes at once**: the target's 5-token pass alone, and while another process
    loops the draft's forward (as a draft actor pre-drafting beside the target would), rounds
    alternating. On a machine whose cores are independent the ratio is 1.
-3. **The Ray floor of a step** (unless --skip-ray): driver → actor A → actor B → driver, B
-   reading A's reply by reference, with the tiny pair's batch-1 payloads (5 KB of arguments,
-   a 128 KiB reply from A, 5 KB from B), against one bare call; nothing computed.
+3. **The floor of a distributed step** (unless --skip-ray): driver → actor A → actor B →
+   driver with the tiny pair's batch-1 payloads (5 KB of arguments, a 128 KiB reply from A,
+   5 KB from B), nothing computed, per transport: Ray's task calls (B reading A's reply by
+   reference; and one bare call), a Ray Compiled Graph, a torch.distributed gloo group and
+   the replica's links (workers/channel.py); with each, the machine's busy cores while the
+   wired processes wait (`--floor`: this part alone).
 4. **Where a step's CPU goes** (unless --skip-ray): the tiny pair at batch 1 (`block`, γ = 4,
    192 tokens), first in process, then through a draft actor and a target shard
    (`build_remote_engine`, no gRPC): wall and machine-wide busy CPU per step, and each
@@ -93,39 +96,156 @@ def contention(rounds: int) -> tuple[list[float], list[float]]:
     return alone, beside
 
 
-def ray_floor(calls: int = 200) -> tuple[float, float]:
-    """(one bare call, the chained step), median ms."""
+# The floor's payloads, the tiny pair's at batch 1: 5 KB of step arguments (pending tokens, a
+# generator's state), a 128 KiB proposal (q rows), a 5 KB verdict.
+def _payloads():
     import numpy as np
+
+    return np.zeros(1250, np.float32), np.ones(32 << 10, np.float32), np.ones(1250, np.float32)
+
+
+def _median_ms(run, calls: int) -> float:
+    for _ in range(10):  # warm
+        run()
+    laps = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        laps.append(time.perf_counter() - start)
+    return statistics.median(laps) * 1e3
+
+
+def _idle_cores(seconds: float = 3.0) -> float:
+    """Machine-wide busy cores while the driver sleeps (the paths' waiting readers)."""
+    before = _busy_s()
+    time.sleep(seconds)
+    return (_busy_s() - before) / seconds
+
+
+def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
+    """The chain driver → A → B → driver with nothing computed, per transport: (median ms,
+    idle busy cores once wired). Ray's task calls (and one bare call), Ray Compiled Graphs,
+    a torch.distributed gloo group, and the replica's links (workers/channel.py)."""
+    import threading
+
     import ray
+    from ray.dag import InputNode
 
     from service.app import start_ray
     from service.config import Settings
+    from workers import channel
 
     start_ray(Settings(ray_num_cpus=2))
+    args, rows, verdict = _payloads()
 
     @ray.remote
-    class Proposer:
-        def propose(self, args):
-            return np.ones(32 << 10, np.float32)  # 128 KiB: q rows of one request
+    class Hop:
+        def __init__(self, reply):
+            self.reply = reply
 
-    @ray.remote
-    class Scorer:
-        def score(self, rows, args):
-            return np.ones(1250, np.float32)  # 5 KB: tokens, τ, generator state
+        def call(self, *_):
+            return self.reply
 
-    a, b = Proposer.remote(), Scorer.remote()
-    args = (np.zeros(1250, np.float32),)  # 5 KB: pending tokens, generator state
-    ray.get([a.propose.remote(args), b.score.remote(None, args)])
-    one, chain = [], []
-    for _ in range(calls):
-        start = time.perf_counter()
-        ray.get(a.propose.remote(args))
-        one.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ray.get(b.score.remote(a.propose.remote(args), args))
-        chain.append(time.perf_counter() - start)
+        def links(self, host, key, to):  # serve: receive, send on
+            listener = channel.listen(host, key)
+
+            def serve():
+                up = channel.Link(listener.accept())
+                down = channel.dial(to, key, "up")
+                while True:
+                    up.recv()
+                    down.send(self.reply)
+
+            threading.Thread(target=serve, daemon=True).start()
+            return listener.address
+
+        def gloo(self, port, rank):  # serve over a 3-process gloo group (rank 0: the driver)
+            def serve():
+                group = _gloo_group(port, rank)
+                while True:
+                    _gloo_recv(group, rank - 1)
+                    _gloo_send(group, self.reply, (rank + 1) % 3)
+
+            threading.Thread(target=serve, daemon=True).start()
+
+    out = {}
+    a, b = Hop.remote(rows), Hop.remote(verdict)
+    out["Ray task calls, one bare call"] = (
+        _median_ms(lambda: ray.get(a.call.remote(args)), calls),
+        0.0,
+    )
+    out["Ray task calls"] = (
+        _median_ms(lambda: ray.get(b.call.remote(a.call.remote(args))), calls), _idle_cores()
+    )  # fmt: skip
+    c, d = Hop.remote(rows), Hop.remote(verdict)
+    with InputNode() as step:
+        dag = d.call.bind(c.call.bind(step)).experimental_compile()
+    out["Ray Compiled Graph"] = (
+        _median_ms(lambda: ray.get(dag.execute(args)), calls),
+        _idle_cores(),
+    )
+    dag.teardown()
+    key = channel.new_key()
+    back = channel.listen(channel.LOOPBACK, key)
+    at_b = ray.get(b.links.remote(channel.LOOPBACK, key, back.address))
+    at_a = ray.get(a.links.remote(channel.LOOPBACK, key, at_b))
+    to_a = channel.dial(at_a, key, "up")
+    from_b = channel.Link(back.accept())
+    from_b.recv()  # b's name
+
+    def links():
+        to_a.send(args)
+        return from_b.recv()
+
+    out["links (workers/channel.py)"] = (_median_ms(links, calls), _idle_cores())
+    e, f = Hop.remote(rows), Hop.remote(verdict)
+    port = _free_port()
+    ray.get([e.gloo.remote(port, 1), f.gloo.remote(port, 2)])
+    group = _gloo_group(port, 0)
+
+    def gloo():
+        _gloo_send(group, args, 1)
+        return _gloo_recv(group, 2)
+
+    out["torch.distributed gloo send/recv"] = (_median_ms(gloo, calls), _idle_cores())
     ray.shutdown()
-    return statistics.median(one) * 1e3, statistics.median(chain) * 1e3
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_group(port: int, rank: int):
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(store, rank, 3, timeout)
+
+
+def _gloo_send(group, obj, dst: int) -> None:  # a message: its length, then its pickle
+    import pickle
+
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, 5)), dtype=torch.uint8)
+    group.send([torch.tensor([data.numel()])], dst, 0).wait()
+    group.send([data], dst, 1).wait()
+
+
+def _gloo_recv(group, src: int):
+    import pickle
+
+    size = torch.zeros(1, dtype=torch.int64)
+    group.recv([size], src, 0).wait()
+    data = torch.empty(int(size), dtype=torch.uint8)
+    group.recv([data], src, 1).wait()
+    return pickle.loads(data.numpy().tobytes())
 
 
 def _busy_s() -> float:
@@ -196,10 +316,19 @@ def cpu_split() -> None:
             print(f"    {name} (CPU ms a step by thread): {top}")
 
 
+def print_floor() -> None:
+    print("\n## 3. One distributed step's floor: driver → A → B → driver, nothing computed\n")
+    print("| transport | median ms | idle busy cores, wired |")
+    print("|---|---|---|")
+    for name, (ms, idle) in ray_floor().items():
+        print(f"| {name} | {ms:.2f} | {idle:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--floor", action="store_true", help="part 3 alone")
     ap.add_argument("--draft-loop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -207,6 +336,8 @@ def main() -> None:
         return draft_loop()
     print(f"python scripts/bench_bounds.py --rounds {args.rounds}; torch {torch.__version__}")
 
+    if args.floor:
+        return print_floor()
     r, c, one = forward_costs(args.rounds)
     print(f"\n## 1. Forward costs (float32, 1 thread): target one token {one:.1f} ms, c = {c:.3f}")
     print()
@@ -225,9 +356,7 @@ def main() -> None:
     print(f"median beside ÷ alone: {ratio:.2f}")
 
     if not args.skip_ray:
-        bare, chain = ray_floor()
-        print("\n## 3. Ray floor of one distributed step (nothing computed)\n")
-        print(f"one call {bare:.2f} ms; driver → A → B → driver {chain:.2f} ms")
+        print_floor()
         cpu_split()
 
 
