@@ -1,8 +1,9 @@
 """What the distributed path costs: the service (gRPC → gateway → Serve → coordinator → Ray
-actors) against the in-process engine, on the same requests, in one run.
+actors) against the in-process engine, on the same requests, in one run, the two alternated.
 
     .venv/bin/python scripts/bench_service.py [--pairs tiny default] [--batch 1 8] \
-        [--requests 16] [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
+        [--requests 16] [--rounds 3] \
+        [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
         [--threads 1] [--json docs/service_benchmark.json]    # prints the table
 
 Reports, per model pair and batch size (concurrent clients, closed loop): per-request latency,
@@ -62,6 +63,11 @@ def in_process(args, engine, ids) -> dict:
             add_next()
     wall = time.perf_counter() - start
     return _summary(wall, latencies, len(ids) * args.new_tokens, engine.steps, engine.times)
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The round with the median tokens/s (its latency and phases with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
 
 
 def _summary(wall, latencies, tokens, steps, times: StepTimes) -> dict:
@@ -140,7 +146,8 @@ PAIRS = {
 
 
 def bench_pair(args, name: str) -> dict:
-    """Engine and service side by side on one model pair, at every batch size."""
+    """Engine and service side by side on one model pair, at every batch size, alternated
+    round by round (both warm: the engines stay built, the service up)."""
     from ray import serve
 
     from protos import blockspec_pb2 as pb
@@ -154,14 +161,10 @@ def bench_pair(args, name: str) -> dict:
         torch_threads=args.threads,
     )  # fmt: skip
     settings = Settings(port=0, metrics_port=0, replica=replica_cfg)
-    rows = {}
-    tokenizer = ids = None
+    engines, tokenizer, ids = {}, None, None
     for batch in args.batch:
-        engine, tokenizer = build_engine(draft, target, batch, dtype=args.dtype)
+        engines[batch], tokenizer = build_engine(draft, target, batch, dtype=args.dtype)
         ids = ids or prompt_ids(tokenizer, "humaneval", args.requests, room=200)
-        rows[f"engine_b{batch}"] = in_process(args, engine, ids)
-        print(f"{name} in-process batch {batch}: {rows[f'engine_b{batch}']}", flush=True)
-        del engine
 
     start = time.perf_counter()
     gateway = run(settings, name="bench")
@@ -170,9 +173,23 @@ def bench_pair(args, name: str) -> dict:
     replica = serve.get_deployment_handle("Replica", "bench")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.GeneratorStub(channel)
+    runs: dict[str, list[dict]] = {}
+    for round_ in range(args.rounds):  # the two paths alternate: the machine drifts
+        for batch in args.batch:
+            for path in ("engine", "service"):
+                if path == "engine":
+                    row = in_process(args, engines[batch], ids)
+                else:
+                    row = through_service(args, ids, stub, replica, batch)
+                runs.setdefault(f"{path}_b{batch}", []).append(row)
+                print(f"{name} {path} batch {batch} round {round_}: {row}", flush=True)
+    rows = {key: _median_run(rs) for key, rs in runs.items()}
     for batch in args.batch:
-        rows[f"service_b{batch}"] = through_service(args, ids, stub, replica, batch)
-        print(f"{name} service batch {batch}: {rows[f'service_b{batch}']}", flush=True)
+        engine, service = runs[f"engine_b{batch}"], runs[f"service_b{batch}"]
+        ratios = [
+            s["tokens_per_s"] / e["tokens_per_s"] for e, s in zip(engine, service, strict=True)
+        ]
+        rows[f"service_b{batch}"]["ratios"] = ratios
 
     info_ms = []
     for _ in range(50):
@@ -195,6 +212,7 @@ def main() -> None:
     ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["tiny", "default"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="engine and service alternated")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--method", default="block")
     ap.add_argument("--gamma", type=int, default=4)
@@ -210,6 +228,7 @@ def main() -> None:
     pairs = {name: bench_pair(args, name) for name in args.pairs}
     meta = dict(
         requests=args.requests,
+        rounds=args.rounds,
         new_tokens=args.new_tokens,
         method=args.method,
         gamma=args.gamma,
@@ -224,21 +243,24 @@ def main() -> None:
         f"{args.requests} HumanEval prompts (last 200 tokens) × {args.new_tokens} new tokens, "
         f"method {args.method}, γ = {args.gamma}, T = 1, {args.dtype}; torch "
         f"{torch.__version__}, {args.threads} torch thread(s) for the engine and each actor; "
-        "batch = concurrent clients (closed loop).",
+        "batch = concurrent clients (closed loop); engine and service alternated over "
+        f"{args.rounds} rounds: the median round's row, the median of the rounds' ratios.",
         "",
-        "| pair | path | batch | tok/s | service / engine | median request s | step ms | "
+        "| pair | path | batch | tok/s | service / engine (range) | median request s | step ms | "
         + " | ".join(PHASES)
         + " | transfer share |",
         "|" + "---|" * (8 + len(PHASES)),
     ]
     for name, result in pairs.items():
         for batch in args.batch:
-            engine = result["rows"][f"engine_b{batch}"]
             for path in ("engine", "service"):
                 r = result["rows"][f"{path}_b{batch}"]
-                ratio = r["tokens_per_s"] / engine["tokens_per_s"]
+                ratio = "1.00×"
+                if path == "service":
+                    ratios = sorted(r["ratios"])
+                    ratio = f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
                 lines.append(
-                    f"| {name} | {path} | {batch} | {r['tokens_per_s']:.1f} | {ratio:.2f}× | "
+                    f"| {name} | {path} | {batch} | {r['tokens_per_s']:.1f} | {ratio} | "
                     f"{r['latency_s']:.2f} | {r['step_ms']:.1f} | "
                     + " | ".join(f"{r['phase_ms'][p]:.1f}" for p in PHASES)
                     + f" | {r['phase_ms']['transfer'] / r['step_ms']:.0%} |"
