@@ -126,3 +126,44 @@ def test_a_reader_waiting_on_a_link_spins_nothing(pair):
     after = resource.getrusage(resource.RUSAGE_SELF)
     used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert used < 0.1, used
+
+
+def test_shared_rows_cross_a_process_and_leave_nothing_in_dev_shm():
+    """The draft's q through shared memory: what the reader (a process of its own, as rank 0
+    is) gets is the writer's tensor, written again into the same segment or into a grown one
+    that the reader follows; the segment's name is gone once the reader has mapped it, so a
+    killed writer or reader leaks nothing."""
+    import multiprocessing as mp
+    from pathlib import Path
+
+    def named(ref) -> bool:
+        return (Path("/dev/shm") / ref.segment.lstrip("/")).exists()
+
+    writer = channel.SharedWriter()
+    with mp.get_context("spawn").Pool(1) as pool:
+        segments = set()
+        for shape in [(1, 1, 4, 8192), (1, 2, 4, 8192), (16, 2, 4, 8192)]:  # the last: 4 MiB
+            rows = torch.rand(shape)
+            ref = writer.put(rows)
+            assert named(ref) == (ref.segment not in segments)  # until the reader maps it
+            segments.add(ref.segment)
+            assert torch.equal(pool.apply(_read_in_another_process, (ref,)), rows)
+            assert not named(ref)
+        assert len(segments) == 2  # the second fit the first segment; the third grew it
+    first, grown = writer.put(torch.zeros(1)), writer.put(torch.zeros(1 << 21))
+    assert first.segment != grown.segment and not named(first)  # the writer moved on
+    writer.close()
+    assert not named(grown)
+
+
+_READER = None
+
+
+def _read_in_another_process(ref):
+    global _READER
+    if _READER is None:  # a tracker of its own, as each Ray actor has (not the parent's)
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker = resource_tracker.ResourceTracker()
+        _READER = channel.SharedReader()
+    return _READER.get(ref)

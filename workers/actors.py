@@ -16,7 +16,8 @@ socket per pair of processes above, ~0.1 ms a hop where a Ray call costs ~0.85 m
 serves its links on one thread, in the order the coordinator sent: the coordinator's ops, and
 rank 0's step waits for the draft's proposal on its link from the draft. Each tensor moves
 once, from the process that makes it to the one that reads it: the draft's rows q
-([n, K, γ, Vh], the largest payload) go to rank 0, never through the coordinator; the target's
+([n, K, γ, Vh], the largest payload) go to rank 0, never through the coordinator (through
+shared memory when both are on one node: the link carries where they lie); the target's
 rows p never leave rank 0. The coordinator still drives the step and owns every request's state:
 its tokens, its verifier's generator (its state travels with the step to rank 0 and comes back)
 and its carry. The draft needs no generator state: its uniforms are a hash of the request's
@@ -50,7 +51,20 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.channel import LOOPBACK, Link, LinkBroken, accept, dial, dumps, listen, new_key, ready
+from workers.channel import (
+    LOOPBACK,
+    Link,
+    LinkBroken,
+    SharedReader,
+    SharedTensor,
+    SharedWriter,
+    accept,
+    dial,
+    dumps,
+    listen,
+    new_key,
+    ready,
+)
 from workers.draft import padding_groups
 from workers.feature_draft import split_groups
 from workers.graphs import graphs_available
@@ -157,7 +171,9 @@ class Drafted:
     when nothing is drafted: it also brings the draft's posted seconds and failures)."""
 
     tokens: torch.Tensor | None  # [n, K, γ] int64; None: nothing drafted
-    rows: torch.Tensor | None  # [n, K, γ, Vh] float32: q on the draft head's ids (rank 0 only)
+    # [n, K, γ, Vh] float32: q on the draft head's ids (rank 0 only); in shared memory when
+    # rank 0 shares the draft's node
+    rows: torch.Tensor | SharedTensor | None
     seconds: float = 0.0  # the draft actor's compute
     posted: float = 0.0  # seconds of the ops posted to the draft since its last proposal
     error: BaseException | None = None  # a posted op's or the proposal's
@@ -198,6 +214,8 @@ class DraftActor(_Served):
         # coordinator sends each step's request ids and emitted prefixes (the lookup keys)
         self.speculation = speculation_cache(self.worker, *speculation)
         self._last: tuple | None = None  # (drafting, x, q) of the last proposal: `prepare`
+        self._rows = SharedWriter()  # q for a rank 0 on this node
+        self._share_rows = False  # set by `wire`
 
     def ready(self) -> None:
         """Returns once the constructor (model load) has run; raises what it raised."""
@@ -217,10 +235,15 @@ class DraftActor(_Served):
             return {}
         return dict(hits=cache.hits, lookups=cache.lookups, prepared=cache.prepared)
 
-    def wire(self, host: str, key: bytes, ranks: list[tuple[str, int]]) -> tuple[str, int]:
+    def wire(
+        self, host: str, key: bytes, ranks: list[tuple[str, int]], share_rows: bool
+    ) -> tuple[str, int]:
         """Dial the target ranks' listeners, listen on host for the coordinator and serve
-        (returns the address it dials)."""
+        (returns the address it dials); share_rows: rank 0 is on this node and reads q from
+        shared memory."""
         listener = self._open(host, key)
+        self._share_rows = share_rows
+        self._rows.close()  # a new rank 0 maps a new segment (a mapped one has no name left)
         links = [dial(address, key, "draft") for address in ranks]
 
         def serve() -> None:
@@ -251,6 +274,8 @@ class DraftActor(_Served):
             try:
                 drafted = self.propose(*args, params)
                 drafted.posted = posted
+                if self._share_rows:  # one copy in, rather than a socket's two and the kernel's
+                    drafted.rows = self._rows.put(drafted.rows)
             except Exception as exc:
                 drafted.error = _portable(exc)
         ranks[0].send(drafted)
@@ -322,6 +347,7 @@ class TargetShardActor(_Served):
         self._store = None
         self._draft_vocab: torch.Tensor | None = None  # [Vh]: see use_draft
         self._send_features = False  # see use_draft
+        self._rows = SharedReader()  # a draft on this node's q
 
     def ready(self) -> None:
         """Returns once the constructor (shard load) has run; raises what it raised."""
@@ -459,7 +485,10 @@ class TargetShardActor(_Served):
         """The draft's rows q on the whole vocabulary [n, K, γ, V], on p's device."""
         if drafted is None:
             return None
-        q = drafted.rows.to(p.device, non_blocking=True)
+        rows = drafted.rows
+        if isinstance(rows, SharedTensor):
+            rows = self._rows.get(rows)
+        q = rows.to(p.device, non_blocking=True)
         if self._draft_vocab is None:
             return q
         full = q.new_zeros(*q.shape[:-1], p.shape[-1])
@@ -587,7 +616,9 @@ class RemoteTarget(_Remote):
         key = new_key()
         ranks = [a.wire.remote(h, key) for a, h in zip(self.actors, host, strict=False)]
         ranks = ray.get(ranks, timeout=timeout_s)
-        at_draft = ray.get(draft.actors[0].wire.remote(host[-1], key, ranks), timeout=timeout_s)
+        share_rows = nodes[0][0] == nodes[-1][0]  # q through shared memory: draft and rank 0
+        wired = draft.actors[0].wire.remote(host[-1], key, ranks, share_rows)
+        at_draft = ray.get(wired, timeout=timeout_s)
         draft.links = [dial(at_draft, key, "coordinator", timeout_s)]
         self.links = [dial(address, key, "coordinator", timeout_s) for address in ranks]
 

@@ -22,11 +22,14 @@ block in the kernel: an idle replica spins nothing.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import socket
 import struct
 import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 import numpy as np
@@ -164,3 +167,70 @@ def dial(address: tuple[str, int], key: bytes, name: str, timeout_s: float = 30.
             time.sleep(0.01)
     link.send(name)
     return link
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """Where a tensor lies in a shared-memory segment of this node: what a link carries
+    instead of its bytes (`SharedWriter`, `SharedReader`)."""
+
+    segment: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SharedWriter:
+    """One process's outgoing tensor (the draft's rows q) in a shared-memory segment that a
+    reader on the same node maps: one copy in, none through a socket. The segment is reused
+    message after message (grown when a tensor does not fit), so the writer may write again
+    only once the reader is done with the last one: the step's order guarantees it (the next
+    proposal comes after rank 0's reply).
+
+    Its name is unlinked as soon as the reader has mapped it (or when the writer moves on):
+    the memory then lives exactly as long as the two mappings, and a process killed with
+    SIGKILL (Ray kills an actor's resource tracker with it) leaves nothing in /dev/shm."""
+
+    def __init__(self) -> None:
+        self._segment: shared_memory.SharedMemory | None = None
+
+    def put(self, t: torch.Tensor) -> SharedTensor:
+        t = t.detach().contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self._segment is None or self._segment.size < nbytes:
+            self.close()
+            self._segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1 << 20))
+        view = torch.frombuffer(self._segment.buf, dtype=t.dtype, count=t.numel())
+        view.copy_(t.reshape(-1))
+        return SharedTensor(self._segment.name, tuple(t.shape), t.dtype)
+
+    def close(self) -> None:
+        """Unmap the segment (and unlink its name if no reader has yet)."""
+        if self._segment is not None:
+            self._segment.close()
+            try:
+                self._segment.unlink()
+            except FileNotFoundError:  # the reader did: what this process's tracker holds goes
+                resource_tracker.unregister(self._segment._name, "shared_memory")
+            self._segment = None
+
+
+class SharedReader:
+    """The reading side of a SharedWriter: maps its current segment (unlinking its name, see
+    there), returns a copy."""
+
+    def __init__(self) -> None:
+        self._segment: shared_memory.SharedMemory | None = None
+
+    def get(self, ref: SharedTensor) -> torch.Tensor:
+        if self._segment is None or self._segment.name != ref.segment:
+            self.close()
+            self._segment = shared_memory.SharedMemory(name=ref.segment)
+            self._segment.unlink()
+        count = math.prod(ref.shape)
+        view = torch.frombuffer(self._segment.buf, dtype=ref.dtype, count=count)
+        return view.reshape(ref.shape).clone()
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
