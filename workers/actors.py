@@ -143,7 +143,32 @@ class _Served:
         self._listener = listen(host, key)
         return self._listener
 
-    def _start(self, serve: Callable[[], None]) -> None:
+    def _start(
+        self,
+        listener,
+        links: dict[str, Link],  # dialled already
+        steps: dict[str, Callable[[dict[str, Link], tuple], None]],  # by op: the waited ones
+        accepts: tuple[str, ...] = (),  # who else dials in, beside the coordinator
+    ) -> None:
+        """Serve on a thread of its own: accept the coordinator (and `accepts`), then run what
+        the coordinator sends, in order: a step op by `steps`, any other as posted."""
+
+        def serve() -> None:
+            try:
+                links.update(accept(listener, {"coordinator", *accepts}))
+                listener.close()
+                while True:
+                    op, args = links["coordinator"].recv()
+                    if op in steps:
+                        steps[op](links, args)
+                    else:
+                        self._run_posted(op, args)
+            except (LinkBroken, OSError):  # the coordinator closed the wiring, or died
+                pass
+            finally:
+                for link in links.values():
+                    link.close()
+
         self._thread = threading.Thread(target=serve, name="blockspec-links", daemon=True)
         self._thread.start()
 
@@ -244,25 +269,9 @@ class DraftActor(_Served):
         listener = self._open(host, key)
         self._share_rows = share_rows
         self._rows.close()  # a new rank 0 maps a new segment (a mapped one has no name left)
-        links = [dial(address, key, "draft") for address in ranks]
-
-        def serve() -> None:
-            try:
-                coordinator = accept(listener, {"coordinator"})["coordinator"]
-                listener.close()
-                while True:
-                    op, args = coordinator.recv()
-                    if op == "step":
-                        self._step(links, *args)
-                    else:
-                        self._run_posted(op, args)
-            except (LinkBroken, OSError):  # the coordinator closed the wiring, or died
-                pass
-            finally:
-                for link in links:
-                    link.close()
-
-        self._start(serve)
+        to_ranks = [dial(address, key, "draft") for address in ranks]
+        steps = {"step": lambda _, args: self._step(to_ranks, *args)}
+        self._start(listener, {f"rank {i}": link for i, link in enumerate(to_ranks)}, steps)
         return listener.address
 
     def _step(self, ranks: list[Link], args: tuple | None, params: list) -> None:
@@ -370,28 +379,15 @@ class TargetShardActor(_Served):
         """Listen on host for the coordinator and the draft actor, and serve (returns the
         address they dial)."""
         listener = self._open(host, key)
-
-        def serve() -> None:
-            links: dict[str, Link] = {}
-            try:
-                links = accept(listener, {"coordinator", "draft"})
-                listener.close()
-                coordinator, draft = links["coordinator"], links["draft"]
-                while True:
-                    op, args = coordinator.recv()
-                    if op == "speculate":
-                        coordinator.send(self._step(args, draft))
-                    elif op == "prefill_features":
-                        self._prefill_features(coordinator, *args)
-                    else:
-                        self._run_posted(op, args)
-            except (LinkBroken, OSError):  # the coordinator closed the wiring, or died
-                pass
-            finally:
-                for link in links.values():
-                    link.close()
-
-        self._start(serve)
+        steps = {
+            "speculate": lambda links, args: links["coordinator"].send(
+                self._step(args, links["draft"])
+            ),
+            "prefill_features": lambda links, args: self._prefill_features(
+                links["coordinator"], *args
+            ),
+        }
+        self._start(listener, {}, steps, accepts=("draft",))
         return listener.address
 
     def call(self, op: str, args: tuple) -> None:
