@@ -144,8 +144,8 @@ def test_carried_methods_hold_their_law_at_sixty_thousand_requests(pairs, method
 
 # Seeded output against the KV a request finds parked. In float64: float32's rounding differs
 # between a prompt prefilled in one pass and in pieces, which on this vocabulary of 6 can move a
-# sampled token now and then (README, "A seeded request"); in float64 nothing of that shows,
-# and what remains to test is the engine's logic.
+# sampled token now and then (docs/client.md: what a seed guarantees); in float64 nothing of
+# that shows, and what remains to test is the engine's logic.
 SEEDED_RUNS = 8
 SEEDED_PROMPT = [(i * 5 + 1) % VOCAB for i in range(20)]
 
@@ -211,8 +211,8 @@ def test_seeded_output_is_the_same_with_and_without_parked_kv(
 @pytest.mark.parametrize("method", ["block", "gbv"])
 def test_speculation_cache_output_is_batch_independent_up_to_rounding(tmp_path, float64, method):
     """With the speculation cache a feature draft chains its own features from step to step,
-    which amplifies float32's batch-shape rounding (README: the boundary); the logic itself
-    leaves a seeded request's tokens the same alone and in a batch of 24."""
+    which amplifies float32's batch-shape rounding (docs/client.md: the boundary); the logic
+    itself leaves a seeded request's tokens the same alone and in a batch of 24."""
     from service.engine import build_engine
     from service.requests import GenerationRequest
     from workers.sampling import SamplingParams
