@@ -75,15 +75,13 @@ class Recorder:
         self.emitted = 0.0  # tokens emitted by the steps (τ + 1 each): block efficiency
         self.original = engine_module.verify_step
 
-    def __call__(self, plan, x, q, p, generators):
+    def __call__(self, plan, x, q, p):
         if q is None:
-            return self.original(plan, x, q, p, generators)
+            return self.original(plan, x, q, p)
         gamma = x.shape[2] - 1
         groups = [(m, k, g - 1, rows) for m, k, g, rows in plan.groups]
         short = replace(plan, groups=groups, max_gamma=plan.max_gamma - 1)
-        verdict = self.original(
-            short, x[:, :, :gamma], q[:, :, :gamma], p[:, :, : gamma + 1], generators
-        )
+        verdict = self.original(short, x[:, :, :gamma], q[:, :, :gamma], p[:, :, : gamma + 1])
         wide = torch.full((x.shape[0], gamma + 2), -1, dtype=torch.int64)
         wide[:, : gamma + 1] = verdict.tokens
         x = x[:, :, :gamma]

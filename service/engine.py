@@ -18,9 +18,9 @@ once a step (`verdict_on_host`); over Ray they travel through the host anyway.
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
 its own method, K, γ, sampling settings, seed and stop conditions. The seed makes the request's
-verifier generator (a private torch.Generator) and its draft key (the draft's uniforms are a hash
-of the key, the step's root position, path and depth: workers/sampling.py), so its output does
-not depend on its batch-mates.
+two keys, the draft's and the verifier's: every uniform either draws is a hash of its key, the
+step's root position and the number's index (workers/sampling.py, verification.CounterDraws), so
+its output does not depend on its batch-mates, and no generator state is kept or shipped.
 Method ``none`` is plain autoregressive decoding with the target (the baseline). A mixed batch
 runs the draft with the largest K and γ present and each request uses its own prefix of that;
 requests with ``none`` still feed their tokens to the draft in such a batch (wasted work, kept
@@ -59,11 +59,11 @@ import torch
 
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
-from verification import VERIFIERS, TargetModification, VerifyGraphs, verify
+from verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
 from workers.graphs import graphs_available
 from workers.proposers import build_proposer
 from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
-from workers.sampling import SamplingParams, draft_key, sample
+from workers.sampling import SamplingParams, draft_key, sample, verify_key
 from workers.speculation import Drafting, SpeculationCache, speculation_cache
 from workers.target import TargetWorker
 from workers.tree import build_tree
@@ -161,11 +161,12 @@ class VerifyPlan:
     groups: list[tuple[str, int, int, list[int]]]  # (method, K, γ, rows), verified together
     carries: list[TargetModification | None]  # [n]: carried records (greedy_block, spectr_gbv)
     max_gamma: int  # the batch's largest γ (1 when it is all plain)
+    draws: torch.Tensor  # [n, 2] int64: (verify key, root position), the verifiers' counters
 
 
 @dataclass
 class StepPlan:
-    """What one step asks of the workers, built from the batch (no generators)."""
+    """What one step asks of the workers, built from the batch."""
 
     pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
     pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
@@ -220,7 +221,6 @@ def verify_step(
     x: torch.Tensor,  # [n, K, γ] int64: draft tokens ([n, 1, 1] zeros when nothing drafted)
     q: torch.Tensor | None,  # [n, K, γ, V]: the processed draft rows x was sampled from
     p: torch.Tensor,  # [n, K, γ+1, V]: processed target rows along every path
-    generators: list[torch.Generator],  # [n]
 ) -> Verdict:
     """Verify every (method, K, γ) group of the batch; plain requests sample the root row.
 
@@ -231,9 +231,10 @@ def verify_step(
     n, dev = p.shape[0], p.device  # the verdict and carries live where p is
     x, q = x.to(dev), None if q is None else q.to(dev)  # (there already in process)
     carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
+    draws = plan.draws  # on the host: the uniforms are hashed there and copied once
     (method, k, gamma, idx), *others = plan.groups
     if not others and method != PLAIN:  # the usual batch: the verifier's outputs are the verdict
-        out = _verify_group(method, k, gamma, idx, x, q, p, generators, carries)
+        out = _verify_group(method, k, gamma, idx, x, q, p, draws, carries)
         live = torch.zeros(n, dtype=torch.bool, device=dev)
         if out.carry is not None:
             live = (out.carry.rows_left > 0).any(1)
@@ -246,9 +247,9 @@ def verify_step(
     for method, k, gamma, idx in plan.groups:
         ix = group_rows(idx, dev)
         if method == PLAIN:
-            tokens[ix, 0] = sample(p[ix, :1, 0], [generators[i] for i in idx])[:, 0]
+            tokens[ix, 0] = sample(p[ix, :1, 0], draws[idx])[:, 0]
             continue
-        out = _verify_group(method, k, gamma, idx, x, q, p, generators, carries)
+        out = _verify_group(method, k, gamma, idx, x, q, p, draws, carries)
         tokens[ix, : gamma + 1] = out.tokens
         tau[ix], path[ix] = out.num_accepted, out.path
         if out.carry is not None:
@@ -266,7 +267,7 @@ def _verify_group(
     x: torch.Tensor,  # [n, K, γ] int64
     q: torch.Tensor,  # [n, K, γ, V]
     p: torch.Tensor,  # [n, K, γ+1, V]
-    generators: list[torch.Generator],  # [n]
+    draws: torch.Tensor,  # [n, 2] int64: the verifiers' counter keys, on the host
     carries: list[TargetModification | None],  # [n]
 ):
     """One (method, K, γ) group's verify call (its rows taken in place when consecutive)."""
@@ -280,7 +281,7 @@ def _verify_group(
         x[ix, :k, :gamma],
         q[ix, :k, :gamma],
         p[ix, :k, : gamma + 1],
-        [generators[i] for i in idx],
+        CounterDraws(draws[idx]),
         carry=carry,
         validate=False,  # rows come from our own processing
         graphs=VERIFY_GRAPHS,
@@ -311,11 +312,10 @@ def verify_on_host(
     x: torch.Tensor,
     q: torch.Tensor | None,
     p: torch.Tensor,
-    generators: list[torch.Generator],
 ) -> Verdict:
     """verify_step, with the verdict's tokens, τ and path then on the host (verdict_on_host):
     what a remote target's rank 0 verifies with, commits from and sends back."""
-    return verdict_on_host(x, verify_step(plan, x, q, p, generators))[1]
+    return verdict_on_host(x, verify_step(plan, x, q, p))[1]
 
 
 def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
@@ -359,14 +359,11 @@ class StepExecutor(Protocol):
         """A speculation cache prepares proposals (workers/speculation.py)."""
         ...
 
-    def speculate(
-        self, plan: StepPlan, generators: list[torch.Generator]
-    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+    def speculate(self, plan: StepPlan) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
         """Draft, build the trees, score them, verify, and commit the target's accepted paths.
 
         Returns the draft tokens [n, K, γ] and the verdict (its tokens, τ, path and live flags
-        on the host: `verdict_on_host`) and the seconds per phase (StepTimes' names); the
-        generators come back advanced."""
+        on the host: `verdict_on_host`) and the seconds per phase (StepTimes' names)."""
         ...
 
     def restart_lost(self) -> None:
@@ -391,11 +388,9 @@ class LocalExecutor:
     def speculating(self) -> bool:
         return self.speculation is not None
 
-    def speculate(
-        self, plan: StepPlan, generators: list[torch.Generator]
-    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+    def speculate(self, plan: StepPlan) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
         laps = _Laps()
-        n, q, dev = len(generators), None, self.target.device
+        n, q, dev = len(plan.params), None, self.target.device
         x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
         if plan.drafted and self.speculation is not None:
             drafting = plan.drafting()
@@ -412,7 +407,7 @@ class LocalExecutor:
         laps.lap("tree")
         p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
         laps.lap("target")
-        verdict = verify_step(plan.verification, x, q, p, generators)
+        verdict = verify_step(plan.verification, x, q, p)
         x, verdict = verdict_on_host(x, verdict)  # both commits and `_advance` read it there
         laps.lap("verify")
         verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
@@ -435,9 +430,7 @@ class RayExecutor:
     def speculating(self) -> bool:
         return self.draft.speculating
 
-    def speculate(
-        self, plan: StepPlan, generators: list[torch.Generator]
-    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+    def speculate(self, plan: StepPlan) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
         draft_args = None
         if plan.drafted:
             draft_args = (
@@ -447,7 +440,7 @@ class RayExecutor:
         verify_here = functools.partial(verify_on_host, plan.verification)
         return self.target.speculate(
             self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
-            generators, verify_here,
+            verify_here,
         )  # fmt: skip
 
     def restart_lost(self) -> None:
@@ -465,7 +458,7 @@ class RayExecutor:
 class _Active:
     req: GenerationRequest
     request_id: str
-    generator: torch.Generator  # the verifier's draws
+    verify_key: int  # keys the verifier's uniforms (verification.CounterDraws)
     draft_key: int  # keys the draft's uniforms (workers/sampling.py)
     target_pending: int  # last emitted token: root of the next tree, not yet in target's cache
     draft_pending: list[int]  # emitted tokens not yet run through the draft (1 or 2)
@@ -569,8 +562,7 @@ class SpeculativeEngine:
         once the step is done. Returns the id."""
         request_id = request_id or f"req-{next(self._ids)}"
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        gen = torch.Generator().manual_seed(seed)
-        key = draft_key(seed)
+        keys = verify_key(seed), draft_key(seed)
         last = req.prompt_ids[-1]
         arm, auto, gamma = Arm(req.method, req.k, req.gamma), None, req.gamma
         if req.method == AUTO:
@@ -578,7 +570,7 @@ class SpeculativeEngine:
             auto, gamma = AutoState(room, req.max_new_tokens), self.policy.max_gamma
         stats = RequestStats(accepted_per_position=[0] * max(gamma, 1))
         active = _Active(
-            req, request_id, gen, key, last, [last], arm, auto, stats=stats, on_tokens=on_tokens
+            req, request_id, *keys, last, [last], arm, auto, stats=stats, on_tokens=on_tokens
         )
         self.waiting.append(active)
         return request_id
@@ -719,8 +711,9 @@ class SpeculativeEngine:
         draft appends its pending tokens when it proposes). Every active request is prefilled
         again from its own tokens (prompt + output, minus the tokens each cache holds as
         pending); parked sessions are dropped, so a session's next request prefills from the
-        history it carries. The failed step changed no request state (generator states and
-        carries are set only when it returns), so the next step redoes it with the same draws."""
+        history it carries. The failed step changed no request state (carries are set only when
+        it returns, and the draws are counters of the root position), so the next step redoes it
+        with the same draws."""
         self.executor.restart_lost()
         self.free_slots += [parked.slot for parked in self.parked.values()]
         self.parked.clear()
@@ -746,7 +739,7 @@ class SpeculativeEngine:
         auto = self._choose_auto(batch, prefilled)
         plan = self._plan(batch)
         planned = time.perf_counter()
-        x, verdict, seconds = self.executor.speculate(plan, [a.generator for a in batch])
+        x, verdict, seconds = self.executor.speculate(plan)
         speculated = time.perf_counter()
         own = self._own_law(plan, verdict)
         for a, carry, mine in zip(batch, verdict.carries, own.tolist(), strict=True):
@@ -842,6 +835,7 @@ class SpeculativeEngine:
                 groups=[(*key, idx) for key, idx in groups.items()],
                 carries=[a.carry for a in batch],
                 max_gamma=max((a.arm.gamma for a in batch if a.arm.method != PLAIN), default=1),
+                draws=torch.tensor([[a.verify_key, r] for a, r in zip(batch, roots, strict=True)]),
             ),
         )
 

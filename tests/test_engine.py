@@ -22,12 +22,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from service.engine import LocalExecutor, SpeculativeEngine, VerifyPlan, verify_step
 from service.policy import PLAIN
 from service.requests import GenerationRequest, InvalidArgument, make_request
-from verification import METHODS, VERIFIERS, verify
+from verification import METHODS, VERIFIERS, CounterDraws, verify
 from verification.tensors import gather_rows, rows_at
 from workers.draft import padding_groups, prefill
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.proposers import build_proposer
-from workers.sampling import SamplingParams, sample
+from workers.sampling import SamplingParams, sample, verify_key
 from workers.speculation import SpeculationCache
 from workers.target import TargetWorker
 from workers.tree import build_tree
@@ -237,7 +237,7 @@ def test_kv_cache_equals_fresh_prefill_after_commits(pair):
 def test_verify_step_verifies_each_group_on_its_own_rows(kinds):
     """verify_step takes consecutive rows as views (engine.group_rows) and gathers interleaved
     ones: every request emits what a direct verify of its group's rows, with the same
-    per-request generators, emits (a plain request: the sampler's draw from its root row)."""
+    per-request counter keys, emits (a plain request: the sampler's draw from its root row)."""
     vocab, shape = 40, {"spectr_gbv": (3, 4), "block": (1, 2), PLAIN: (1, 1)}
     n, k_max, g_max = len(kinds), 3, 4
     gen = torch.Generator().manual_seed(3)
@@ -247,23 +247,20 @@ def test_verify_step_verifies_each_group_on_its_own_rows(kinds):
     groups = {}
     for i, kind in enumerate(kinds):
         groups.setdefault((kind, *shape[kind]), []).append(i)
-    plan = VerifyPlan([(*key, idx) for key, idx in groups.items()], [None] * n, g_max)
+    draws = torch.tensor([[verify_key(100 + i), 50 + i] for i in range(n)])
+    plan = VerifyPlan([(*key, idx) for key, idx in groups.items()], [None] * n, g_max, draws)
 
-    def gens():
-        return [torch.Generator().manual_seed(100 + i) for i in range(n)]
-
-    verdict = verify_step(plan, x, q, p, gens())
+    verdict = verify_step(plan, x, q, p)
     for (method, k, gamma), idx in groups.items():
-        g = gens()
         if method == PLAIN:
             for i in idx:
-                expected = sample(p[i : i + 1, :1, 0], [g[i]])[0, 0]
+                expected = sample(p[i : i + 1, :1, 0], draws[i : i + 1])[0, 0]
                 assert verdict.tokens[i, 0] == expected and verdict.num_accepted[i] == 0
             continue
         rows = torch.tensor(idx)
         out = verify(
             method, x[rows, :k, :gamma], q[rows, :k, :gamma], p[rows, :k, : gamma + 1],
-            [g[i] for i in idx],
+            CounterDraws(draws[rows]),
         )  # fmt: skip
         assert torch.equal(verdict.tokens[rows, : gamma + 1], out.tokens)
         assert torch.equal(verdict.num_accepted[rows], out.num_accepted)

@@ -431,16 +431,12 @@ class WiredTarget(WiredDraft):
     """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
     chains the draft's and the target's messages, every tensor through the wire."""
 
-    def speculate(self, draft, draft_args, roots, num_paths, depth, params, generators, verify):
-        states = [g.get_state() for g in generators]
+    def speculate(self, draft, draft_args, roots, num_paths, depth, params, verify):
         drafted = None
         if draft_args is not None:
             drafted = wire(draft.actor.propose(*wire(draft_args), params))
-        inputs = wire((roots, num_paths, depth, params, states, verify))
-        out = self.actor.speculate(*inputs, drafted)
-        x, verdict, states, seconds = wire(out)
-        for g, state in zip(generators, states, strict=True):
-            g.set_state(state)
+        inputs = wire((roots, num_paths, depth, params, verify))
+        x, verdict, seconds = wire(self.actor.speculate(*inputs, drafted))
         return x, verdict, seconds
 
 

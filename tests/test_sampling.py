@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from verification import CounterDraws
+from verification.common import draw_uniforms
 from verification.tensors import chunked_cumsum64, sample_from_weights
 from workers.sampling import (
     SamplingParams,
@@ -11,7 +13,9 @@ from workers.sampling import (
     draft_uniforms,
     law_of,
     process,
+    sample,
     splitmix64,
+    verify_key,
 )
 
 LOGITS = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
@@ -204,6 +208,40 @@ def test_draft_uniforms_are_uniform_and_keyed_by_every_coordinate():
 def test_draft_keys_differ_by_seed_and_stay_in_int64():
     keys = [draft_key(s) for s in range(10_000)]
     assert len(set(keys)) == len(keys) and all(0 <= k < 1 << 63 for k in keys)
+    verify_keys = [verify_key(s) for s in range(10_000)]
+    assert len(set(verify_keys) | set(keys)) == 2 * len(keys)  # two streams per seed
+
+
+def test_counter_draws_are_uniform_batch_free_and_apart_from_the_drafts():
+    """The verifier's counter draws (verification.CounterDraws): a request's j-th number
+    depends on its key and counter only (not on its batch-mates, nor on how many it draws);
+    another counter gives fresh numbers; they pass a chi-square test of uniformity (64 bins,
+    2^16 draws); and for the same seed and root they are uncorrelated with the draft's."""
+    seeds = range(256)
+    keys = torch.tensor([[verify_key(s), 17] for s in seeds])  # [256, 2]
+    u = draw_uniforms(CounterDraws(keys), 256, 256, torch.device("cpu"))  # [256, 256]
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(draw_uniforms(CounterDraws(keys[9:11]), 2, 5, u.device), u[9:11, :5])
+    moved = draw_uniforms(CounterDraws(keys + torch.tensor([0, 1])), 256, 256, u.device)
+    assert not bool((moved == u).any())
+    counts = torch.histc(u.flatten().float(), bins=64, min=0.0, max=1.0)
+    expected = u.numel() / 64
+    assert float(((counts - expected) ** 2 / expected).sum()) < 123.0  # 63 dof: P ≈ 1e-5
+    drafts = draft_uniforms(torch.tensor([[draft_key(s), 17] for s in seeds]), 1, 256)
+    corr = torch.corrcoef(torch.stack([u.flatten(), drafts.flatten()]))[0, 1]
+    assert abs(float(corr)) < 0.02  # 2^16 pairs: 5 standard errors
+    with pytest.raises(ValueError, match="counter keys"):
+        draw_uniforms(CounterDraws(keys[:3]), 4, 2, u.device)
+
+
+def test_plain_rows_sample_with_the_verifier_s_first_number():
+    """A plain request's token: inverse CDF of its root row at u = the verifier's first number
+    for the same key and root position."""
+    probs = torch.tensor([[[0.25, 0.25, 0.5]]]).expand(64, 1, 3)
+    draws = torch.tensor([[verify_key(s), 3] for s in range(64)])
+    u = draw_uniforms(CounterDraws(draws), 64, 1, probs.device)[:, 0]
+    expected = (u >= 0.25).long() + (u >= 0.5).long()
+    assert torch.equal(sample(probs, draws)[:, 0], expected)
 
 
 def test_a_law_over_other_tensors_processes_as_its_params():

@@ -33,14 +33,8 @@ from test_feature_draft import random_fc
 
 from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
-from workers.sampling import (
-    SamplingParams,
-    _shr,
-    downweight_top,
-    draft_key,
-    draft_uniforms,
-    splitmix64,
-)
+from verification.tensors import shr, splitmix64
+from workers.sampling import SamplingParams, downweight_top, draft_key, draft_uniforms
 from workers.speculation import SpeculationCache
 
 TRIALS = 12_000
@@ -256,7 +250,7 @@ def uniforms_keyed_by_the_token_position(draws: torch.Tensor, k: int, gamma: int
     path = torch.arange(k)[None, :, None]
     position = root + 1 + torch.arange(gamma)[None, None, :]
     h = splitmix64(splitmix64(splitmix64(key) ^ position) ^ (path << 32))
-    return _shr(h, 11).double() * 2.0**-53
+    return shr(h, 11).double() * 2.0**-53
 
 
 # Loop-level tables (tests/harness.py), V = 3, Markov on the last token, where a reused uniform

@@ -35,7 +35,7 @@ import torch
 
 from . import block, gbv, greedy, token, top_down, traversal
 from .backends import Backend, check_backend, choose_backend
-from .common import ROW_SUM_TOL, Generators, check_inputs, draw_uniforms
+from .common import ROW_SUM_TOL, CounterDraws, Generators, check_inputs, draw_uniforms
 from .graphs import VerifyGraphs
 from .modification import TargetModification, advance_records, apply_records
 
@@ -44,6 +44,7 @@ __all__ = [
     "ROW_SUM_TOL",
     "VERIFIERS",
     "Backend",
+    "CounterDraws",
     "TargetModification",
     "Verifier",
     "VerifyGraphs",
@@ -182,8 +183,9 @@ def verify(
 ) -> VerifyOutput:
     """Verify one draft block (or tree) per request and emit accepted tokens + one more.
 
-    generator: None, one torch.Generator for the batch, or a sequence of B generators (one per
-    request: results are then independent of batch composition).
+    generator: None, one torch.Generator for the batch, a sequence of B generators (one per
+    request: results are then independent of batch composition), or CounterDraws (per-request
+    keys and counters: independent of batch composition, and no state).
     carry: for ``greedy_block`` / ``spectr_gbv``, the ``out.carry`` of the previous call on the
     same requests (None on a request's first step). Other methods reject a carry.
     validate: check values (NaN, negatives, row sums within ROW_SUM_TOL, q(drafted) > 0) at

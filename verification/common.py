@@ -10,18 +10,31 @@ batch (see :func:`draw_uniforms`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from . import cpu_kernels
 from .backends import Backend
-from .tensors import gather_rows
+from .tensors import counter_uniforms, gather_rows
 
 # Rows handed to a verifier must sum to 1 within this tolerance. float32 softmax rows sum to 1
 # within ~1e-6 and half-precision rows within ~1e-3; anything further off is not a distribution.
 ROW_SUM_TOL = 1e-3
 
-Generators = torch.Generator | Sequence[torch.Generator] | None
+
+@dataclass(frozen=True)
+class CounterDraws:
+    """Per-request counter keys in place of generators: request b's uniforms are
+    counter_uniforms(key_b, counter_b, j) for j < n (verification/tensors.py). Nothing is
+    consumed, so there is no state to keep or ship, and a request's draws depend on nothing
+    but its key and counter (the engine: a key from the request's seed, the step's root
+    position)."""
+
+    keys: torch.Tensor  # [B, 2] int64: (key, counter) per request, on any device
+
+
+Generators = torch.Generator | Sequence[torch.Generator] | CounterDraws | None
 
 
 def check_inputs(
@@ -113,10 +126,20 @@ def draw_uniforms(generator: Generators, batch: int, n: int, device: torch.devic
     """[B, n] float64 uniforms in [0, 1).
 
     ``generator`` is None (torch's default generator), one ``torch.Generator`` shared by the
-    batch, or a sequence of B generators, one per request. With one generator per request each
-    request draws exactly ``n`` numbers from its own stream, and ``n`` depends only on the
-    method, K and γ: a request's result is then independent of its batch-mates.
+    batch, a sequence of B generators, one per request, or CounterDraws. With one generator per
+    request each request draws exactly ``n`` numbers from its own stream, and ``n`` depends only
+    on the method, K and γ: a request's result is then independent of its batch-mates. With
+    CounterDraws it is too, and its j-th number does not even depend on ``n``.
     """
+    if isinstance(generator, CounterDraws):  # hashed where the keys are (the host: one copy,
+        keys = generator.keys  # where ~30 small kernels would launch on an accelerator)
+        if keys.shape != (batch, 2):
+            raise ValueError(
+                f"generator: expected [{batch}, 2] counter keys, got {list(keys.shape)}"
+            )
+        index = torch.arange(n, dtype=torch.int64, device=keys.device)
+        u = counter_uniforms(keys[:, :1], keys[:, 1:], index[None])
+        return u.to(device, non_blocking=True)
     if generator is None or isinstance(generator, torch.Generator):
         gen_device = generator.device if generator is not None else torch.device("cpu")
         u = torch.rand(batch, n, generator=generator, dtype=torch.float64, device=gen_device)

@@ -1,5 +1,6 @@
 """Tensor helpers of the verifiers that the workers share: the float64 running sum, the one
-sampler of the project (inverse CDF with uniforms the caller drew) and row gathers.
+sampler of the project (inverse CDF with uniforms the caller drew), the counter-based uniforms
+the draft and the engine's verifier calls draw, and row gathers.
 
 They are pure math on tensors, so they live here, below both: the draft's sampling
 (workers/sampling.py) and the target's path rows (workers/target.py) import them.
@@ -84,3 +85,35 @@ def rows_at(
     if not rows.is_contiguous():
         return rows[b, k, d]
     return rows.view(B * K * D, V).index_select(0, (b * K + k) * D + d)
+
+
+# splitmix64 (Steele, Lea & Flood 2014): a bijective 64-bit finaliser, written with int64
+# tensor ops (multiplication wraps mod 2^64; `>>` is arithmetic, so shifts mask the sign bits).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """int64 [...] -> int64 [...]: splitmix64's output for state x (elementwise, any device)."""
+    z = x + _GOLDEN
+    z = (z ^ shr(z, 30)) * _MIX1
+    z = (z ^ shr(z, 27)) * _MIX2
+    return z ^ shr(z, 31)
+
+
+def counter_uniforms(
+    key: torch.Tensor,  # int64, broadcast with the others: a stream's key
+    counter: torch.Tensor,  # int64: which draw of the stream (a step's root position)
+    index: torch.Tensor,  # int64: which number of that draw
+) -> torch.Tensor:
+    """Float64 uniforms in [0, 1), u = hash(key, counter, index) (broadcast shape): the same
+    bits whenever, wherever and beside whatever they are drawn, and no state to keep or ship
+    (Philox-style counters, with splitmix64 as the mixer)."""
+    h = splitmix64(splitmix64(splitmix64(key) ^ counter) ^ index)
+    return shr(h, 11).double() * 2.0**-53  # the top 53 bits: every double in [0, 1) of the grid

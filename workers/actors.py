@@ -6,9 +6,9 @@ exchange per decode step, `RemoteTarget.speculate`, which the engine's Ray step 
 
     coordinator --(pending tokens, draft keys)---------> draft actor: propose
     draft actor --(draft tokens, rows q)---------------> target shards: tree, forward
-    coordinator --(generator states)-------------------> target rank 0: verification (the
+    coordinator --(the verification plan)--------------> target rank 0: verification (the
                                                           engine's function, sent with the step)
-    target rank 0 --(emitted tokens, τ, path, states, carry)--> coordinator
+    target rank 0 --(emitted tokens, τ, path, carry)----> coordinator
 
 Ray starts, places and restarts the actors and answers the calls made between steps (loading,
 readiness, wiring); the steps' messages go over links wired once (workers/channel.py: one
@@ -19,9 +19,9 @@ once, from the process that makes it to the one that reads it: the draft's rows 
 ([n, K, γ, Vh], the largest payload) go to rank 0, never through the coordinator (through
 shared memory when both are on one node: the link carries where they lie); the target's
 rows p never leave rank 0. The coordinator still drives the step and owns every request's state:
-its tokens, its verifier's generator (its state travels with the step to rank 0 and comes back)
-and its carry. The draft needs no generator state: its uniforms are a hash of the request's
-draft key and the step's root position (workers/sampling.py), which travel as one [n, 2] tensor.
+its tokens and its carry. No generator state travels: the draft's and the verifier's uniforms
+are hashes of the request's keys and the step's root position (workers/sampling.py,
+verification.CounterDraws), which travel as [n, 2] tensors.
 With a feature draft, rank 0 sends each prefill padding group's draft inputs to the coordinator,
 which posts them to the draft (it prefills that group while rank 0 runs the next).
 
@@ -208,7 +208,7 @@ class Drafted:
 class Reply:
     """A target rank's answer to a step (or rank 0's to a feature prefill)."""
 
-    out: Any  # rank 0: (x [n, K, γ], verdict, generator states, seconds per phase); else None
+    out: Any  # rank 0: (x [n, K, γ], verdict, seconds per phase); else None
     posted: float  # this rank's posted ops' seconds since its last reply
     draft_posted: float = 0.0  # rank 0: the draft's (from its proposal)
     error: BaseException | None = None
@@ -433,15 +433,14 @@ class TargetShardActor(_Served):
         num_paths: list[int],  # [n]
         depth: list[int],  # [n]
         params: list[SamplingParams],
-        states: list[torch.Tensor] | None,  # rank 0: the verifier generators' states
-        verify: Callable | None,  # rank 0: (x, q, p, generators) -> verdict; others: None
+        verify: Callable | None,  # rank 0: (x, q, p) -> verdict; others: None
         drafted: Drafted | None,  # None: nothing drafted (a batch of plain requests)
-    ) -> tuple[torch.Tensor, Any, list[torch.Tensor], dict[str, float]] | None:
+    ) -> tuple[torch.Tensor, Any, dict[str, float]] | None:
         """Score the step's trees on every rank; on rank 0 verify, then every rank commits.
 
-        Rank 0 returns (draft tokens [n, K, γ], the verdict, the generators' states, seconds
-        per phase); the verdict has `path` and `num_accepted` ([n] int64) to commit, and the
-        kept positions' `features` when a feature draft reads them."""
+        Rank 0 returns (draft tokens [n, K, γ], the verdict, seconds per phase); the verdict
+        has `path` and `num_accepted` ([n] int64) to commit, and the kept positions'
+        `features` when a feature draft reads them."""
         laps = {"draft": drafted.seconds if drafted else 0.0}
         dev, n = self.device, roots.shape[0]
         start = time.perf_counter()
@@ -460,8 +459,7 @@ class TargetShardActor(_Served):
         if rank0:
             q = self._draft_rows(drafted, p)
             start = time.perf_counter()
-            generators = [torch.Generator().set_state(s) for s in states]
-            verdict = verify(x, q, p, generators)  # path and τ on the host (verify_on_host)
+            verdict = verify(x, q, p)  # path and τ on the host (verify_on_host)
             kept = torch.stack([verdict.path, verdict.num_accepted])
             accepted = kept.to(dev, non_blocking=True)
             laps["verify"] = time.perf_counter() - start
@@ -475,7 +473,7 @@ class TargetShardActor(_Served):
         if self._send_features:
             verdict.features = features.cpu()
         laps["target"] += time.perf_counter() - start
-        return x_host, verdict, [g.get_state() for g in generators], laps
+        return x_host, verdict, laps
 
     def _draft_rows(self, drafted: Drafted | None, p: torch.Tensor) -> torch.Tensor | None:
         """The draft's rows q on the whole vocabulary [n, K, γ, V], on p's device."""
@@ -675,22 +673,20 @@ class RemoteTarget(_Remote):
         num_paths: list[int],
         depth: list[int],
         params: list[SamplingParams],
-        generators: list[torch.Generator],
-        verify: Callable,  # (x, q, p, generators) -> verdict with .path and .num_accepted
+        verify: Callable,  # (x, q, p) -> verdict with .path and .num_accepted
     ) -> tuple[torch.Tensor, Any, dict[str, float]]:
         """One decode step over the links, waited once: draft → target shards → back.
 
         Returns (draft tokens [n, K, γ], verify's verdict, seconds per phase with `transfer`:
-        the step's wall time beyond the actors' compute). The generators come back advanced."""
+        the step's wall time beyond the actors' compute)."""
         start = time.perf_counter()
-        states = [g.get_state() for g in generators]
         try:
             draft.links[0].send(("step", (draft_args, params)))
             for rank, link in enumerate(self.links):
-                own = (states, verify) if rank == 0 else (None, None)  # only rank 0 verifies
-                link.send(("speculate", (roots, num_paths, depth, params, *own)))
+                own = verify if rank == 0 else None  # only rank 0 verifies
+                link.send(("speculate", (roots, num_paths, depth, params, own)))
             replies = _gather(self.links, self.step_timeout_s)
-        except LinkBroken as exc:  # the generators were left as they were
+        except LinkBroken as exc:
             raise WorkerLost(f"an actor's link broke: {exc}") from exc
         except StepTimedOut as exc:  # which actor is stuck is unknown: restart them all
             draft.abandon()
@@ -701,11 +697,9 @@ class RemoteTarget(_Remote):
             if isinstance(failed, LinkBroken) or not (draft.alive() and self.alive()):
                 raise WorkerLost(f"an actor of the step died: {failed!r}") from failed
             raise failed  # the step itself failed
-        x, verdict, states, seconds = replies[0].out
+        x, verdict, seconds = replies[0].out
         posted = sum(r.posted for r in replies) / len(replies)
         seconds["prefill"] = replies[0].draft_posted + posted  # prefills, moves, commits
-        for g, state in zip(generators, states, strict=True):
-            g.set_state(state)
         wall = time.perf_counter() - start
         seconds["transfer"] = max(wall - sum(seconds.values()), 0.0)
         return x, verdict, seconds

@@ -22,7 +22,10 @@ ahead of it by the speculation cache, workers/speculation.py), and the draft nee
 state. The root position grows strictly from step to step (each step emits a token), so no key
 repeats across steps: keying by the drafted token's own position instead would hand a redraft
 the uniforms of the rejected draft at that position, which the verification outcome depended on
-(a lossy mutant, tests/test_speculation.py).
+(a lossy mutant, tests/test_speculation.py). The verifier's uniforms, and a plain request's, are
+counter-based the same way, under the request's other key (:func:`verify_key`, keyed by the
+root position and the number's index: verification.CounterDraws): no generator state is kept,
+shipped to the target's rank 0, or restored after a failed step.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verification.tensors import sample_from_weights
+from verification.tensors import counter_uniforms, sample_from_weights, shr, splitmix64
 
 
 @dataclass(frozen=True)
@@ -134,31 +137,25 @@ def apply_law(logits: torch.Tensor, law: Law) -> torch.Tensor:
     return probs.reshape(logits.shape)
 
 
-# splitmix64 (Steele, Lea & Flood 2014): a bijective 64-bit finaliser, written with int64
-# tensor ops (multiplication wraps mod 2^64; `>>` is arithmetic, so shifts mask the sign bits).
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+# Salts that part a request's seed into its two streams: the draft's and the verifier's.
+DRAFT_SALT, VERIFY_SALT = 0x5EED_D2AF7, 0x5EED_7E41F
 
 
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """int64 [...] -> int64 [...]: splitmix64's output for state x (elementwise, any device)."""
-    z = x + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
+def stream_key(seed: int, salt: int) -> int:
+    """A request's key for one of its counter-based streams, in [0, 2^63), from its seed."""
+    key = splitmix64(torch.tensor([seed ^ salt], dtype=torch.int64))
+    return int(shr(key, 1))
 
 
 def draft_key(seed: int) -> int:
-    """A request's draft key (what its draft uniforms hash), in [0, 2^63), from its seed: a
-    stream apart from the verifier's (a torch.Generator seeded with the same seed)."""
-    key = splitmix64(torch.tensor([seed ^ 0x5EED_D2AF7], dtype=torch.int64))
-    return int(_shr(key, 1))
+    """A request's draft key (what its draft uniforms hash)."""
+    return stream_key(seed, DRAFT_SALT)
+
+
+def verify_key(seed: int) -> int:
+    """A request's verify key: what its verifier's and its plain rows' uniforms hash, with the
+    step's root position as the counter (verification.common.CounterDraws)."""
+    return stream_key(seed, VERIFY_SALT)
 
 
 def draft_uniforms(
@@ -172,8 +169,7 @@ def draft_uniforms(
     dev = draws.device
     path = torch.arange(k, dtype=torch.int64, device=dev)[None, :, None]
     depth = torch.arange(gamma, dtype=torch.int64, device=dev)[None, None, :]
-    h = splitmix64(splitmix64(splitmix64(key) ^ root) ^ ((path << 32) | depth))
-    return _shr(h, 11).double() * 2.0**-53  # the top 53 bits: every double in [0, 1) of the grid
+    return counter_uniforms(key, root, (path << 32) | depth)
 
 
 def sample_drafts(
@@ -202,17 +198,12 @@ def downweight_top(
 
 def sample(
     probs: torch.Tensor,  # [n, R, V]: R rows per request
-    generators: list[torch.Generator],  # one per request
-    rows: list[int] | None = None,  # per request, how many of its R rows it uses (None: all)
+    draws: torch.Tensor,  # [n, 2] int64: (verify key, the step's root position) per request
 ) -> torch.Tensor:
-    """One token per row [n, R]. A request draws exactly `rows[i]` uniforms from its own
-    generator: rows it does not use (batch-mates drafting more paths or deeper) take u = 1/2
-    without touching its stream, so its output does not depend on who shares its batch."""
+    """One token per row [n, R]: row r of request i with u = hash(key_i, root_i, r), the same
+    bits as that request's verifier would draw first, which its step does not also run."""
     n, r, vocab = probs.shape
-    u = torch.full((n, r), 0.5, dtype=torch.float64)
-    for i, g in enumerate(generators):
-        used = r if rows is None else rows[i]
-        if used:
-            u[i, :used] = torch.rand(used, generator=g, dtype=torch.float64)
-    u = u.to(probs.device, non_blocking=True)  # drawn on the host: no wait for the device
+    index = torch.arange(r, dtype=torch.int64, device=draws.device)  # hashed where draws are
+    u = counter_uniforms(draws[:, :1], draws[:, 1:], index[None])
+    u = u.to(probs.device, non_blocking=True)  # made on the host: no wait for the device
     return sample_from_weights(probs.reshape(n * r, vocab), u.reshape(-1)).view(n, r)
