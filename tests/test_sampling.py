@@ -210,6 +210,8 @@ def test_draft_keys_differ_by_seed_and_stay_in_int64():
     assert len(set(keys)) == len(keys) and all(0 <= k < 1 << 63 for k in keys)
     verify_keys = [verify_key(s) for s in range(10_000)]
     assert len(set(verify_keys) | set(keys)) == 2 * len(keys)  # two streams per seed
+    top = [draft_key(s) for s in (2**63 - 1, 2**63, 2**64 - 1)] + [verify_key(2**64 - 1)]
+    assert len(set(top)) == 4 and all(0 <= k < 1 << 63 for k in top)  # the API's whole range
 
 
 def test_counter_draws_are_uniform_batch_free_and_apart_from_the_drafts():

@@ -142,8 +142,10 @@ DRAFT_SALT, VERIFY_SALT = 0x5EED_D2AF7, 0x5EED_7E41F
 
 
 def stream_key(seed: int, salt: int) -> int:
-    """A request's key for one of its counter-based streams, in [0, 2^63), from its seed."""
-    key = splitmix64(torch.tensor([seed ^ salt], dtype=torch.int64))
+    """A request's key for one of its counter-based streams, in [0, 2^63), from its seed (any
+    in [0, 2^64): the API's range, taken as int64 bits)."""
+    bits = (seed ^ salt) & ((1 << 64) - 1)
+    key = splitmix64(torch.tensor([bits - (1 << 64) if bits >> 63 else bits], dtype=torch.int64))
     return int(shr(key, 1))
 
 
