@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per actor")
     args = ap.parse_args()
     n = args.joining
-    start_ray(Settings())  # as `blockspec serve` starts it: 127.0.0.1 only, its inline limit
+    start_ray(Settings())  # as `blockspec serve` starts it: 127.0.0.1 only
     torch.set_num_threads(args.threads)
     cfg = ReplicaConfig(max_batch=n, torch_threads=args.threads)
     engine, _ = build_remote_engine(cfg)

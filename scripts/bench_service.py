@@ -160,7 +160,7 @@ def bench_pair(args, name: str) -> dict:
         draft_dir=draft, target_dir=target, dtype=args.dtype, max_batch=most, max_queued=most,
         torch_threads=args.threads,
     )  # fmt: skip
-    settings = Settings(port=0, metrics_port=0, replica=replica_cfg)
+    settings = Settings(port=0, metrics_port=0, http_port=0, replica=replica_cfg)  # gRPC only
     engines, tokenizer, ids = {}, None, None
     for batch in args.batch:
         engines[batch], tokenizer = build_engine(draft, target, batch, dtype=args.dtype)
