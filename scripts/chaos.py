@@ -34,7 +34,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import grpc
@@ -356,14 +356,21 @@ def main() -> None:
             redis.send_signal(signal.SIGCONT)
             redis.terminate()
     lines = summarize(result, args)
+    print("\n".join(lines))
     if args.records:
-        Path(args.records).write_text(json.dumps(result))
+        Path(args.records).write_text(json.dumps(result, default=_plain))
     if args.plot:
         plot(result, args.plot)
     kept = {k: v for k, v in result.items() if k != "records"}
     kept.update(requests=len(result["records"]), summary=lines)
-    Path(args.json).write_text(json.dumps(kept))
-    print("\n".join(lines))
+    Path(args.json).write_text(json.dumps(kept, default=_plain))
+
+
+def _plain(obj):
+    """JSON for what the replica reports (its stats are a dataclass)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return asdict(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 if __name__ == "__main__":
