@@ -33,7 +33,7 @@ from test_feature_draft import random_fc
 
 from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
-from verification.tensors import shr, splitmix64
+from verification.tensors import counter_uniforms
 from workers.sampling import SamplingParams, downweight_top, draft_key, draft_uniforms
 from workers.speculation import SpeculationCache
 
@@ -249,8 +249,7 @@ def uniforms_keyed_by_the_token_position(draws: torch.Tensor, k: int, gamma: int
     key, root = draws[:, 0, None, None], draws[:, 1, None, None]
     path = torch.arange(k)[None, :, None]
     position = root + 1 + torch.arange(gamma)[None, None, :]
-    h = splitmix64(splitmix64(splitmix64(key) ^ position) ^ (path << 32))
-    return shr(h, 11).double() * 2.0**-53
+    return counter_uniforms(key, position, path << 32)
 
 
 # Loop-level tables (tests/harness.py), V = 3, Markov on the last token, where a reused uniform

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from verification.tensors import counter_uniforms, sample_from_weights, shr, splitmix64
+from verification.tensors import counter_uniforms, sample_from_weights, splitmix64
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,10 @@ DRAFT_SALT, VERIFY_SALT = 0x5EED_D2AF7, 0x5EED_7E41F
 
 
 def stream_key(seed: int, salt: int) -> int:
-    """A request's key for one of its counter-based streams, in [0, 2^63), from its seed (any
-    in [0, 2^64): the API's range, taken as int64 bits)."""
-    bits = (seed ^ salt) & ((1 << 64) - 1)
-    key = splitmix64(torch.tensor([bits - (1 << 64) if bits >> 63 else bits], dtype=torch.int64))
-    return int(shr(key, 1))
+    """A request's key for one of its counter-based streams, in [0, 2^63) (an int64 tensor
+    holds it), from its seed (any in [0, 2^64): the API's range)."""
+    state = np.array([(seed ^ salt) & ((1 << 64) - 1)], dtype=np.uint64)
+    return int(splitmix64(state)[0] >> np.uint64(1))
 
 
 def draft_key(seed: int) -> int:
