@@ -26,9 +26,9 @@ With a feature draft, rank 0 sends each prefill padding group's draft inputs to 
 which posts them to the draft (it prefills that group while rank 0 runs the next).
 
 Ops that return nothing (prefill, move, commit) are posted without waiting; an actor reports the
-seconds they computed, and the first error one raised, with its next reply. Each actor reports
-the seconds it computed; what the step took beyond that is *transfer* (serialization, sockets,
-waking the processes) in the engine's step-time breakdown.
+seconds they computed, and the first error one raised, with its next reply. Each reply carries
+the seconds its actor computed; what the step took beyond that is *transfer* (serialization,
+sockets, waking the processes) in the engine's step-time breakdown.
 
 The target shards live in one STRICT_PACK placement group (tensor parallelism wants one node);
 their torch.distributed group rendezvouses on rank 0's loopback store.
@@ -44,7 +44,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -64,6 +63,8 @@ from workers.channel import (
     listen,
     new_key,
     ready,
+    tensor_from_wire,
+    tensor_to_wire,
 )
 from workers.draft import padding_groups
 from workers.feature_draft import split_groups
@@ -80,29 +81,12 @@ from workers.tree import build_tree
 POSTED_OPS = ("prefill", "move", "commit")  # what the coordinator posts without waiting
 
 
-def _tensor_to_wire(t: torch.Tensor) -> tuple[Any, str]:
-    """How Ray sends a torch.Tensor between our processes (the calls between steps): as a
-    numpy array (bf16 as its int16 bits), arriving on the CPU. Torch's own pickling goes
-    through torch.save, ~50 µs a tensor each way; numpy takes ~10 µs."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy(), "bfloat16"
-    return t.numpy(), ""
-
-
-def _tensor_from_wire(payload: tuple[Any, str]) -> torch.Tensor:
-    array, dtype = payload
-    t = torch.from_numpy(np.array(array))  # a writable copy, as torch's own unpickling gives
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
-
-
 def use_numpy_wire() -> None:
-    """Register the serializer above in this process (Ray's serializers are per process; the
-    receiving side needs nothing, the deserializer travels by reference)."""
+    """Send tensors through Ray's calls as the links do (channel.tensor_to_wire), from this
+    process (Ray's serializers are per process; the receiving side needs nothing, the
+    deserializer travels by reference)."""
     ray.util.register_serializer(
-        torch.Tensor, serializer=_tensor_to_wire, deserializer=_tensor_from_wire
+        torch.Tensor, serializer=tensor_to_wire, deserializer=tensor_from_wire
     )
 
 
@@ -126,7 +110,6 @@ class _Served:
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
-        self._listener = None
         self._posted = 0.0
         self._failed: BaseException | None = None
 
@@ -140,8 +123,7 @@ class _Served:
         if self._thread is not None:
             self._thread.join(timeout=10.0)
         self._posted, self._failed = 0.0, None
-        self._listener = listen(host, key)
-        return self._listener
+        return listen(host, key)
 
     def _start(
         self,
@@ -543,10 +525,11 @@ class _Remote:
         for actor in self.actors:
             ray.kill(actor)
 
-    def _post(self, op: str, *args) -> None:
-        frames = dumps((op, args))  # serialized once for all
+    def _post(self, op: str, *args, to: list[Link] | None = None) -> None:
+        """Send an op to every actor's link (or those of `to`), serialized once for all."""
+        frames = dumps((op, args))
         try:
-            for link in self.links:
+            for link in self.links if to is None else to:
                 link.send_frames(frames)
         except LinkBroken as exc:
             raise WorkerLost(f"an actor's link broke: {exc}") from exc
@@ -641,12 +624,9 @@ class RemoteTarget(_Remote):
         step's `prefill`), not the next step's posted-compute seconds, so they count once."""
         args = (slot0, contexts, keep)
         rank0 = self.links[0]
+        self._post("prefill_features", args, draft_keep, draft_pending, to=[rank0])
+        self._post("prefill", *args, to=self.links[1:])  # the other ranks prefill whole
         try:
-            rank0.send(("prefill_features", (args, draft_keep, draft_pending)))
-            if len(self.links) > 1:
-                frames = dumps(("prefill", args))
-                for link in self.links[1:]:
-                    link.send_frames(frames)
             for lo, hi in padding_groups([len(c) for c in contexts]):  # rank 0's groups
                 message = rank0.recv(self.step_timeout_s)
                 if isinstance(message, Reply):  # it failed before this group

@@ -2,15 +2,9 @@
 
 Ray starts, places, restarts and scales the actors; once they run, each decode step's messages
 (coordinator → draft → target ranks → coordinator) go over links set up once, not as Ray task
-calls. Measured side by side on the 2-core VM (`scripts/bench_bounds.py --channel`, the chain
-driver → A → B → driver with no compute; docs/service_benchmark.md):
-
-| path | chain ms | idle CPU |
-|---|---|---|
-| Ray actor calls | 1.7 | 0 |
-| Ray Compiled Graph (shared-memory channels) | 0.44 | 1.6 cores: its readers spin |
-| torch.distributed gloo send/recv | 0.83 | 0 |
-| `multiprocessing.connection` (this module) | 0.23 | 0 |
+calls: of Ray's calls, a Ray Compiled Graph (whose readers spin while idle) and a gloo group,
+these sockets pass a step's chain fastest (`scripts/bench_bounds.py --floor`; the table and the
+argument: docs/service_benchmark.md, "Why links and not Ray calls").
 
 A link is a `multiprocessing.connection` socket (HMAC-authenticated with a key the coordinator
 draws per wiring; loopback when every process of the replica shares a node). A message is one
@@ -46,8 +40,21 @@ class LinkTimedOut(TimeoutError):
     """Nothing arrived in time: the process at the other end is alive but stuck, or slow."""
 
 
-def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
-    if not array.flags.writeable:  # an in-band array (small, or not contiguous)
+def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as our processes send it, on links and in Ray's calls: a numpy array (bf16 as
+    its int16 bits, numpy has no bf16) and its dtype's tag. Torch's own pickling goes through
+    torch.save, ~50 µs a tensor each way; numpy takes ~10 µs."""
+    t = t.detach()
+    t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), "bfloat16"
+    return t.numpy(), ""
+
+
+def tensor_from_wire(payload: tuple[np.ndarray, str]) -> torch.Tensor:
+    """tensor_to_wire's inverse, on the host; the receiver's own, writable memory."""
+    array, dtype = payload
+    if not array.flags.writeable:  # in-band (small, or strided), or Ray's shared store
         array = array.copy()
     t = torch.from_numpy(array)
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
@@ -57,11 +64,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
-        t = obj.detach()
-        t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
-        if t.dtype == torch.bfloat16:  # numpy has no bf16: its bits
-            return _tensor, (t.view(torch.int16).numpy(), "bfloat16")
-        return _tensor, (t.numpy(), "")
+        return tensor_from_wire, (tensor_to_wire(obj),)
 
 
 def dumps(obj) -> list:
@@ -74,10 +77,16 @@ def dumps(obj) -> list:
     return [head + body.getvalue(), *(b.raw() for b in buffers)]
 
 
+def _layout(head: bytes) -> tuple[tuple[int, ...], int]:
+    """The out-of-band buffers' sizes a message's first frame announces, and where its pickle
+    starts in that frame."""
+    (count,) = struct.unpack_from("<I", head)
+    return struct.unpack_from(f"<{count}Q", head, 4), 4 + 8 * count
+
+
 def loads(frames: list) -> object:
     """What `dumps` framed (the test suite's wire without a socket)."""
-    (count,) = struct.unpack_from("<I", frames[0])
-    start = 4 + 8 * count
+    _, start = _layout(frames[0])
     buffers = [bytearray(f) for f in frames[1:]]
     return pickle.loads(memoryview(frames[0])[start:], buffers=buffers)
 
@@ -113,17 +122,13 @@ class Link:
             raise LinkTimedOut(f"nothing arrived in {timeout_s:.1f} s")
         try:
             head = self.connection.recv_bytes()
-            (count,) = struct.unpack_from("<I", head)
-            sizes = struct.unpack_from(f"<{count}Q", head, 4)
+            sizes, start = _layout(head)
             buffers = [bytearray(size) for size in sizes]
             for buffer in buffers:
                 self.connection.recv_bytes_into(buffer)
         except (EOFError, OSError, ValueError) as exc:
             raise LinkBroken(f"receiving: {exc!r}") from None
-        return pickle.loads(memoryview(head)[4 + 8 * count :], buffers=buffers)
-
-    def fileno(self) -> int:
-        return self.connection.fileno()
+        return pickle.loads(memoryview(head)[start:], buffers=buffers)
 
     def close(self) -> None:
         self.connection.close()
