@@ -134,6 +134,7 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
     from service.app import start_ray
     from service.config import Settings
     from workers import channel
+    from workers.tensor_parallel import loopback_store
 
     start_ray(Settings(ray_num_cpus=2))
     args, rows, verdict = _payloads()
@@ -150,7 +151,7 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
             listener = channel.listen(host, key)
 
             def serve():
-                up = channel.Link(listener.accept())
+                up = channel.accept(listener, {"up"})["up"]  # its hello read: one reply a step
                 down = channel.dial(to, key, "up")
                 while True:
                     up.recv()
@@ -190,8 +191,7 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
     at_b = ray.get(b.links.remote(channel.LOOPBACK, key, back.address))
     at_a = ray.get(a.links.remote(channel.LOOPBACK, key, at_b))
     to_a = channel.dial(at_a, key, "up")
-    from_b = channel.Link(back.accept())
-    from_b.recv()  # b's name
+    from_b = channel.accept(back, {"up"})["up"]
 
     def links():
         to_a.send(args)
@@ -199,9 +199,9 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
 
     out["links (workers/channel.py)"] = (_median_ms(links, calls), _idle_cores())
     e, f = Hop.remote(rows), Hop.remote(verdict)
-    port = _free_port()
-    ray.get([e.gloo.remote(port, 1), f.gloo.remote(port, 2)])
-    group = _gloo_group(port, 0)
+    store = loopback_store(3, 60.0)  # the driver is rank 0
+    ray.get([e.gloo.remote(store.port, 1), f.gloo.remote(store.port, 2)])
+    group = _gloo_group(store, 0)
 
     def gloo():
         _gloo_send(group, args, 1)
@@ -212,21 +212,15 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_group(port: int, rank: int):
+def _gloo_group(store, rank: int):
+    """A 3-process gloo group over `store` (rank 0's loopback store, or a port of it)."""
     import datetime
 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=timeout)
+    if isinstance(store, int):
+        store = dist.TCPStore("127.0.0.1", store, 3, False, timeout=timeout)
     return dist.ProcessGroupGloo(store, rank, 3, timeout)
 
 
