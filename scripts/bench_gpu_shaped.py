@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from service.engine import StepTimes, build_engine
+from service.engine import build_engine
 from service.requests import make_request
+from service.results import StepTimes
 from workers.models import TINY_TARGET
 from workers.sampling import SamplingParams
 

@@ -30,8 +30,9 @@ import torch
 
 from loadtest.prompts import prompt_ids
 from service.config import Settings
-from service.engine import StepTimes, build_engine
+from service.engine import build_engine
 from service.requests import make_request
+from service.results import StepTimes
 from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
 

@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.engine import GenerationResult, Progress, SpeculativeEngine, StepResult, StepTimes
+from service.engine import SpeculativeEngine
 from service.requests import GenerationRequest
+from service.results import GenerationResult, Progress, StepResult, StepTimes
 from workers.actors import WorkerLost
 
 log = logging.getLogger(__name__)

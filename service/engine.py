@@ -32,16 +32,8 @@ says what each kind of draft is fed and keeps, so the engine reads the same for 
 Method ``auto`` (service/policy.py) lets the engine's `AutoPolicy` pick each step's method, K
 and γ for the batch's auto requests, from the replica's measured step times and acceptance.
 
-Sessions: a request with a ``session_id`` parks its KV entries in one of ``max_sessions`` spare
-cache slots when it finishes (least recently parked evicted first). The session's next request
-(its prompt = the history + new tokens) takes the slot back and prefills only the tokens past the
-longest cached prefix that still matches; KV of tokens generated past a stop is dropped.
-
-Automatic prefix caching: a request without a session but with a ``cache_scope`` (the caller's
-principal) parks its KV in the same spare slots, and a later request of the same scope takes
-the parked entry whose tokens share the longest prefix with its prompt (a stateless client that
-sends the whole conversation each turn reuses the last turn's KV). One LRU order evicts both
-kinds; one scope's entries never serve another's.
+Sessions and automatic prefix caching keep finished requests' KV in spare slots
+(service/parking.py).
 """
 
 from __future__ import annotations
@@ -50,15 +42,17 @@ import functools
 import itertools
 import os
 import time
-from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from service.parking import Parked, Parking
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
+from service.results import GenerationResult, Progress, RequestStats, StepResult, StepTimes
 from verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
 from workers.graphs import graphs_available
 from workers.proposers import build_proposer
@@ -70,87 +64,6 @@ from workers.tree import build_tree
 
 if TYPE_CHECKING:
     from workers.actors import RemoteDraft, RemoteTarget
-
-
-@dataclass
-class StepTimes:
-    """Wall-clock seconds of engine steps by phase. prefill = joining requests' prompts and KV
-    slot moves (with Ray actors: the compute of every call posted since the last step);
-    overhead = bookkeeping and the draft's commit; transfer = what the remote workers' calls
-    took beyond their own compute (zero in-process)."""
-
-    prefill: float = 0.0
-    draft: float = 0.0
-    tree: float = 0.0
-    target: float = 0.0
-    transfer: float = 0.0
-    verify: float = 0.0
-    overhead: float = 0.0
-    batch_size: int = 0
-
-    PHASES = ("prefill", "draft", "tree", "target", "transfer", "verify", "overhead")
-
-    def add(self, other: StepTimes) -> None:
-        for name in self.PHASES:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.batch_size += other.batch_size
-
-
-@dataclass
-class RequestStats:
-    target_calls: int = 0
-    accepted: int = 0  # draft tokens accepted in all
-    accepted_per_position: list[int] = field(default_factory=list)  # [γ]: steps accepting pos i
-    steps_by_config: Counter[str] = field(default_factory=Counter)  # steps per Arm (`auto`)
-    # Sums over the steps this request was part of (their time is shared with its batch-mates).
-    steps: StepTimes = field(default_factory=StepTimes)
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.steps.batch_size / max(self.target_calls, 1)
-
-    @property
-    def tokens_per_call(self) -> float:
-        """Block efficiency: emitted tokens per target call (accepted + 1 per call)."""
-        return (self.accepted + self.target_calls) / max(self.target_calls, 1)
-
-    def copy(self) -> RequestStats:
-        return RequestStats(
-            self.target_calls,
-            self.accepted,
-            list(self.accepted_per_position),
-            Counter(self.steps_by_config),
-            replace(self.steps),
-        )
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A streamed request after one step: the tokens the step added to its output, and, for
-    a request with stop strings, its stats so far (a copy, whole for the step): the gateway
-    may cut its stream at one, and then finishes it with these. Without stop strings nothing
-    cuts a stream short, so no step copies or ships them (None)."""
-
-    token_ids: list[int]
-    stats: RequestStats | None
-    cached_tokens: int
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str  # "length" | "stop" (a cancelled request has no result)
-    stats: RequestStats
-    cached_tokens: int = 0  # prompt tokens whose target KV came from the session's parked slot
-
-
-@dataclass
-class StepResult:
-    """What one engine step did: the requests it finished and where its time went."""
-
-    finished: list[GenerationResult]
-    times: StepTimes  # this step's (all zero when there was nothing to run)
 
 
 @dataclass
@@ -484,30 +397,6 @@ class _Active:
     on_tokens: Callable[[Progress], None] | None = field(default=None, repr=False)
 
 
-@dataclass
-class _Parked:
-    """A finished request's KV, kept in a spare slot for its session's next request or, with a
-    cache scope, for any request of that scope that shares a prefix with it."""
-
-    slot: int
-    tokens: list[int]  # the request's history; the caches hold KV of its first *_len tokens
-    draft_len: int
-    target_len: int
-    scope: str | None = None  # a cached prefix's scope; None: a session's (taken by its id)
-
-
-# A parked prefix is taken only for at least this many shared tokens: fewer save less prefill
-# than moving the slot costs, and would evict the entry for another request's sake.
-MIN_SHARED_PREFIX = 16
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-
-
 class SpeculativeEngine:
     """Workers' caches need max_batch + max_sessions slots: [0, max_batch) for active requests,
     the rest for parked sessions."""
@@ -528,13 +417,11 @@ class SpeculativeEngine:
         # what this kind of draft is fed and keeps (workers/protocols.py)
         self.feed = self.draft.feed
         self.policy = policy or AutoPolicy()
-        self.prefix_caching = prefix_caching  # requests' cache_scope honoured (module doc)
         self.max_batch, self.max_len, self.max_sessions = max_batch, max_len, max_sessions
         self.vocab_size = vocab_size
         self.active: list[_Active] = []  # slot i of both caches belongs to active[i]
         self.waiting: list[_Active] = []
-        self.parked: OrderedDict[str, _Parked] = OrderedDict()  # oldest first
-        self.free_slots = list(range(max_batch + max_sessions - 1, max_batch - 1, -1))
+        self.parking = Parking(max_batch, max_sessions, prefix_caching)  # spare slots' KV
         self.times = StepTimes()
         self.steps = 0
         self._ids = itertools.count()
@@ -601,15 +488,12 @@ class SpeculativeEngine:
         keep_draft, keep_target = [], []
         for slot, a in enumerate(new, start=slot0):
             kd = kt = 0
-            parked = self._take_parked(a.req)
+            parked = self.parking.take(a.req)
             if parked is not None:
-                prompt = a.req.prompt_ids
-                same = shared_prefix(parked.tokens, prompt)
-                usable = min(same, len(prompt) - 1)  # the last prompt token stays pending
-                kd, kt = min(parked.draft_len, usable), min(parked.target_len, usable)
+                kd, kt = parked.reusable(a.req.prompt_ids)
                 self.draft.move(parked.slot, slot)
                 self.target.move(parked.slot, slot)
-                self.free_slots.append(parked.slot)
+                self.parking.release(parked.slot)
             kd, kt = self.feed.aligned_keep(kd, kt, len(a.req.prompt_ids))
             a.cached_tokens = kt
             keep_draft.append(kd)
@@ -640,47 +524,20 @@ class SpeculativeEngine:
             a.draft_features = features
         return sum(len(c) for c in contexts)
 
-    def _take_parked(self, req: GenerationRequest) -> _Parked | None:
-        """The parked KV `req` continues from, out of the parked set: its session's, or the
-        entry of its cache scope that shares the longest prefix with its prompt (at least
-        MIN_SHARED_PREFIX tokens)."""
-        if req.session_id:
-            return self.parked.pop(req.session_id, None)
-        if req.cache_scope is None or not self.prefix_caching:
-            return None
-        best, longest = None, MIN_SHARED_PREFIX - 1
-        for key, parked in self.parked.items():
-            if parked.scope == req.cache_scope:
-                same = shared_prefix(parked.tokens, req.prompt_ids)
-                best, longest = (key, same) if same > longest else (best, longest)
-        return self.parked.pop(best) if best is not None else None
-
     def _park(self, index: int) -> None:
         """Keep active[index]'s KV in a spare slot: under its session id, or as a cached
         prefix of its scope (which replaces the scope's entries that its history extends)."""
         a = self.active[index]
         key = a.req.session_id or (a.req.cache_scope, a.request_id)
         history = [*a.req.prompt_ids, *a.output]
-        stale = [key] if key in self.parked else []
-        if not a.req.session_id:
-            stale = [
-                k
-                for k, p in self.parked.items()
-                if p.scope == a.req.cache_scope
-                and shared_prefix(p.tokens, history) == len(p.tokens)
-            ]
-        for k in stale:
-            self.free_slots.append(self.parked.pop(k).slot)
-        if not self.free_slots:
-            self.free_slots.append(self.parked.popitem(last=False)[1].slot)
-        slot = self.free_slots.pop()
+        slot = self.parking.reserve(a.req, key, history)
         total = len(a.req.prompt_ids) + a.emitted  # what the caches hold, minus pending tokens
         self.draft.move(index, slot)
         self.target.move(index, slot)
         draft_len = min(total - len(a.draft_pending), len(history))
         if a.own_from is not None:
             draft_len = min(draft_len, a.own_from)
-        self.parked[key] = _Parked(
+        self.parking.entries[key] = Parked(
             slot,
             history,
             draft_len=draft_len,
@@ -689,9 +546,7 @@ class SpeculativeEngine:
         )
 
     def _retire(self, index: int, park: bool = True) -> None:
-        req = self.active[index].req
-        cached = req.cache_scope is not None and self.prefix_caching
-        if park and self.max_sessions and (req.session_id or cached):
+        if park and self.parking.wants(self.active[index].req):
             self._park(index)
         last = len(self.active) - 1
         if index != last:
@@ -715,8 +570,7 @@ class SpeculativeEngine:
         it returns, and the draws are counters of the root position), so the next step redoes it
         with the same draws."""
         self.executor.restart_lost()
-        self.free_slots += [parked.slot for parked in self.parked.values()]
-        self.parked.clear()
+        self.parking.clear()
         lost = [a.request_id for a in self.active if a.own_features]
         for request_id in lost:
             self.cancel(request_id, park=False)  # the restarted workers hold none of its KV
@@ -787,14 +641,8 @@ class SpeculativeEngine:
         auto = [a.auto for a in batch if a.auto is not None]
         if not auto:
             return None
-        fixed = [a.arm for a in batch if a.auto is None and a.arm.method != PLAIN]
-        shape = StepShape(
-            batch_size=len(batch),
-            fixed_nodes=sum(arm.nodes for arm in fixed),
-            fixed_multi_nodes=sum(arm.nodes for arm in fixed if arm.k > 1),
-            fixed_depth=max((arm.gamma for arm in fixed), default=0),
-            prefill_tokens=prefilled,
-        )
+        fixed = [a.arm for a in batch if a.auto is None]
+        shape = StepShape.of(len(batch), fixed, prefilled)
         arm = self.policy.choose(auto, shape)
         for a in batch:
             if a.auto is not None:
@@ -858,12 +706,8 @@ class SpeculativeEngine:
         for i, a in enumerate(self.active):
             t = int(tau[i])
             emitted = tokens[i, : t + 1].tolist()
-            a.stats.target_calls += 1
-            a.stats.steps_by_config[str(a.arm)] += 1
-            a.stats.accepted += t
+            a.stats.count_call(str(a.arm), t)
             a.emitted += len(emitted)
-            for pos in range(min(t, len(a.stats.accepted_per_position))):
-                a.stats.accepted_per_position[pos] += 1
             a.target_pending = emitted[-1]
             a.last_emitted = tuple(emitted)
             if plan.drafted:  # the draft ran the old pending tokens and `committed` path tokens

@@ -40,7 +40,6 @@ from service.auth import BearerAuth, server_credentials, warn_if_exposed
 from service.config import Settings
 from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
 from service.detokenizer import TextStream
-from service.engine import RequestStats, StepTimes
 from service.policy import AUTO
 from service.ports import GRPC_EXCLUSIVE
 from service.requests import (
@@ -58,6 +57,7 @@ from service.requests import (
     RequestParams,
     RequestValidator,
 )
+from service.results import RequestStats, StepTimes
 from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name

@@ -160,6 +160,18 @@ class StepShape:
     fixed_depth: int = 0  # their largest γ: the draft's sequential forwards
     prefill_tokens: int = 0
 
+    @classmethod
+    def of(cls, batch_size: int, fixed: Sequence[Arm], prefill_tokens: int) -> StepShape:
+        """A batch's shape, given the arms of its requests that are not auto."""
+        drafted = [arm for arm in fixed if arm.method != PLAIN]
+        return cls(
+            batch_size=batch_size,
+            fixed_nodes=sum(arm.nodes for arm in drafted),
+            fixed_multi_nodes=sum(arm.nodes for arm in drafted if arm.k > 1),
+            fixed_depth=max((arm.gamma for arm in drafted), default=0),
+            prefill_tokens=prefill_tokens,
+        )
+
     def features(self, arm: Arm, n_auto: int) -> list[float]:
         """[1, batch, draft depth, tree nodes, multi-path nodes, prefill tokens] of the step
         with the auto requests on `arm`."""

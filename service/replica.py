@@ -27,7 +27,7 @@ from ray import serve
 
 from service.config import ReplicaConfig, Resources
 from service.coordinator import Coordinator, Done, Emitted, Event, Failed
-from service.engine import SpeculativeEngine, StepTimes
+from service.engine import SpeculativeEngine
 from service.policy import AUTO, AutoPolicy
 from service.requests import (
     FinishedEvent,
@@ -37,6 +37,7 @@ from service.requests import (
     ReplicaStats,
     TokensEvent,
 )
+from service.results import StepTimes
 from verification import VERIFIERS
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
@@ -211,7 +212,7 @@ class Replica:
             recoveries=s.recoveries,
             in_flight=in_flight,
             active=active,
-            parked_sessions=list(engine.parked),
+            parked_sessions=list(engine.parking.entries),
         )
 
     async def worker_pids(self) -> dict[str, list[int]]:

@@ -30,7 +30,7 @@ from workers.models import render_chat
 from workers.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports this module
-    from service.engine import RequestStats
+    from service.results import RequestStats
 
 
 class InvalidArgument(ValueError):

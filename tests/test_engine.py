@@ -551,7 +551,7 @@ def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
     assert r2.cached_tokens in (len(history) - 1, len(history))
     assert r2.token_ids == greedy_reference(hf, turn2, 10)
     # The parked KV equals a fresh prefill of the session's history.
-    parked = engine.parked["s"]
+    parked = engine.parking.entries["s"]
     seq = turn2 + r2.token_ids
     assert parked.tokens == seq
     fresh = KVCache(target.spec, target.kv_heads, 1, 128, torch.float32, "cpu")
@@ -571,7 +571,7 @@ def test_session_continuation_reuses_parked_kv_and_matches_greedy(pair):
         engine.generate(
             [make_request(engine.limits, [5, 6], 3, "block", 1, 2, greedy, session_id=sid)]
         )
-    assert list(engine.parked) == ["a", "b"] and len(engine.free_slots) == 0
+    assert list(engine.parking.entries) == ["a", "b"] and len(engine.parking.free_slots) == 0
     (r4,) = engine.generate(
         [make_request(engine.limits, edited, 4, "block", 1, 2, greedy, session_id="s")]
     )

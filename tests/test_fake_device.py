@@ -301,7 +301,7 @@ def test_a_session_follow_up_decodes_on_the_device_as_on_the_cpu(tiny):
         )
         ((again, cached),) = run(engine, [follow])
         assert cached > len(first.prompt_ids)
-        return out, again, cached, engine.parked["s"].tokens
+        return out, again, cached, engine.parking.entries["s"].tokens
 
     assert session(fake, on_fake) == session(cpu, run_cpu)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine import MIN_SHARED_PREFIX, build_engine
+from service.engine import build_engine
+from service.parking import MIN_SHARED_PREFIX
 from service.requests import make_request
 from workers.models import TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
@@ -42,8 +43,7 @@ def shared():
 
 
 def test_a_scope_reuses_its_longest_prefix_and_never_anothers(shared):
-    shared.parked.clear()
-    shared.free_slots = list(range(shared.max_batch + shared.max_sessions - 1, 1, -1))
+    shared.parking.clear()
     first = ask(shared, PROMPT)
     assert first.cached_tokens == 0
     turn = [*PROMPT, *first.token_ids, 5, 6, 7]
@@ -52,15 +52,14 @@ def test_a_scope_reuses_its_longest_prefix_and_never_anothers(shared):
     assert second.cached_tokens >= len(PROMPT) + len(first.token_ids) - 1
     # The second turn's entry extends the first's, which it replaced: one entry per
     # conversation, and the third turn reuses all of the second.
-    scopes = [p.scope for p in shared.parked.values()]
+    scopes = [p.scope for p in shared.parking.entries.values()]
     assert scopes.count("alice") == 1 and scopes.count("mallory") == 1
     third = ask(shared, [*turn, *second.token_ids, 9])
     assert third.cached_tokens >= len(turn) + len(second.token_ids) - 1
 
 
 def test_short_shared_prefixes_and_unscoped_requests_are_not_cached(shared):
-    shared.parked.clear()
-    shared.free_slots = list(range(shared.max_batch + shared.max_sessions - 1, 1, -1))
+    shared.parking.clear()
     ask(shared, PROMPT)
     short = [*PROMPT[: MIN_SHARED_PREFIX - 1], 1, 2, 1]  # PROMPT holds no id below 3
     assert ask(shared, short).cached_tokens == 0
@@ -72,7 +71,7 @@ def test_entries_and_sessions_share_one_lru_order():
     ask(eng, PROMPT, session="s1", scope=None)
     ask(eng, [1, *PROMPT])  # two prefixes of alice: the session is the oldest
     ask(eng, [2, *PROMPT])
-    assert "s1" not in eng.parked and len(eng.parked) == 2
+    assert "s1" not in eng.parking.entries and len(eng.parking.entries) == 2
     assert ask(eng, [1, *PROMPT, 4]).cached_tokens > 0  # the newer entries stayed
 
 
@@ -104,7 +103,7 @@ def test_a_cancelled_request_leaves_its_prefix_with_the_same_seeded_tokens(sampl
         (active,) = eng.active
         cut.append(list(active.output))
         assert eng.cancel(request_id) and not eng.active
-    assert cut[0] == cut[1] and len(warm.parked) == 1
+    assert cut[0] == cut[1] and len(warm.parking.entries) == 1
     follow = [*PROMPT, *cut[1], 8, 9]
     miss = ask(cold, follow, seed=4, new=16, sampling=sampling)
     hit = ask(warm, follow, seed=4, new=16, sampling=sampling)
@@ -117,4 +116,4 @@ def test_a_cancel_without_parking_frees_the_slot():
     eng = engine()
     request_id = eng.add(make_request(eng.limits, PROMPT, 40, "block", cache_scope="alice"))
     eng.step()
-    assert eng.cancel(request_id, park=False) and not eng.parked
+    assert eng.cancel(request_id, park=False) and not eng.parking.entries

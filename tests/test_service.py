@@ -23,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import blockspec_pb2 as pb
 from protos import blockspec_pb2_grpc as pb_grpc
 from service.config import Settings
-from service.engine import StepTimes, build_engine
+from service.engine import build_engine
 from service.requests import ReplicaStats, make_request
+from service.results import StepTimes
 from service.sessions import RedisStore
 from tests.cli_process import BLOCKSPEC
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
