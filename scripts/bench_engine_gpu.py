@@ -86,7 +86,7 @@ import torch
 from bench_verify import make_inputs
 
 from loadtest.prompts import complete_function
-from service.engine import VERIFY_GRAPHS, build_engine
+from service.engine import build_engine
 from service.policy import DEFAULT_ARMS
 from service.requests import make_request
 from verification import VERIFIERS, VerifyGraphs, verify
@@ -96,6 +96,7 @@ from workers.draft import prefill
 from workers.graphs import ForwardGraphs
 from workers.llama import KVCache, Llama, LlamaSpec
 from workers.sampling import SamplingParams, process
+from workers.step import VERIFY_GRAPHS
 from workers.target import path_rows
 from workers.tree import TREE_GRAPHS, build_tree
 

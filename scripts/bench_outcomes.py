@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import service.engine as engine_module  # noqa: E402
+import workers.step as step_module  # noqa: E402
 from loadtest.everyday import everyday_ids  # noqa: E402
 from service.engine import build_engine  # noqa: E402
 from service.requests import make_request  # noqa: E402
@@ -73,7 +73,7 @@ class Recorder:
         self.outcomes = 0
         self.accepted, self.tried = 1.0, 2.0  # running acceptance rate, prior 0.5
         self.emitted = 0.0  # tokens emitted by the steps (τ + 1 each): block efficiency
-        self.original = engine_module.verify_step
+        self.original = step_module.verify_step
 
     def __call__(self, plan, x, q, p):
         if q is None:
@@ -190,7 +190,7 @@ def main() -> None:
         saguaro = (max(args.fanout), args.downweight) if args.downweight < 1 else None
         recorder = Recorder(args.fanout, saguaro)
         engine.executor.draft.downweight = saguaro
-        engine_module.verify_step = recorder
+        step_module.verify_step = recorder
         try:
             reqs = [
                 make_request(
@@ -207,7 +207,7 @@ def main() -> None:
             ]
             engine.generate(reqs)
         finally:
-            engine_module.verify_step = recorder.original
+            step_module.verify_step = recorder.original
         rate = {f"{p} F={f}": h / recorder.outcomes for (p, f), h in recorder.hits.items()}
         per = {p: recorder.lawful for p in (*PREDICTORS, "ceiling")}
         per |= {p: recorder.single_path for p in LAW_ROWS[1:]}

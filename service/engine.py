@@ -1,20 +1,13 @@
 """Speculative engine: continuous batching over a draft worker and a target worker
-(workers/protocols.py), in process or over Ray actors (workers/actors.py): the step executor
-the engine is built with (`LocalExecutor`, `RayExecutor`) says how a step reaches them.
+(workers/protocols.py), in process or over Ray actors (workers/actors.py).
 
 One step for the batch of active requests (docs/architecture.md), with its phases timed
 separately (`StepTimes`):
-  plan:       the batch's pending tokens, K/γ, sampling settings and groups (`StepPlan`)
-  speculate:  draft  -> K i.i.d. paths of γ tokens per request (draft worker)
-              tree   -> merge each request's paths into a flattened prefix tree (workers.tree)
-              target -> one forward over every node of every tree (target worker)
-              verify -> per (method, K, γ) group, batched (`verify_step`); the target keeps
-                        the accepted paths' KV entries
+  plan:       the batch's pending tokens, K/γ, sampling settings and groups: one `Step`
+  speculate:  draft, tree, target, verify: the step executor the engine is built with runs
+              the step (workers/step.py: a `StepRunner` in process, `RemoteRunner` over the
+              actors' links, which verifies on the target's rank 0)
   commit:     the draft keeps its accepted tokens; append tokens, retire finished requests
-Over Ray the speculate part is one chained exchange over the actors' links, and verification runs
-on the target's rank 0.
-In process, the step's tensors are made on the workers' device and the host reads the verdict
-once a step (`verdict_on_host`); over Ray they travel through the host anyway.
 
 Requests join between steps (`add`) and leave when finished or cancelled (`cancel`); each has
 its own method, K, γ, sampling settings, seed and stop conditions. The seed makes the request's
@@ -38,14 +31,12 @@ Sessions and automatic prefix caching keep finished requests' KV in spare slots
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,318 +44,14 @@ from service.parking import Parked, Parking
 from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from service.requests import GenerationRequest, Limits, context_needed
 from service.results import GenerationResult, Progress, RequestStats, StepResult, StepTimes
-from verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
+from verification import TargetModification
 from workers.graphs import graphs_available
 from workers.proposers import build_proposer
-from workers.protocols import Draft, LocalDraft, LocalTarget, PrefillBatch, Target
-from workers.sampling import SamplingParams, draft_key, sample, verify_key
-from workers.speculation import Drafting, SpeculationCache, speculation_cache
+from workers.protocols import Draft, PrefillBatch, Target
+from workers.sampling import draft_key, verify_key
+from workers.speculation import speculation_cache
+from workers.step import Step, StepExecutor, StepRunner, Verdict, VerifyPlan, on_device
 from workers.target import TargetWorker
-from workers.tree import build_tree
-
-if TYPE_CHECKING:
-    from workers.actors import RemoteDraft, RemoteTarget
-
-
-@dataclass
-class VerifyPlan:
-    """What `verify_step` needs of the batch, and only that: in the service it travels with
-    the step's call to the target's rank 0, which verifies next to its rows."""
-
-    groups: list[tuple[str, int, int, list[int]]]  # (method, K, γ, rows), verified together
-    carries: list[TargetModification | None]  # [n]: carried records (greedy_block, spectr_gbv)
-    max_gamma: int  # the batch's largest γ (1 when it is all plain)
-    draws: torch.Tensor  # [n, 2] int64: (verify key, root position), the verifiers' counters
-
-
-@dataclass
-class StepPlan:
-    """What one step asks of the workers, built from the batch."""
-
-    pending: torch.Tensor | None  # [n, P] int64: draft-pending tokens, padded; None: no drafting
-    pending_count: torch.Tensor  # [n] int64: real tokens per row of `pending`
-    draws: torch.Tensor  # [n, 2] int64: (draft key, root position) keying the draft's uniforms
-    pending_features: torch.Tensor | None  # [n, P, E]: feature draft, the target's one back
-    own_features: torch.Tensor | None  # [n] bool: feature draft, rows that read their own
-    num_paths: list[int]  # [n]: each request's K (0: plain)
-    depth: list[int]  # [n]: each request's γ (0: plain)
-    roots: torch.Tensor  # [n] int64: each tree's root, the last emitted token
-    params: list[SamplingParams]
-    verification: VerifyPlan
-    request_ids: list[str]  # [n]
-    emitted: list[tuple[int, ...] | None]  # [n]: what each emitted last step (None: no step)
-
-    @property
-    def drafted(self) -> bool:
-        """The draft model runs (a batch of plain requests skips it)."""
-        return self.pending is not None
-
-    def drafting(self) -> Drafting:
-        """What the speculation cache reads of the step (workers/speculation.py)."""
-        return Drafting(
-            self.request_ids, self.emitted, self.pending, self.pending_count, self.num_paths,
-            self.depth, self.params, self.draws, self.pending_features, self.own_features,
-        )  # fmt: skip
-
-
-@dataclass
-class Verdict:
-    """One step's verification: what each request emits."""
-
-    tokens: torch.Tensor  # [n, max γ + 1] int64: emitted tokens, -1 padded
-    num_accepted: torch.Tensor  # [n] int64: τ, accepted draft tokens
-    path: torch.Tensor  # [n] int64: the draft path whose prefix was accepted
-    carries: list[TargetModification | None]  # [n]: records for the request's next step
-    # [n] bool: the request's carry holds a record that modifies upcoming rows (a feature
-    # draft then keeps its own features: _Active.own_features). On an accelerator a request's
-    # carry may keep columns dead for it, so this is read from the values, not the shapes.
-    live: torch.Tensor
-    # [n, γ+1, E]: the target's features at the root and the accepted tokens (the first τ + 1
-    # of each row), set once the target has committed; what a feature draft reads next
-    features: torch.Tensor | None = None
-
-
-# Captured verifier calls of this process (the engine's, or the target's rank 0 actor's where
-# verify_step runs): idle on CPU, where graphs never apply.
-VERIFY_GRAPHS = VerifyGraphs()
-
-
-def verify_step(
-    plan: VerifyPlan,
-    x: torch.Tensor,  # [n, K, γ] int64: draft tokens ([n, 1, 1] zeros when nothing drafted)
-    q: torch.Tensor | None,  # [n, K, γ, V]: the processed draft rows x was sampled from
-    p: torch.Tensor,  # [n, K, γ+1, V]: processed target rows along every path
-) -> Verdict:
-    """Verify every (method, K, γ) group of the batch; plain requests sample the root row.
-
-    Pure, so it runs wherever p is: in the engine's process, or on the target's rank 0 actor
-    (workers/actors.py), which then commits the accepted paths itself. Where p is on a GPU,
-    the verifiers that can replay from that process's CUDA graphs do. The verdict and the
-    carries are on p's device."""
-    n, dev = p.shape[0], p.device  # the verdict and carries live where p is
-    x, q = x.to(dev), None if q is None else q.to(dev)  # (there already in process)
-    carries = [None if c is None else c.to(dev) for c in plan.carries]  # Ray: from the wire
-    draws = plan.draws  # on the host: the uniforms are hashed there and copied once
-    (method, k, gamma, idx), *others = plan.groups
-    if not others and method != PLAIN:  # the usual batch: the verifier's outputs are the verdict
-        out = _verify_group(method, k, gamma, idx, x, q, p, draws, carries)
-        live = torch.zeros(n, dtype=torch.bool, device=dev)
-        if out.carry is not None:
-            live = (out.carry.rows_left > 0).any(1)
-            carries = out.carry.split()
-        return Verdict(out.tokens, out.num_accepted, out.path, carries, live)
-    tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)
-    tau = torch.zeros(n, dtype=torch.int64, device=dev)
-    path = torch.zeros(n, dtype=torch.int64, device=dev)
-    live = torch.zeros(n, dtype=torch.int64, device=dev)  # int: packed with the above
-    for method, k, gamma, idx in plan.groups:
-        ix = group_rows(idx, dev)
-        if method == PLAIN:
-            tokens[ix, 0] = sample(p[ix, :1, 0], draws[idx])[:, 0]
-            continue
-        out = _verify_group(method, k, gamma, idx, x, q, p, draws, carries)
-        tokens[ix, : gamma + 1] = out.tokens
-        tau[ix], path[ix] = out.num_accepted, out.path
-        if out.carry is not None:
-            live[ix] = (out.carry.rows_left > 0).any(1).long()
-            for i, carry in zip(idx, out.carry.split(), strict=True):
-                carries[i] = carry
-    return Verdict(tokens, tau, path, carries, live.bool())
-
-
-def _verify_group(
-    method: str,
-    k: int,
-    gamma: int,
-    idx: list[int],  # the group's rows
-    x: torch.Tensor,  # [n, K, γ] int64
-    q: torch.Tensor,  # [n, K, γ, V]
-    p: torch.Tensor,  # [n, K, γ+1, V]
-    draws: torch.Tensor,  # [n, 2] int64: the verifiers' counter keys, on the host
-    carries: list[TargetModification | None],  # [n]
-):
-    """One (method, K, γ) group's verify call (its rows taken in place when consecutive)."""
-    ix = group_rows(idx, p.device)
-    carry = None
-    if VERIFIERS[method].modifies_target:
-        empty = TargetModification.empty(1, p.device)
-        carry = TargetModification.cat([carries[i] or empty for i in idx])
-    return verify(
-        method,
-        x[ix, :k, :gamma],
-        q[ix, :k, :gamma],
-        p[ix, :k, : gamma + 1],
-        CounterDraws(draws[idx]),
-        carry=carry,
-        validate=False,  # rows come from our own processing
-        graphs=VERIFY_GRAPHS,
-    )
-
-
-def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Verdict]:
-    """The draft tokens x and the verdict's tokens, τ and path on the host, by one copy (off the
-    CPU, the step's one wait for the device): what the commits and `_advance` read. Carries and
-    features stay on the device, where the next step reads them. On the CPU: as they are."""
-    if x.device.type == "cpu" and verdict.tokens.device.type == "cpu":
-        return x, verdict
-    width = verdict.tokens.shape[1]
-    columns = [
-        verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None],
-        verdict.live[:, None].long(), x.flatten(1),
-    ]  # fmt: skip
-    packed = torch.cat([c.to(verdict.tokens.device) for c in columns], dim=1).cpu()
-    tokens, tau, path, live, drafted = packed.split([width, 1, 1, 1, x[0].numel()], dim=1)
-    host = replace(
-        verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0], live=live[:, 0].bool()
-    )
-    return drafted.view(x.shape), host
-
-
-def verify_on_host(
-    plan: VerifyPlan,
-    x: torch.Tensor,
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-) -> Verdict:
-    """verify_step, with the verdict's tokens, τ and path then on the host (verdict_on_host):
-    what a remote target's rank 0 verifies with, commits from and sends back."""
-    return verdict_on_host(x, verify_step(plan, x, q, p))[1]
-
-
-def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
-    """How verify_step takes a group's rows: consecutive rows as a slice, so that a batch of
-    one kind (the usual case) is verified in place. Indexing with a tensor copies the rows: at
-    batch 8, K = 4, γ = 8 and V = 49152 that is ~100 MB a step, as much memory traffic as the
-    verifier's own call (the verifiers never write to their inputs)."""
-    if idx == list(range(idx[0], idx[-1] + 1)):
-        return slice(idx[0], idx[-1] + 1)
-    return torch.tensor(idx).to(device, non_blocking=True)
-
-
-def _on(device: torch.device, values: list) -> torch.Tensor:
-    """int64 values on `device`, by a copy that does not wait for it (torch.tensor(values,
-    device=...) copies blocking: the host would wait for all the device's queued work)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-
-class _Laps:
-    """Wall-clock seconds of one step's phases: each lap adds the time since the last one."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
-        self._last = now
-
-
-class StepExecutor(Protocol):
-    """How a step's speculate part reaches the workers, chosen once when the engine is built:
-    in process (`LocalExecutor`) or over Ray actors (`RayExecutor`)."""
-
-    draft: Draft
-    target: Target
-
-    @property
-    def speculating(self) -> bool:
-        """A speculation cache prepares proposals (workers/speculation.py)."""
-        ...
-
-    def speculate(self, plan: StepPlan) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
-        """Draft, build the trees, score them, verify, and commit the target's accepted paths.
-
-        Returns the draft tokens [n, K, γ] and the verdict (its tokens, τ, path and live flags
-        on the host: `verdict_on_host`) and the seconds per phase (StepTimes' names)."""
-        ...
-
-    def restart_lost(self) -> None:
-        """Restart the workers that died (the step raised `WorkerLost`); their caches come
-        back empty, for the engine to rebuild."""
-        ...
-
-
-@dataclass
-class LocalExecutor:
-    """Workers in this process: each phase called and timed here. The step's tensors are made
-    on the workers' device and the host reads the verdict once a step (`verdict_on_host`)."""
-
-    draft: LocalDraft
-    target: LocalTarget
-    # Proposals prepared for the likeliest outcomes of each step's verification (issue 45);
-    # None: off. In this process they are drafted after the step's own draft, in the draft
-    # phase's time: no overlap with the target on one device (workers/speculation.py).
-    speculation: SpeculationCache | None = None
-
-    @property
-    def speculating(self) -> bool:
-        return self.speculation is not None
-
-    def speculate(self, plan: StepPlan) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
-        laps = _Laps()
-        n, q, dev = len(plan.params), None, self.target.device
-        x = torch.zeros(n, 1, 1, dtype=torch.int64, device=dev)
-        if plan.drafted and self.speculation is not None:
-            drafting = plan.drafting()
-            x, q = self.speculation.propose(self.draft, drafting)
-            self.speculation.prepare(self.draft, drafting, x, q)
-        elif plan.drafted:
-            x, q = self.draft.propose(
-                plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.params,
-                plan.draws, plan.pending_features, own=plan.own_features,
-            )  # fmt: skip
-        laps.lap("draft")
-        paths, depths = _on(dev, plan.num_paths), _on(dev, plan.depth)
-        tree = build_tree(plan.roots, x.to(dev), paths, depths)
-        laps.lap("tree")
-        p = self.target.score(tree, plan.params)  # [n, K, γ+1, V]
-        laps.lap("target")
-        verdict = verify_step(plan.verification, x, q, p)
-        x, verdict = verdict_on_host(x, verdict)  # both commits and `_advance` read it there
-        laps.lap("verify")
-        verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
-        laps.lap("target")  # the commit is the target's work too
-        return x, verdict, dict(laps.seconds, transfer=0.0)
-
-    def restart_lost(self) -> None:
-        """Nothing to restart: workers in this process are lost only with it."""
-
-
-@dataclass
-class RayExecutor:
-    """Workers behind Ray actors (workers/actors.py): one chained exchange per step
-    (`RemoteTarget.speculate`), verified on the target's rank 0 next to its rows."""
-
-    draft: RemoteDraft
-    target: RemoteTarget
-
-    @property
-    def speculating(self) -> bool:
-        return self.draft.speculating
-
-    def speculate(self, plan: StepPlan) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
-        draft_args = None
-        if plan.drafted:
-            draft_args = (
-                plan.pending, plan.pending_count, plan.num_paths, plan.depth, plan.draws,
-                plan.pending_features, plan.own_features, (plan.request_ids, plan.emitted),
-            )  # fmt: skip
-        verify_here = functools.partial(verify_on_host, plan.verification)
-        return self.target.speculate(
-            self.draft, draft_args, plan.roots, plan.num_paths, plan.depth, plan.params,
-            verify_here,
-        )  # fmt: skip
-
-    def restart_lost(self) -> None:
-        """Restart the actor groups that no longer answer (both reload at once), then wire
-        every actor's links afresh."""
-        dead = [worker for worker in (self.draft, self.target) if not worker.alive()]
-        for worker in dead:
-            worker.restart()
-        for worker in dead:
-            worker.wait_ready()
-        self.target.use_draft(self.draft)
 
 
 @dataclass
@@ -593,7 +280,7 @@ class SpeculativeEngine:
         auto = self._choose_auto(batch, prefilled)
         plan = self._plan(batch)
         planned = time.perf_counter()
-        x, verdict, seconds = self.executor.speculate(plan)
+        x, verdict, seconds = self.executor.run(plan)
         speculated = time.perf_counter()
         own = self._own_law(plan, verdict)
         for a, carry, mine in zip(batch, verdict.carries, own.tolist(), strict=True):
@@ -626,7 +313,7 @@ class SpeculativeEngine:
         self.steps += 1
         return StepResult(finished, times)
 
-    def _own_law(self, plan: StepPlan, verdict: Verdict) -> torch.Tensor:
+    def _own_law(self, plan: Step, verdict: Verdict) -> torch.Tensor:
         """[n] bool, on the host: the requests whose feature draft keeps its own features for
         the next step (_Active.own_features): under a live record, and while a speculation
         cache prepares proposals, after every rejection (τ < γ: workers/speculation.py)."""
@@ -649,7 +336,7 @@ class SpeculativeEngine:
                 a.arm = arm
         return arm, shape
 
-    def _plan(self, batch: list[_Active]) -> StepPlan:
+    def _plan(self, batch: list[_Active]) -> Step:
         plain = [a.arm.method == PLAIN for a in batch]
         pending = features = own = None
         # On the host: the draft reads the counts there (KVCache), and moves them itself.
@@ -657,7 +344,7 @@ class SpeculativeEngine:
         if not all(plain):  # a batch of plain requests never touches the draft model
             width = max(len(a.draft_pending) for a in batch)
             padded = [a.draft_pending + [0] * (width - len(a.draft_pending)) for a in batch]
-            pending = _on(self.draft.device, padded)
+            pending = on_device(self.draft.device, padded)
             features, own = self.feed.step_inputs(
                 [a.draft_features for a in batch], [a.own_features for a in batch]
             )
@@ -667,18 +354,18 @@ class SpeculativeEngine:
         groups = defaultdict(list)
         for i, a in enumerate(batch):
             groups[(a.arm.method, a.arm.k, a.arm.gamma)].append(i)
-        return StepPlan(
+        return Step(
+            request_ids=[a.request_id for a in batch],
+            emitted=[a.last_emitted for a in batch],
+            num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
+            depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
+            params=[a.req.sampling for a in batch],
+            roots=on_device(self.target.device, [a.target_pending for a in batch]),
             pending=pending,
             pending_count=counts,
             draws=draws,
             pending_features=features,
             own_features=own,
-            num_paths=[0 if pl else a.arm.k for a, pl in zip(batch, plain, strict=True)],
-            depth=[0 if pl else a.arm.gamma for a, pl in zip(batch, plain, strict=True)],
-            roots=_on(self.target.device, [a.target_pending for a in batch]),
-            params=[a.req.sampling for a in batch],
-            request_ids=[a.request_id for a in batch],
-            emitted=[a.last_emitted for a in batch],
             verification=VerifyPlan(
                 groups=[(*key, idx) for key, idx in groups.items()],
                 carries=[a.carry for a in batch],
@@ -689,7 +376,7 @@ class SpeculativeEngine:
 
     def _advance(
         self,
-        plan: StepPlan,
+        plan: Step,
         x: torch.Tensor,  # [n, K, γ] int64: the step's draft tokens, on the host
         verdict: Verdict,
         kept: torch.Tensor | None,  # [n] int64: draft tokens the draft kept; None: no commit
@@ -773,7 +460,7 @@ def build_engine(
     speculation_max_batch: int | None = None,
     cuda_graphs: bool = True,
 ):
-    """Engine over a draft/target pair in this process (a `LocalExecutor`); the target split
+    """Engine over a draft/target pair in this process (a `StepRunner`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
     at the models' context. `packed=False` keeps F.linear on dense weights where a CPU would
     pack them (a benchmark's baseline; see workers.llama.Linear). `speculation` > 0 turns on
@@ -802,7 +489,7 @@ def build_engine(
             target.use_graphs()
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
-        LocalExecutor(draft, target, cache),
+        StepRunner(target, draft, cache),
         max_batch,
         max_len,
         t.spec.vocab_size,

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 import torch
 
 from verification import VERIFIERS
+from workers.step import PLAIN
 
 AUTO = "auto"
-PLAIN = "none"  # plain target decoding, no speculation (γ = 0)
 
 PRIOR_STEPS = 8.0  # weight of the replica-wide rate in a request's estimate, in steps
 UNSEEN_RATE = 0.5  # conditional acceptance assumed where nothing was measured

@@ -77,10 +77,9 @@ def _step_metrics():
 
 
 def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str, Any]]:
-    """Engine over a draft actor and the target shard group (a `RayExecutor`); returns
+    """Engine over a draft actor and the target shard group (a `RemoteRunner`); returns
     (engine, model info)."""
-    from service.engine import RayExecutor
-    from workers.actors import ActorSpec, start_draft, start_target
+    from workers.actors import ActorSpec, RemoteRunner, start_draft, start_target
     from workers.models import check_pair
 
     _, vocab_size, context = check_pair(cfg.draft_dir, cfg.target_dir)
@@ -102,7 +101,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     target.use_draft(draft)
     policy = AutoPolicy(cfg.auto_arms)
     engine = SpeculativeEngine(
-        RayExecutor(draft, target),
+        RemoteRunner(draft, target),
         cfg.max_batch,
         max_len,
         vocab_size,

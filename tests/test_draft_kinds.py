@@ -115,15 +115,15 @@ def test_the_carried_records_mutant_is_lossy_with_a_feature_draft(pairs, monkeyp
     target's true features while a record is live) the same test fails."""
     from dataclasses import replace
 
-    from service import engine as engine_module
+    from workers import step as step_module
 
-    verify_step = engine_module.verify_step
+    verify_step = step_module.verify_step
 
     def never_live(*args):
         verdict = verify_step(*args)
         return replace(verdict, live=torch.zeros_like(verdict.live))
 
-    monkeypatch.setattr(engine_module, "verify_step", never_live)
+    monkeypatch.setattr(step_module, "verify_step", never_live)
     draft, target, law = pairs[kind]
     engine = make_engine(target, draft, max_batch=256, max_len=32)
     pvalue, _ = law_pvalue(engine, law, method, paths(method))

@@ -19,7 +19,7 @@ import torch
 from harness import ALPHA, chi_square
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service.engine import LocalExecutor, SpeculativeEngine, VerifyPlan, verify_step
+from service.engine import SpeculativeEngine
 from service.policy import PLAIN
 from service.requests import GenerationRequest, InvalidArgument, make_request
 from verification import METHODS, VERIFIERS, CounterDraws, verify
@@ -29,6 +29,7 @@ from workers.llama import KVCache, Llama, LlamaSpec
 from workers.proposers import build_proposer
 from workers.sampling import SamplingParams, sample, verify_key
 from workers.speculation import SpeculationCache
+from workers.step import StepRunner, VerifyPlan, verify_step
 from workers.target import TargetWorker
 from workers.tree import build_tree
 
@@ -80,7 +81,7 @@ def make_engine(
     slots = max_batch + max_sessions
     proposer = build_proposer(draft, slots, max_len)
     return SpeculativeEngine(
-        LocalExecutor(proposer, TargetWorker(target, slots, max_len), speculation),
+        StepRunner(TargetWorker(target, slots, max_len), proposer, speculation),
         max_batch,
         max_len,
         target.spec.vocab_size,
@@ -235,7 +236,7 @@ def test_kv_cache_equals_fresh_prefill_after_commits(pair):
     ids=["one-kind", "interleaved"],
 )
 def test_verify_step_verifies_each_group_on_its_own_rows(kinds):
-    """verify_step takes consecutive rows as views (engine.group_rows) and gathers interleaved
+    """verify_step takes consecutive rows as views (workers.step.group_rows) and gathers interleaved
     ones: every request emits what a direct verify of its group's rows, with the same
     per-request counter keys, emits (a plain request: the sampler's draw from its root row)."""
     vocab, shape = 40, {"spectr_gbv": (3, 4), "block": (1, 2), PLAIN: (1, 1)}

@@ -202,7 +202,7 @@ def test_seeded_determinism(method, per_request):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["cpu-loops", "torch-ops"])
 @pytest.mark.parametrize("method", METHODS)
 def test_verify_leaves_its_inputs_unchanged(method, dtype):
-    """The engine verifies a batch of one kind on views of its rows (engine.group_rows), so no
+    """The engine verifies a batch of one kind on views of its rows (workers.step.group_rows), so no
     verifier may write to its tokens, rows or carry: 3 steps, the carry threaded, float32 rows
     (the CPU loops) and float64 (the torch ops)."""
     batch, k = 16, k_of(method)

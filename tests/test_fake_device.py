@@ -32,10 +32,10 @@ from fake_device import FakeCuda, is_fake, to_fake_model
 from test_engine import make_engine, tiny_pair
 from test_feature_draft import random_fc
 
-import service.engine
 import workers.actors as actors
 import workers.channel as channel
-from service.engine import LocalExecutor, RayExecutor, build_engine
+import workers.step
+from service.engine import SpeculativeEngine, build_engine
 from service.policy import AUTO, PLAIN
 from service.requests import GenerationRequest, Limits, make_request
 from verification import METHODS, VERIFIERS
@@ -44,6 +44,7 @@ from workers.feature_draft import FeatureDraft, FeatureFeed
 from workers.llama import KVCache, LlamaSpec
 from workers.models import TINY_DRAFT, TINY_TARGET
 from workers.sampling import SamplingParams
+from workers.step import StepRunner
 from workers.target import TargetWorker
 from workers.token_draft import TokenFeed
 
@@ -133,10 +134,10 @@ def featured():
     cpu = make_engine(target, draft, MAX_BATCH, MAX_LEN)
     with FakeCuda():
         slots = MAX_BATCH
-        fake = service.engine.SpeculativeEngine(
-            LocalExecutor(
-                FeatureDraft(to_fake_model(draft), slots, MAX_LEN, device="cuda"),
+        fake = SpeculativeEngine(
+            StepRunner(
                 TargetWorker(to_fake_model(target), slots, MAX_LEN, device="cuda"),
+                FeatureDraft(to_fake_model(draft), slots, MAX_LEN, device="cuda"),
             ),
             MAX_BATCH,
             MAX_LEN,
@@ -390,7 +391,7 @@ def test_a_buffer_left_on_the_host_fails_the_sync_bound(tiny, monkeypatch):
     _, fake = tiny
     mutate(
         monkeypatch,
-        service.engine,
+        workers.step,
         "verify_step",
         "tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64, device=dev)",
         "tokens = torch.full((n, plan.max_gamma + 1), -1, dtype=torch.int64)",
@@ -431,12 +432,9 @@ class WiredTarget(WiredDraft):
     """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
     chains the draft's and the target's messages, every tensor through the wire."""
 
-    def speculate(self, draft, draft_args, roots, num_paths, depth, params, verify):
-        drafted = None
-        if draft_args is not None:
-            drafted = wire(draft.actor.propose(*wire(draft_args), params))
-        inputs = wire((roots, num_paths, depth, params, verify))
-        x, verdict, seconds = wire(self.actor.speculate(*inputs, drafted))
+    def speculate(self, draft, step):
+        drafted = wire(draft.actor.propose(wire(step))) if step.drafted else None
+        x, verdict, seconds = wire(self.actor.speculate(wire(step.for_target()), drafted))
         return x, verdict, seconds
 
 
@@ -455,8 +453,8 @@ def wired():
         )
     assert is_fake(target.shard.worker.cache.k) and is_fake(draft.worker.cache.k)
     vocab = target.shard.worker.model.spec.vocab_size
-    executor = RayExecutor(WiredDraft(draft), WiredTarget(target))
-    return service.engine.SpeculativeEngine(executor, MAX_BATCH, MAX_LEN, vocab, max_sessions=1)
+    executor = actors.RemoteRunner(WiredDraft(draft), WiredTarget(target))
+    return SpeculativeEngine(executor, MAX_BATCH, MAX_LEN, vocab, max_sessions=1)
 
 
 @pytest.mark.parametrize(

@@ -20,12 +20,13 @@ import subprocess
 import pytest
 import torch
 
-from service.engine import LocalExecutor, SpeculativeEngine
+from service.engine import SpeculativeEngine
 from service.requests import make_request
 from workers.llama import Llama
 from workers.models import load_model
 from workers.proposers import build_proposer
 from workers.sampling import SamplingParams
+from workers.step import StepRunner
 from workers.target import TargetWorker
 from workers.tensor_parallel import TensorParallelTarget
 from workers.tree import build_tree
@@ -184,7 +185,7 @@ def test_engine_greedy_equals_target(tp, checkpoint):
         # max_batch 2 < 5 requests: continuous batching, so requests leave and slots move.
         draft = build_proposer(_noisy_draft(checkpoint), MAX_BATCH, MAX_LEN)
         vocab = draft.model.spec.vocab_size
-        executor = LocalExecutor(draft, target)
+        executor = StepRunner(target, draft)
         engine = SpeculativeEngine(executor, max_batch=2, max_len=MAX_LEN, vocab_size=vocab)
         reqs = [
             make_request(engine.limits, p, 12, method, k, gamma, greedy, seed=i)

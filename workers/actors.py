@@ -2,12 +2,13 @@
 
 `RemoteDraft` and `RemoteTarget` give the coordinator the worker interface the engine needs
 (workers/protocols.py: a `Draft` and a `Target`: prefill, move, commit) plus one chained
-exchange per decode step, `RemoteTarget.speculate`, which the engine's Ray step executor makes:
+exchange per decode step, `RemoteTarget.speculate`, which the engine's step executor over Ray
+(`RemoteRunner`) makes. The step (workers/step.py) runs split over the actors, each running its
+half with its own `StepRunner`:
 
-    coordinator --(pending tokens, draft keys)---------> draft actor: propose
+    coordinator --(the Step)---------------------------> draft actor: propose
     draft actor --(draft tokens, rows q)---------------> target shards: tree, forward
-    coordinator --(the verification plan)--------------> target rank 0: verification (the
-                                                          engine's function, sent with the step)
+    coordinator --(the Step, less the draft's features)-> target shards; rank 0 verifies
     target rank 0 --(emitted tokens, τ, path, carry)----> coordinator
 
 Ray starts, places and restarts the actors and answers the calls made between steps (loading,
@@ -72,11 +73,11 @@ from workers.graphs import graphs_available
 from workers.models import DTYPES, load_model
 from workers.proposers import build_proposer
 from workers.protocols import DraftFeed, DraftPrefill
-from workers.sampling import SamplingParams
-from workers.speculation import Drafting, speculation_cache
+from workers.speculation import speculation_cache
+from workers.step import Proposal, Step, StepRunner, Verdict, on_device
 from workers.target import path_rows
 from workers.tensor_parallel import TargetShard, join_group, loopback_store
-from workers.tree import build_tree
+from workers.tree import DraftTree, build_tree
 
 POSTED_OPS = ("prefill", "move", "commit")  # what the coordinator posts without waiting
 
@@ -217,10 +218,10 @@ class DraftActor(_Served):
         self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
         if cuda_graphs and graphs_available(device):  # decode forwards replayed (graphs.py)
             self.worker.use_graphs()
-        # The speculation cache lives here, beside the draft state it forks and adopts: the
-        # coordinator sends each step's request ids and emitted prefixes (the lookup keys)
-        self.speculation = speculation_cache(self.worker, *speculation)
-        self._last: tuple | None = None  # (drafting, x, q) of the last proposal: `prepare`
+        # The step's draft half. The speculation cache lives here, beside the draft state it
+        # forks and adopts (the step brings the request ids and emitted prefixes it looks up).
+        cache = speculation_cache(self.worker, *speculation)
+        self.runner = StepRunner(None, self.worker, cache)
         self._rows = SharedWriter()  # q for a rank 0 on this node
         self._share_rows = False  # set by `wire`
 
@@ -237,7 +238,7 @@ class DraftActor(_Served):
 
     def speculation_stats(self) -> dict[str, int]:
         """The speculation cache's counters (workers/speculation.py); empty without one."""
-        cache = self.speculation
+        cache = self.runner.speculation
         if cache is None:
             return {}
         return dict(hits=cache.hits, lookups=cache.lookups, prepared=cache.prepared)
@@ -256,14 +257,14 @@ class DraftActor(_Served):
         self._start(listener, {f"rank {i}": link for i, link in enumerate(to_ranks)}, steps)
         return listener.address
 
-    def _step(self, ranks: list[Link], args: tuple | None, params: list) -> None:
-        """Propose (args: propose's, or None: nothing drafted) and send it to every rank; then,
+    def _step(self, ranks: list[Link], step: Step) -> None:
+        """Propose (nothing when the step drafts nothing) and send it to every rank; then,
         with a speculation cache, prepare the next step's proposals while the ranks score."""
         posted, failed = self._take_posted()
         drafted = Drafted(None, None, 0.0, posted, failed)
-        if args is not None and failed is None:
+        if step.drafted and failed is None:
             try:
-                drafted = self.propose(*args, params)
+                drafted = self.propose(step)
                 drafted.posted = posted
                 if self._share_rows:  # one copy in, rather than a socket's two and the kernel's
                     drafted.rows = self._rows.put(drafted.rows)
@@ -274,46 +275,22 @@ class DraftActor(_Served):
             frames = dumps(Drafted(drafted.tokens, None, error=drafted.error))
             for link in ranks[1:]:
                 link.send_frames(frames)
-        if self._last is not None:
+        if self.runner.speculating:
             self._run_posted("prepare", ())
 
     def call(self, op: str, args: tuple) -> None:
         if op == "prepare":
-            self.prepare()
+            self.runner.prepare()
         elif op in POSTED_OPS:
             getattr(self.worker, op)(*args)
         else:  # ops come from RemoteDraft only: a wrong one is our bug
             raise RuntimeError(f"unknown draft op {op!r}; expected one of {POSTED_OPS}")
 
-    def propose(
-        self, pending, pending_count, paths, depths, draws, features, own, keys, params
-    ) -> Drafted:
-        """The proposer's propose (draws: [n, 2] draft keys and root positions; keys: the
-        requests' ids and last emitted prefixes, what the speculation cache looks up)."""
+    def propose(self, step: Step) -> Drafted:
+        """The step's proposal, its rows q on the head's ids only (rank 0 widens them)."""
         start = time.perf_counter()
-        if self.speculation is not None:
-            pending = pending.to(self.worker.device, non_blocking=True)
-            drafting = Drafting(
-                *keys, pending, pending_count, paths, depths, params, draws, features, own
-            )
-            x, q = self.speculation.propose(self.worker, drafting)
-            self._last = (drafting, x, q)
-            head = self.worker.model.head_vocab  # q goes on the head's ids, as below
-            q = q if head is None else q.index_select(-1, head)
-        else:
-            x, q = self.worker.propose(  # q on the head's ids only: rank 0 widens it
-                pending, pending_count, paths, depths, params, draws, features,
-                whole_vocab=False, own=own,
-            )  # fmt: skip
+        x, q = self.runner.propose(step, whole_vocab=False)
         return Drafted(x.cpu(), q.cpu(), time.perf_counter() - start)
-
-    def prepare(self) -> None:
-        """Prepare the next step's proposals for the last proposal's likeliest outcomes
-        (workers/speculation.py), while the target shards score and verify that proposal;
-        the engine's commit comes after it."""
-        if self._last is not None:
-            self.speculation.prepare(self.worker, *self._last)
-            self._last = None
 
 
 @ray.remote
@@ -339,6 +316,8 @@ class TargetShardActor(_Served):
         self._draft_vocab: torch.Tensor | None = None  # [Vh]: see use_draft
         self._send_features = False  # see use_draft
         self._rows = SharedReader()  # a draft on this node's q
+        # The step's target half on rank 0 (the other ranks follow it: `_follow`)
+        self.runner = StepRunner(_ShardTarget(self.shard)) if rank == 0 else None
 
     def ready(self) -> None:
         """Returns once the constructor (shard load) has run; raises what it raised."""
@@ -363,7 +342,7 @@ class TargetShardActor(_Served):
         listener = self._open(host, key)
         steps = {
             "speculate": lambda links, args: links["coordinator"].send(
-                self._step(args, links["draft"])
+                self._step(*args, links["draft"])
             ),
             "prefill_features": lambda links, args: self._prefill_features(
                 links["coordinator"], *args
@@ -376,7 +355,7 @@ class TargetShardActor(_Served):
         """Runs a TargetWorker op; its output stays here."""
         self.shard.execute(op, args)
 
-    def _step(self, args: tuple, draft: Link) -> Reply:
+    def _step(self, step: Step, draft: Link) -> Reply:
         try:  # the draft's proposal comes whether it drafted or not
             drafted = draft.recv()
         except LinkBroken as exc:
@@ -385,7 +364,7 @@ class TargetShardActor(_Served):
         reply = Reply(None, posted, drafted.posted, failed or drafted.error)
         if reply.error is None:
             try:
-                reply.out = self.speculate(*args, drafted if drafted.tokens is not None else None)
+                reply.out = self.speculate(step, drafted if drafted.tokens is not None else None)
             except Exception as exc:
                 reply.error = _portable(exc)
         return reply
@@ -411,64 +390,64 @@ class TargetShardActor(_Served):
     @torch.inference_mode()
     def speculate(
         self,
-        roots: torch.Tensor,  # [n] int64
-        num_paths: list[int],  # [n]
-        depth: list[int],  # [n]
-        params: list[SamplingParams],
-        verify: Callable | None,  # rank 0: (x, q, p) -> verdict; others: None
-        drafted: Drafted | None,  # None: nothing drafted (a batch of plain requests)
-    ) -> tuple[torch.Tensor, Any, dict[str, float]] | None:
-        """Score the step's trees on every rank; on rank 0 verify, then every rank commits.
+        step: Step,
+        drafted: Drafted | None,  # None: nothing drafted (a plain batch)
+    ) -> tuple[torch.Tensor, Verdict, dict[str, float]] | None:
+        """Rank 0 runs the step's target half (its StepRunner: tree, score, verify, commit)
+        and returns (draft tokens [n, K, γ], the verdict, seconds per phase); the verdict has
+        the kept positions' `features` when a feature draft reads them. The other ranks
+        follow it."""
+        if self.runner is None:
+            return self._follow(step, drafted)
+        proposal = None
+        if drafted is not None:
+            proposal = Proposal(drafted.tokens, self._draft_rows(drafted), drafted.seconds)
+        x, verdict, seconds = self.runner.run(step, proposal)
+        verdict.features = verdict.features.cpu() if self._send_features else None
+        return x, verdict, seconds
 
-        Rank 0 returns (draft tokens [n, K, γ], the verdict, seconds per phase); the verdict
-        has `path` and `num_accepted` ([n] int64) to commit, and the kept positions'
-        `features` when a feature draft reads them."""
-        laps = {"draft": drafted.seconds if drafted else 0.0}
-        dev, n = self.device, roots.shape[0]
-        start = time.perf_counter()
-        # Arrived on the host (the wire): copied to the device without waiting for it.
-        x_host = drafted.tokens if drafted else torch.zeros(n, 1, 1, dtype=torch.int64)
-        x = x_host.to(dev, non_blocking=True)
-        paths, depths = (torch.tensor(v).to(dev, non_blocking=True) for v in (num_paths, depth))
-        tree = build_tree(roots.to(dev, non_blocking=True), x, paths, depths)
-        laps["tree"] = time.perf_counter() - start
-        start = time.perf_counter()
-        logits = self.shard.execute("score_logits", (tree,))  # [n, N, V], full on every rank
-        rank0 = self.shard.rank == 0
-        p = path_rows(logits, tree, params) if rank0 else None  # [n, K, γ+1, V]
-        laps["target"] = time.perf_counter() - start
+    def _follow(self, step: Step, drafted: Drafted | None) -> None:
+        """A rank past 0: score the same trees (its share of each all-reduce), then commit
+        what rank 0 broadcasts it verified (`_ShardTarget.commit`)."""
+        dev, n = self.device, len(step.params)
+        x = drafted.tokens if drafted else torch.zeros(n, 1, 1, dtype=torch.int64)
+        paths, depths = on_device(dev, step.num_paths), on_device(dev, step.depth)
+        roots = step.roots.to(dev, non_blocking=True)
+        tree = build_tree(roots, x.to(dev, non_blocking=True), paths, depths)
+        self.shard.execute("score_logits", (tree,))
         accepted = torch.zeros(2, n, dtype=torch.int64, device=dev)  # path, τ
-        if rank0:
-            q = self._draft_rows(drafted, p)
-            start = time.perf_counter()
-            verdict = verify(x, q, p)  # path and τ on the host (verify_on_host)
-            kept = torch.stack([verdict.path, verdict.num_accepted])
-            accepted = kept.to(dev, non_blocking=True)
-            laps["verify"] = time.perf_counter() - start
-        if self.shard.world > 1:  # the other ranks learn what to keep from rank 0
-            dist.broadcast(accepted, src=0)
-        start = time.perf_counter()
-        # Rank 0 commits its host copy (its cache then keeps its lengths on the host).
-        features = self.shard.execute("commit", tuple(kept if rank0 else accepted))
-        if not rank0:
-            return None
-        if self._send_features:
-            verdict.features = features.cpu()
-        laps["target"] += time.perf_counter() - start
-        return x_host, verdict, laps
+        dist.broadcast(accepted, src=0)
+        self.shard.execute("commit", tuple(accepted))
 
-    def _draft_rows(self, drafted: Drafted | None, p: torch.Tensor) -> torch.Tensor | None:
-        """The draft's rows q on the whole vocabulary [n, K, γ, V], on p's device."""
-        if drafted is None:
-            return None
+    def _draft_rows(self, drafted: Drafted) -> torch.Tensor:
+        """The draft's rows q on the whole vocabulary [n, K, γ, V], on the shard's device."""
         rows = drafted.rows
         if isinstance(rows, SharedTensor):
             rows = self._rows.get(rows)
-        q = rows.to(p.device, non_blocking=True)
+        q = rows.to(self.shard.device, non_blocking=True)
         if self._draft_vocab is None:
             return q
-        full = q.new_zeros(*q.shape[:-1], p.shape[-1])
+        full = q.new_zeros(*q.shape[:-1], self.shard.worker.model.spec.vocab_size)
         return full.index_copy_(-1, self._draft_vocab, q)
+
+
+class _ShardTarget:
+    """Rank 0's shard as its StepRunner's target: a score or a commit runs the group's
+    collectives, and the commit first tells the other ranks what to keep."""
+
+    def __init__(self, shard: TargetShard):
+        self.shard, self.device = shard, shard.device
+
+    def score(self, tree: DraftTree, params: list) -> torch.Tensor:
+        """Processed rows [n, K, γ+1, V] along every path (the logits are whole on rank 0)."""
+        return path_rows(self.shard.execute("score_logits", (tree,)), tree, params)
+
+    def commit(self, path: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+        """path, τ: [n] int64 on the host. Rank 0 commits its host copy (its cache then keeps
+        its lengths on the host)."""
+        if self.shard.world > 1:
+            dist.broadcast(torch.stack([path, num_accepted]).to(self.device), src=0)
+        return self.shard.execute("commit", (path, num_accepted))
 
 
 class WorkerLost(RuntimeError):
@@ -644,27 +623,18 @@ class RemoteTarget(_Remote):
         return message.out
 
     def speculate(
-        self,
-        draft: RemoteDraft,
-        draft_args: tuple | None,  # (pending [n, P], pending_count [n], paths, depths, draws
-        # [n, 2], pending_features [n, P, E] or None, own_features [n] or None, (request ids,
-        # last emitted prefixes)) or None: no drafting
-        roots: torch.Tensor,  # [n] int64
-        num_paths: list[int],
-        depth: list[int],
-        params: list[SamplingParams],
-        verify: Callable,  # (x, q, p) -> verdict with .path and .num_accepted
-    ) -> tuple[torch.Tensor, Any, dict[str, float]]:
+        self, draft: RemoteDraft, step: Step
+    ) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
         """One decode step over the links, waited once: draft → target shards → back.
 
-        Returns (draft tokens [n, K, γ], verify's verdict, seconds per phase with `transfer`:
-        the step's wall time beyond the actors' compute)."""
+        Returns (draft tokens [n, K, γ], the verdict, seconds per phase with `transfer`: the
+        step's wall time beyond the actors' compute)."""
         start = time.perf_counter()
         try:
-            draft.links[0].send(("step", (draft_args, params)))
-            for rank, link in enumerate(self.links):
-                own = verify if rank == 0 else None  # only rank 0 verifies
-                link.send(("speculate", (roots, num_paths, depth, params, own)))
+            draft.links[0].send(("step", (step,)))
+            frames = dumps(("speculate", (step.for_target(),)))
+            for link in self.links:
+                link.send_frames(frames)
             replies = _gather(self.links, self.step_timeout_s)
         except LinkBroken as exc:
             raise WorkerLost(f"an actor's link broke: {exc}") from exc
@@ -683,6 +653,33 @@ class RemoteTarget(_Remote):
         wall = time.perf_counter() - start
         seconds["transfer"] = max(wall - sum(seconds.values()), 0.0)
         return x, verdict, seconds
+
+
+@dataclass
+class RemoteRunner:
+    """The engine's step executor over the actors (workers/step.py `StepExecutor`): one chained
+    exchange per step (`RemoteTarget.speculate`); the draft actor runs the step's draft half
+    and the target's rank 0 the rest, each with its StepRunner."""
+
+    draft: RemoteDraft
+    target: RemoteTarget
+
+    @property
+    def speculating(self) -> bool:
+        return self.draft.speculating
+
+    def run(self, step: Step) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
+        return self.target.speculate(self.draft, step)
+
+    def restart_lost(self) -> None:
+        """Restart the actor groups that no longer answer (both reload at once), then wire
+        every actor's links afresh."""
+        dead = [worker for worker in (self.draft, self.target) if not worker.alive()]
+        for worker in dead:
+            worker.restart()
+        for worker in dead:
+            worker.wait_ready()
+        self.target.use_draft(self.draft)
 
 
 def _gather(links: list[Link], timeout_s: float | None) -> list[Reply]:

@@ -9,10 +9,10 @@ Two sides, each in process or behind Ray actors (workers/actors.py):
 - a **target** (`Target`): `TargetWorker` (workers/target.py), `TensorParallelTarget`
   (workers/tensor_parallel.py) or `RemoteTarget`, the proxy of the target shard actors.
 
-The engine calls prefill and move on either placement; the speculate part of a step goes
-through its step executor (service/engine.py), chosen once when the engine is built: in process
-it calls `LocalDraft.propose`, `LocalTarget.score` and `LocalTarget.commit`; over Ray it makes
-one chained call (`RemoteTarget.speculate`).
+The engine calls prefill and move on either placement; the rest of a step goes through its step
+executor (workers/step.py), chosen once when the engine is built: in process a `StepRunner`
+calls `LocalDraft.propose`, `LocalTarget.score` and `LocalTarget.commit`; over Ray it makes one
+chained call (`RemoteTarget.speculate`), and the actors run the same runner's two halves.
 """
 
 from __future__ import annotations

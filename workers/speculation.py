@@ -44,12 +44,16 @@ measures is the hit rate (`hits`, `lookups`). Steps with more drafted requests t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.draft import DraftProposer
 from workers.outcomes import predict_outcomes
-from workers.sampling import SamplingParams, downweight_top
+from workers.sampling import downweight_top
+
+if TYPE_CHECKING:
+    from workers.step import Step
 
 
 @dataclass(frozen=True)
@@ -61,23 +65,6 @@ class Proposal:
     x: torch.Tensor  # [K, γ] int64
     q: torch.Tensor  # [K, γ, V]
     beliefs: torch.Tensor  # [K, γ, V]: the draft's rows at temperature 1 (DraftProposer)
-
-
-@dataclass(frozen=True)
-class Drafting:
-    """What a step asks of the draft, per request: the engine's StepPlan, the parts the cache
-    reads (its rows in batch order)."""
-
-    request_ids: list[str]  # [n]
-    emitted: list[tuple[int, ...] | None]  # [n]: what the last step emitted (None: no step yet)
-    pending: torch.Tensor  # [n, P] int64
-    pending_count: torch.Tensor  # [n] int64, on the host
-    num_paths: list[int]  # [n]: K (0: plain)
-    depth: list[int]  # [n]: γ (0: plain)
-    params: list[SamplingParams]  # [n]
-    draws: torch.Tensor  # [n, 2] int64: (draft key, root position)
-    pending_features: torch.Tensor | None = None  # [n, P, E]: feature draft, one back
-    own: torch.Tensor | None = None  # [n] bool: feature draft, rows reading their own feature
 
 
 EntryKey = tuple[str, int, tuple[int, ...], int, int]  # request id, root, prefix, K, γ
@@ -105,7 +92,7 @@ class SpeculationCache:
     def key(request_id: str, root: int, prefix: tuple[int, ...], k: int, gamma: int) -> EntryKey:
         return request_id, root, prefix, k, gamma
 
-    def propose(self, draft: DraftProposer, step: Drafting) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, draft: DraftProposer, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's draft tokens [n, K, γ] and rows [n, K, γ, V]: prepared ones where the
         outcome hit, the rest drafted now; the draft's state then holds every request's
         proposal (`adopt`), as after `propose`."""
@@ -124,7 +111,7 @@ class SpeculationCache:
         if not found:  # all drafted now: in place, as without a cache (no fork to copy into)
             x, q = draft.propose(
                 step.pending, step.pending_count, step.num_paths, step.depth, step.params,
-                step.draws, step.pending_features, own=step.own,
+                step.draws, step.pending_features, own=step.own_features,
             )  # fmt: skip
             self.beliefs = draft.beliefs
             return x, q
@@ -136,8 +123,8 @@ class SpeculationCache:
             features = own = None
             if step.pending_features is not None:
                 features = step.pending_features[index.to(step.pending_features.device)]
-            if step.own is not None:
-                own = step.own[index]
+            if step.own_features is not None:
+                own = step.own_features[index]
             now = self._draft(
                 draft, step, missed, None, None, pending, step.pending_count[index],
                 step.draws[index], features, own,
@@ -159,7 +146,7 @@ class SpeculationCache:
     def prepare(
         self,
         draft: DraftProposer,
-        step: Drafting,
+        step: Step,
         x: torch.Tensor,  # [n, K, γ] int64: the step's draft tokens
         q: torch.Tensor,  # [n, K, γ, V]: their rows
     ) -> None:
@@ -233,7 +220,7 @@ class SpeculationCache:
     @staticmethod
     def _draft(
         draft: DraftProposer,
-        step: Drafting,
+        step: Step,
         slots: list[int],  # [H]: the batch row (draft slot) each proposal starts from
         path: torch.Tensor | None,  # [H] int64: the path whose first tokens are kept first
         keep: torch.Tensor | None,  # [H] int64: how many (None: an on-demand proposal)
@@ -294,7 +281,7 @@ def residual_estimate(
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), q)
 
 
-def _mask(step: Drafting, rows: list[int], k: int, gamma: int, device) -> torch.Tensor:
+def _mask(step: Step, rows: list[int], k: int, gamma: int, device) -> torch.Tensor:
     """[n, K, γ+1] 1.0 where row i's path and depth are its own (and its bonus slot), else 0."""
     paths = torch.tensor([step.num_paths[i] for i in rows])[:, None, None]
     depths = torch.tensor([step.depth[i] for i in rows])[:, None, None]
