@@ -816,6 +816,41 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(
         stop_remote_engine(engine)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_restarted_actors_load_the_weights_their_first_ones_handed_over(service, tmp_path, world):
+    """A restarted actor loads the weights its group's first actor handed to the object store
+    (workers/actors.py, `_Remote.weights`), not the checkpoint: with the model directories
+    gone, the draft actor and every target shard still restart, and decode the same tokens."""
+    import shutil
+
+    import ray
+
+    from service.config import ReplicaConfig
+    from service.replica import build_remote_engine
+
+    dirs = {key: tmp_path / key for key in TINY_PAIR}
+    for key, path in dirs.items():
+        shutil.copytree(TINY_PAIR[key], path)
+    cfg = ReplicaConfig(
+        **{key: str(path) for key, path in dirs.items()}, max_batch=2, max_sessions=0,
+        tensor_parallel=world,
+    )  # fmt: skip
+    engine, _ = build_remote_engine(cfg)
+    try:
+        request = make_request(engine.limits, [1, 2, 3], 12, "block", 1, 3, SamplingParams(0.0))
+        before = engine.generate([request])[0].token_ids
+        for path in dirs.values():
+            shutil.rmtree(path)
+        for actor in engine.draft.actors + engine.target.actors:
+            ray.kill(actor)
+            with pytest.raises(ray.exceptions.RayActorError):  # dead before the recovery looks
+                ray.get(actor.ready.remote(), timeout=30)
+        engine.recover()
+        assert engine.generate([request])[0].token_ids == before
+    finally:
+        stop_remote_engine(engine)
+
+
 def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service, tmp_path):
     """A feature draft under a live greedy-block record runs on its own features, state that a
     rebuild from the tokens cannot reproduce (docs/verification.md, "Carried records with a

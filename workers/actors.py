@@ -70,7 +70,7 @@ from workers.channel import (
 from workers.draft import padding_groups
 from workers.feature_draft import split_groups
 from workers.graphs import graphs_available
-from workers.models import DTYPES, load_model
+from workers.models import DTYPES, LoadedModel, load_model
 from workers.proposers import build_proposer
 from workers.protocols import DraftFeed, DraftPrefill
 from workers.speculation import speculation_cache
@@ -209,12 +209,15 @@ class DraftActor(_Served):
         threads: int,
         speculation: tuple = (0,),  # fan-out (0: no cache), downweight, max batch
         cuda_graphs: bool = True,
+        weights: LoadedModel | None = None,  # its first actor's (_Remote.weights); None: read
     ):
         super().__init__()
         use_numpy_wire()
         torch.set_num_threads(threads)
         device = _actor_device(device)
-        model = load_model(path, dtype, device).build()
+        loaded = (weights or load_model(path, dtype, device)).to(device)
+        model = loaded.build()
+        self._loaded = None if weights else loaded  # until the proxy takes it (`weights`)
         self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
         if cuda_graphs and graphs_available(device):  # decode forwards replayed (graphs.py)
             self.worker.use_graphs()
@@ -227,6 +230,11 @@ class DraftActor(_Served):
 
     def ready(self) -> None:
         """Returns once the constructor (model load) has run; raises what it raised."""
+
+    def weights(self) -> LoadedModel:
+        """The model's weights, once (then dropped here): what a restart loads."""
+        loaded, self._loaded = self._loaded, None
+        return loaded
 
     def head_vocab(self) -> torch.Tensor | None:
         """[Vh] int64: the ids the draft's head keeps (q is zero elsewhere); None: all."""
@@ -306,12 +314,16 @@ class TargetShardActor(_Served):
         device: str,
         threads: int,
         cuda_graphs: bool = True,
+        weights: LoadedModel | None = None,  # its first actor's (_Remote.weights); None: read
     ):
         super().__init__()
         use_numpy_wire()
         torch.set_num_threads(threads)
         self.device = _actor_device(device)
-        self.shard = TargetShard(path, rank, world, slots, max_len, dtype, self.device, cuda_graphs)
+        self.shard = TargetShard(
+            path, rank, world, slots, max_len, dtype, self.device, cuda_graphs, weights,
+            keep_loaded=rank == 0 and weights is None,  # what the proxy takes (`weights`)
+        )  # fmt: skip
         self._store = None
         self._draft_vocab: torch.Tensor | None = None  # [Vh]: see use_draft
         self._send_features = False  # see use_draft
@@ -321,6 +333,11 @@ class TargetShardActor(_Served):
 
     def ready(self) -> None:
         """Returns once the constructor (shard load) has run; raises what it raised."""
+
+    def weights(self) -> LoadedModel:
+        """Rank 0: the whole model's weights, once (then dropped here): what a restart loads."""
+        loaded, self.shard.loaded = self.shard.loaded, None
+        return loaded
 
     def open_store(self, timeout_s: float) -> int:
         """Rank 0: the group's rendezvous store on 127.0.0.1; returns its port."""
@@ -467,15 +484,23 @@ class _Remote:
     # wait forever). A replica sets its ReplicaConfig.step_timeout_s.
     step_timeout_s: float | None = None
 
-    def __init__(self, launch: Callable[[], list]):
+    def __init__(self, launch: Callable[[ray.ObjectRef | None], list]):
         use_numpy_wire()
-        self._launch = launch  # starts the actors
-        self.actors = launch()
+        self._launch = launch  # starts the actors, with the weights to load (None: read them)
+        self.actors = launch(None)
         self.links: list[Link] = []  # one per actor, in `actors`' order: set by `wire`
+        # The model's weights in the object store of the first actor's node, owned by this
+        # process (a call's return value is its caller's), so they outlive every actor: a
+        # restarted actor copies them out of shared memory instead of reading the checkpoint
+        # through transformers (~2 s of a ~4.5 s restart on the default pair). One copy per
+        # model, for this proxy's life.
+        self.weights: ray.ObjectRef | None = None
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every actor has loaded its model (raises a load failure)."""
         ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
+        if self.weights is None:  # the first actors, loaded: they hand their weights over
+            self.weights = self.actors[0].weights.remote()
 
     def alive(self, timeout_s: float = 10.0) -> bool:
         """Whether every actor of the group answers (its Ray calls run beside its links)."""
@@ -489,7 +514,7 @@ class _Remote:
         """Replace every actor of the group with a fresh one: models reloaded, caches empty
         (`wait_ready` waits for the load; `wire` links them again)."""
         self.abandon()  # a survivor of a tensor-parallel group cannot rejoin a new one
-        self.actors = self._launch()
+        self.actors = self._launch(self.weights)
 
     def close_links(self) -> None:
         """Close this end of the links: the actors' serving threads end on it."""
@@ -721,11 +746,12 @@ def start_draft(
 ) -> RemoteDraft:
     """The draft actor, loading (`wait_ready` waits for it); `speculation`: its speculation
     cache's fan-out (0: none), downweight and max batch (workers/speculation.py)."""
+    options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)
 
-    def launch() -> list:
-        options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources)
+    def launch(weights: ray.ObjectRef | None) -> list:
         args = (spec.path, slots, max_len, spec.dtype, spec.device, spec.threads, speculation)
-        return [DraftActor.options(**options).remote(*args, cuda_graphs=spec.cuda_graphs)]
+        actor = DraftActor.options(**options)
+        return [actor.remote(*args, cuda_graphs=spec.cuda_graphs, weights=weights)]
 
     return RemoteDraft(launch, speculating=speculation[0] > 0)
 
@@ -741,7 +767,7 @@ def start_target(
     group = placement_group([bundle] * world, strategy="STRICT_PACK")
     ray.get(group.ready(), timeout=timeout_s)
 
-    def launch() -> list:
+    def launch(weights: ray.ObjectRef | None) -> list:
         actors = [
             TargetShardActor.options(
                 num_cpus=spec.num_cpus,
@@ -758,6 +784,7 @@ def start_target(
                 spec.device,
                 spec.threads,
                 spec.cuda_graphs,
+                weights,
             )
             for rank in range(world)
         ]
@@ -779,4 +806,5 @@ def start_target(
         remove_placement_group(group)
         raise
     target.placement_group = group
+    target.wait_ready(timeout_s)  # loaded already: takes their weights over (`weights`)
     return target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,12 @@ class LoadedModel:
     path: str
     head_vocab: torch.Tensor | None = None  # [Vh] int64: a draft's reduced output head, if any
     feature_fc: torch.Tensor | None = None  # [E, 2E]: a feature draft's input projection
+
+    def to(self, device: str | torch.device) -> LoadedModel:
+        """The same weights on `device`."""
+        moved = {name: t.to(device) for name, t in self.state.items()}
+        head, fc = (None if t is None else t.to(device) for t in (self.head_vocab, self.feature_fc))
+        return replace(self, state=moved, head_vocab=head, feature_fc=fc)
 
     def build(self, rank: int = 0, world: int = 1, group=None, packed: bool | None = None) -> Llama:
         """This rank's forward pass; ``packed``: see ``Llama`` (None: llama.packs_weights)."""

@@ -49,7 +49,7 @@ from workers.draft import padding_groups
 from workers.feature_draft import feed_draft
 from workers.graphs import graphs_available
 from workers.llama import LlamaSpec
-from workers.models import DTYPES, load_model
+from workers.models import DTYPES, LoadedModel, load_model
 from workers.protocols import DraftPrefill
 from workers.sampling import SamplingParams
 from workers.target import TargetWorker, path_rows
@@ -158,12 +158,17 @@ class TargetShard:
         dtype: str = "float32",
         device: str | torch.device = "cpu",
         cuda_graphs: bool = True,  # on CUDA with one rank: decode forwards replayed
+        loaded: LoadedModel | None = None,  # the whole model's weights, read already
+        keep_loaded: bool = False,  # keep them, whole, in `loaded` (for the actor to hand over)
     ):
         self.rank, self.world = rank, world
         self.device = rank_device(device, rank)
-        loaded = load_model(path, dtype, str(self.device))
+        if loaded is None:
+            loaded = load_model(path, dtype, str(self.device))
+        loaded = loaded.to(self.device)
         model = loaded.build(rank, world)  # ValueError when the heads or the MLP do not split
-        del loaded  # the shard keeps its slices only (plus the unsharded embeddings/lm_head)
+        # else the shard keeps its slices only (plus the unsharded embeddings/lm_head)
+        self.loaded = loaded if keep_loaded else None
         self.worker = TargetWorker(model, max_batch, max_len, DTYPES[dtype], self.device)
         # a split forward all-reduces through the group: it stays eager
         if cuda_graphs and world == 1 and graphs_available(self.device):
