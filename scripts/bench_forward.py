@@ -8,7 +8,9 @@ in float32 and bfloat16.
 A layout is a dtype and a packing: `f32-packed` and `bf16-packed` (every weight that
 workers.llama.packs_weights would pick on a CPU that packs that dtype; bfloat16 is packed by
 default only where the CPU has AVX-512 BF16 or AMX), `f32-plain` and `bf16-plain` (F.linear on
-dense weights). Each model of the pair is built once per layout, then:
+dense weights), and `f32-compiled` and `bf16-compiled` (a packed layout's forward through
+torch.compile; forwards only, its first call compiles). Each model of the pair is built once
+per layout, then:
 1. forwards: for every thread count × batch × new-token count, the target's and the draft's
    median forward (200-token cache), the layouts alternating cell by cell, each against the
    first layout;
@@ -37,15 +39,22 @@ LAYOUTS = {
     "bf16-packed": ("bfloat16", None),
     "bf16-plain": ("bfloat16", False),
 }
+# The packed layouts' forward compiled whole by torch.compile (inductor's C++ backend, dynamic
+# shapes; the packed products stay oneDNN's: workers.llama.packed_linear). Forwards only: the
+# engine runs eagerly.
+COMPILED = {"f32-compiled": "f32-packed", "bf16-compiled": "bf16-packed"}
 
 
 def forwards(args) -> None:
     models = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
-        loaded = {dtype: load_model(path, dtype) for dtype in {LAYOUTS[n][0] for n in args.layouts}}
+        dtypes = {LAYOUTS[COMPILED.get(n, n)][0] for n in args.layouts}
+        loaded = {dtype: load_model(path, dtype) for dtype in dtypes}
         for name in args.layouts:
-            dtype, packed = LAYOUTS[name]
-            models[role, name] = loaded[dtype].build(packed=packed)
+            dtype, packed = LAYOUTS[COMPILED.get(name, name)]
+            models[role, name] = model = loaded[dtype].build(packed=packed)
+            if name in COMPILED:
+                model.forward = torch.compile(model.forward, dynamic=True)
     first, *others = args.layouts
     head = ["threads", "batch", "new"]
     for role in ("target", "draft"):
@@ -80,7 +89,7 @@ def forwards(args) -> None:
 def end_to_end(args) -> None:
     torch.set_num_threads(args.e2e_threads)
     engines = {}
-    for name in args.layouts:
+    for name in [n for n in args.layouts if n not in COMPILED]:
         dtype, packed = LAYOUTS[name]
         engines[name], tokenizer = build_engine(
             args.draft, args.target, 1, dtype=dtype, packed=packed
@@ -92,7 +101,7 @@ def end_to_end(args) -> None:
             run_engine(engine, prompts[:1], method, k, gamma, 1.0, 16)
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
-        for name in args.layouts:
+        for name in engines:
             for label, (method, k, gamma) in configs.items():
                 res = run_engine(engines[name], prompts, method, k, gamma, 1.0, args.new_tokens)
                 runs.setdefault((name, label), []).append(res)
@@ -101,7 +110,7 @@ def end_to_end(args) -> None:
     print(f"\n| layout | none tok/s | block tok/s | block BE | block × its none "
           f"(batch 1, {args.e2e_threads} thread(s), median of {args.repeats}) |")  # fmt: skip
     print("|---|---|---|---|---|")
-    for name in args.layouts:
+    for name in engines:
         tps = {c: statistics.median(r["tokens_per_s"] for r in runs[name, c]) for c in configs}
         be = statistics.median(r["block_efficiency"] for r in runs[name, "block"])
         print(f"| {name} | {tps['none']:.2f} | {tps['block']:.2f} | {be:.2f} | "
@@ -112,7 +121,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS)[:2])
+    layouts = [*LAYOUTS, *COMPILED]
+    ap.add_argument("--layouts", nargs="+", choices=layouts, default=layouts[:2])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new", type=int, nargs="+", default=[1, 5])

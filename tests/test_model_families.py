@@ -198,6 +198,19 @@ def test_bfloat16_packed_weights_give_dense_logits(family):
         torch.testing.assert_close(got, want, rtol=0, atol=BF16_TOL)
 
 
+def test_a_compiled_forward_keeps_the_packed_products_and_the_logits(tmp_path):
+    """torch.compile of the forward (scripts/bench_forward.py's compiled layouts) calls the
+    packed products as one opaque op (workers.llama.packed_linear: inductor cannot lower
+    oneDNN's own) and gives the eager logits, biases included, up to the rounding of the
+    fused elementwise work (3e-5 here; without the biases they move by 9)."""
+    save_family("llama_biases", tmp_path)
+    eager = load_model(tmp_path).build(packed=True)
+    compiled = load_model(tmp_path).build(packed=True)
+    compiled.forward = torch.compile(compiled.forward, dynamic=True)
+    for (got, _), (want, _) in zip(tree_logits(compiled), tree_logits(eager), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_default_packs_large_cpu_weights_in_a_dtype_the_cpu_computes(native, monkeypatch):
     """By default (packed=None) a projection is packed when it is on a CPU and at least
