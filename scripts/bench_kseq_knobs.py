@@ -1,5 +1,5 @@
 """SpecTr's CUDA kernel settings side by side: one `spectr` call replayed from a CUDA graph
-for each (columns a step, warps, programs a multiprocessor) of verification/kernels.py.
+for each (columns a step, warps, programs a multiprocessor) of verification/top_down/kernels.py.
 
     python3 scripts/bench_kseq_knobs.py [--batch 32] [--k 4] [--gamma 8] [--vocab 32000 49152]
         [--settings 128/4/2 128/4/4 64/2/4 128/2/8 64/2/8 256/4/4] [--repeats 21]
@@ -19,7 +19,8 @@ import functools
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
 
-from verification import VerifyGraphs, kernels, verify
+from verification import VerifyGraphs, verify
+from verification.top_down import kernels as knobs
 
 
 def main() -> None:
@@ -40,14 +41,26 @@ def main() -> None:
     print(f"# spectr, B={args.batch} K={args.k} γ={args.gamma}, {torch.cuda.get_device_name()}")
     print("| V | columns/warps/programs a SM | replay ms | GPU busy ms | same tokens |")
     print("|---|---|---|---|---|")
-    defaults = kernels.KSEQ_BLOCK, kernels.KSEQ_WARPS, kernels.KSEQ_PROGRAMS_PER_SM
+    defaults = (
+        knobs.KSEQ_BLOCK,
+        knobs.KSEQ_WARPS,
+        knobs.KSEQ_PROGRAMS_PER_SM,
+    )
     for vocab in args.vocab:
         x, q, p = make_inputs(args.batch, args.k, args.gamma, vocab, "cuda")
-        kernels.KSEQ_BLOCK, kernels.KSEQ_WARPS, kernels.KSEQ_PROGRAMS_PER_SM = defaults
+        (
+            knobs.KSEQ_BLOCK,
+            knobs.KSEQ_WARPS,
+            knobs.KSEQ_PROGRAMS_PER_SM,
+        ) = defaults
         want = verify("spectr", x, q, p, torch.Generator("cuda").manual_seed(2))
         for setting in args.settings:
             block, warps, per_sm = map(int, setting.split("/"))
-            kernels.KSEQ_BLOCK, kernels.KSEQ_WARPS, kernels.KSEQ_PROGRAMS_PER_SM = (
+            (
+                knobs.KSEQ_BLOCK,
+                knobs.KSEQ_WARPS,
+                knobs.KSEQ_PROGRAMS_PER_SM,
+            ) = (
                 block,
                 warps,
                 per_sm,

@@ -1,5 +1,6 @@
-"""The fused CUDA row passes (verification/kernels.py) against float64 torch sums,
-and the verifiers' accelerator paths with them against the same paths without them.
+"""The fused CUDA row passes (verification/kernels.py, gbv/kernels.py, top_down/kernels.py)
+against float64 torch sums, and the verifiers' accelerator paths with them against the same
+paths without them.
 
 On CUDA (scripts/gpu_checks.sh) they run as compiled; without a GPU they run on CPU tensors
 under Triton's interpreter (TRITON_INTERPRET=1, which conftest.py sets): the same kernel
@@ -18,6 +19,8 @@ import torch
 
 from tests.test_verify_cost import inputs, same_tokens
 from verification import Backend, kernels, verify
+from verification.gbv import kernels as gbv_kernels
+from verification.top_down import kernels as top_down_kernels
 
 DEVICE = None if kernels._triton() is None else "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton")
@@ -125,11 +128,11 @@ def test_skewed_rows_are_gbvs_skew_by_id(k, dtype):
 
     q, _, lam, order, key = skew_inputs(k, dtype, lead=(2, 3))
     want = skewed_probs(q, mass_ranked_below(key, q.view(-1, 5000)).view(q.shape), lam, k)
-    got = kernels.skewed_rows(q, order, lam, k)
+    got = gbv_kernels.skewed_rows(q, order, lam, k)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(got.double().sum(-1), torch.ones_like(lam), rtol=0, atol=1e-5)
     rows = torch.tensor([5, 0, 3], device=DEVICE)
-    picked = kernels.skewed_rows(q, order, lam, k, rows=rows)
+    picked = gbv_kernels.skewed_rows(q, order, lam, k, rows=rows)
     torch.testing.assert_close(picked, want.view(-1, 5000)[rows], rtol=1e-5, atol=1e-9)
 
 
@@ -144,7 +147,7 @@ def test_skewed_excess_is_the_residual_mass_of_the_skewed_rows(k, dtype):
     c = torch.rand(2, 3, dtype=torch.float64, device=DEVICE)
     q_tilde = skewed_probs(q, mass_ranked_below(key, q.view(-1, 5000)).view(q.shape), lam, k)
     want = reference(p[:, 1:], q_tilde[:, 1:], torch.ones_like(c), c=c)[0]
-    got = kernels.skewed_excess(q[:, 1:], p[:, 1:], order[:, 1:], lam[:, 1:], c, k)
+    got = gbv_kernels.skewed_excess(q[:, 1:], p[:, 1:], order[:, 1:], lam[:, 1:], c, k)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got.shape == (2, 3) and got.dtype == torch.float64 and (got > 0).all()
 
@@ -182,7 +185,7 @@ def test_kseq_token_is_spectrs_node_rule(dtype, block, programs):
 
     gen = torch.Generator().manual_seed(3)
     p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=16)
-    token, rho, beta = kernels.kseq_token(
+    token, rho, beta = top_down_kernels.kseq_token(
         p, q, cand, is_cand, u, top_down.SEARCH_NARROW, block=block, programs=programs
     )
     plain = Backend.TORCH_DEVICE  # the torch ops of an accelerator, without the kernels
@@ -214,7 +217,7 @@ def test_mass_ranked_below_token_is_gbvs_c_at_the_path(dtype, monkeypatch):
     key = gbv.ranking_key(p.view(4, 6, -1), q)
     x = cand[:, 0].view(4, 6)
     monkeypatch.setattr(kernels, "BLOCK", 256)
-    got = kernels.mass_ranked_below_token(key, q, x)
+    got = gbv_kernels.mass_ranked_below_token(key, q, x)
     want = gbv.drafted_mass_below(key, q, x, Backend.TORCH_DEVICE).double()
     assert got.shape == (4, 6) and got.dtype == torch.float64
     tol = 1e-6 if dtype != torch.bfloat16 else 1e-2  # torch sums bfloat16 products in bf16
@@ -234,7 +237,7 @@ def test_rrs_token_is_specinfers_node_rule(dtype, block, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=32)
     monkeypatch.setattr(kernels, "BLOCK", block)
-    token = kernels.rrs_token(p, q, cand, is_cand, u)
+    token = top_down_kernels.rrs_token(p, q, cand, is_cand, u)
     want = top_down.specinfer_rule(Backend.TORCH_DEVICE, p, q, cand, is_cand, u)
     # a candidate's first test is TV's: where every one fails it, the draw is exercised
     p_0, q_0 = (x.float().gather(-1, cand[:, :1]).squeeze(-1) for x in (p, q))
@@ -261,8 +264,8 @@ def compile_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    round_kernel, tests_kernel, draw_kernel = kernels._kseq_kernels()
-    level_kernel, rrs_tests_kernel, rrs_draw_kernel = kernels._rrs_kernels()
+    round_kernel, tests_kernel, draw_kernel = top_down_kernels._kseq_kernels()
+    level_kernel, rrs_tests_kernel, rrs_draw_kernel = top_down_kernels._rrs_kernels()
     for f64 in (False, True):
         rows = "*fp64" if f64 else "*fp32"
         kseq = {"K": 3, "KP": 4, "WAYS": 16, "SP": 8, "BLOCK": 128, "F64": f64}
@@ -276,7 +279,7 @@ def compile_for_sm90() -> None:
             ),
             *[
                 (
-                    kernels._skew_kernel(),
+                    gbv_kernels._skew_kernel(),
                     {"q_ptr": rows, "p_ptr": rows},
                     {"K": 3, "HAS_P": has_p, "HAS_SEL": not has_p, "F64": f64, "BLOCK": 1024},
                 )
@@ -290,7 +293,7 @@ def compile_for_sm90() -> None:
             (tests_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
             (draw_kernel, {"p_ptr": rows, "q_ptr": rows}, kseq),
             (
-                kernels._below_kernel(),
+                gbv_kernels._below_kernel(),
                 {"key_ptr": "*fp32", "q_ptr": rows, "x_ptr": "*i64"},
                 {"BLOCK": 2048},
             ),
@@ -345,13 +348,16 @@ def test_accelerator_paths_give_the_same_tokens_with_the_kernels(method, k, monk
     records go through them too. The masses differ by rounding only, so the tokens agree on
     these inputs, and the carried joints to ~1e-6."""
     calls = []
-    for name in ("row_masses", "skewed_rows", "skewed_excess", "kseq_token", "rrs_token"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(
-            kernels,
-            name,
-            lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw),
-        )
+    launchers = {kernels: ["row_masses"], gbv_kernels: ["skewed_rows", "skewed_excess"]}
+    launchers[top_down_kernels] = ["kseq_token", "rrs_token"]
+    for module, names in launchers.items():
+        for name in names:
+            real = getattr(module, name)
+            monkeypatch.setattr(
+                module,
+                name,
+                lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw),
+            )
     runs = {}
     for fused in (False, True):
         # on CPU the interpreter runs the kernels: the triton backend on CPU tensors

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..backends import Backend
 from ..block import (
     block_tau,
@@ -39,7 +38,7 @@ from ..block import (
 from ..common import draft_support, emit, over_batch_chunks, support_holding, take_rows
 from ..sorting import ascending_order, ratio_key
 from ..tensors import cumsum64
-from . import loops
+from . import kernels, loops
 
 
 def num_uniforms(k: int, gamma: int) -> int:

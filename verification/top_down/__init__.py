@@ -13,14 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from .. import kernels
 from ..backends import Backend
 from ..common import ALL, draft_support, emit, positive_part_or, take_rows
 from ..modification import residual_mass, residual_prob, residual_weights
 from ..sorting import ratio_key, sort_ascending
 from ..tensors import cumsum64, rows_at, sample_from_weights
 from ..token import accepted_length, recovered_token
-from . import loops
+from . import kernels, loops
 
 # (backend, p_row [B, V], q_row [B, V], candidates [B, K], is_candidate [B, K],
 #  uniforms [B, K+1]) -> token [B]
