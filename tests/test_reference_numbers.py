@@ -2,7 +2,7 @@
 
 tests/reference/reference_numbers.json holds the exact one-iteration laws that the law tests
 (test_reference_laws.py, test_facts.py) test the verifiers' samples against. Here
-``scripts/reference_laws.py --check`` recomputes all of them from
+``tests/reference_laws.py --check`` recomputes all of them from
 tests/reference/reference_instances.json by enumeration (no sampling; a few seconds), and the
 toy instance's E[τ] in rational arithmetic against the fractions ``blockspec demo`` prints;
 every recomputed law must also be lossless.
@@ -10,23 +10,10 @@ every recomputed law must also be lossless.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+import reference_laws
 from harness import REFERENCE_DIR
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reference_laws.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("reference_laws", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reference_laws = _script()
 
 
 def test_committed_numbers_are_recomputed_by_enumeration(capsys):

@@ -1,8 +1,8 @@
 """Recompute the reference numbers (docs/verification.md §12) by exact enumeration.
 
-    python scripts/reference_laws.py                 # the E[τ] table of §12
-    python scripts/reference_laws.py --check         # the committed numbers, recomputed
-    python scripts/reference_laws.py --out PATH      # write the recomputed numbers as JSON
+    python tests/reference_laws.py                 # the E[τ] table of §12
+    python tests/reference_laws.py --check         # the committed numbers, recomputed
+    python tests/reference_laws.py --out PATH      # write the recomputed numbers as JSON
 
 Input: the conditional tables of ``tests/reference/reference_instances.json`` (target and
 draft rows keyed by the comma-joined prefix, "" the empty one). Output, per instance x K x
@@ -58,11 +58,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from harness import REFERENCE_DIR, SPEC_NAMES  # noqa: E402
+from harness import REFERENCE_DIR, SPEC_NAMES
 
 # Largest difference accepted between a committed and a recomputed probability (or E[τ]).
 TOLERANCE = 1e-9
