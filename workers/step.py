@@ -23,7 +23,7 @@ depend on batch-mates or on where the step ran.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -139,7 +139,8 @@ class StepRunner:
     # (workers/speculation.py). In process they are prepared right after the step's own
     # proposal; the draft actor prepares them while the target's ranks score.
     speculation: SpeculationCache | None = None
-    _proposed: tuple | None = None  # (step, x, q) of the last proposal, for `prepare`
+    # (step, x, q) of the last proposal, for `prepare`
+    _proposed: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def speculating(self) -> bool:
@@ -174,8 +175,8 @@ class StepRunner:
         return x, verdict, dict(laps.seconds, transfer=0.0)
 
     def propose(self, step: Step, whole_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft's half: tokens [n, K, γ] and rows [n, K, γ, V] (whole_vocab False: on the
-        draft head's Vh ids, the rest being zero). With a speculation cache, the prepared
+        """The draft's half: tokens [n, K, γ] and rows [n, K, γ, V] (whole_vocab False:
+        [n, K, γ, Vh], on the draft head's ids). With a speculation cache, the prepared
         proposals of the outcomes that came true, the rest drafted now."""
         draft = self.draft
         if self.speculation is None:
