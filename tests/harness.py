@@ -22,7 +22,7 @@ from scipy import stats
 from verification.tensors import sample_from_weights
 
 # The reference instances and their exact laws (docs/verification.md §12); they are recomputed
-# by scripts/reference_laws.py (tests/test_reference_numbers.py runs its check).
+# by tests/reference_laws.py (tests/test_reference_numbers.py runs its check).
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 # Spec names -> registry names.
