@@ -16,7 +16,7 @@ import torch
 
 from . import cpu_kernels
 from .backends import Backend
-from .tensors import counter_uniforms, gather_rows
+from .tensors import gather_rows, keyed_uniforms
 
 # Rows handed to a verifier must sum to 1 within this tolerance. float32 softmax rows sum to 1
 # within ~1e-6 and half-precision rows within ~1e-3; anything further off is not a distribution.
@@ -31,7 +31,7 @@ class CounterDraws:
     but its key and counter (the engine: a key from the request's seed, the step's root
     position)."""
 
-    keys: torch.Tensor  # [B, 2] int64: (key, counter) per request, on any device
+    keys: torch.Tensor  # [B, 2] int64: (key, counter) per request, on the host
 
 
 Generators = torch.Generator | Sequence[torch.Generator] | CounterDraws | None
@@ -131,15 +131,13 @@ def draw_uniforms(generator: Generators, batch: int, n: int, device: torch.devic
     on the method, K and γ: a request's result is then independent of its batch-mates. With
     CounterDraws it is too, and its j-th number does not even depend on ``n``.
     """
-    if isinstance(generator, CounterDraws):  # hashed where the keys are (the host: one copy,
-        keys = generator.keys  # where ~30 small kernels would launch on an accelerator)
+    if isinstance(generator, CounterDraws):  # hashed on the host, then one copy (where ~30
+        keys = generator.keys  # small kernels would launch on an accelerator)
         if keys.shape != (batch, 2):
             raise ValueError(
                 f"generator: expected [{batch}, 2] counter keys, got {list(keys.shape)}"
             )
-        index = torch.arange(n, dtype=torch.int64, device=keys.device)
-        u = counter_uniforms(keys[:, :1], keys[:, 1:], index[None])
-        return u.to(device, non_blocking=True)
+        return keyed_uniforms(keys, n).to(device, non_blocking=True)
     if generator is None or isinstance(generator, torch.Generator):
         gen_device = generator.device if generator is not None else torch.device("cpu")
         u = torch.rand(batch, n, generator=generator, dtype=torch.float64, device=gen_device)

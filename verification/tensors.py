@@ -116,3 +116,10 @@ def counter_uniforms(
     h = splitmix64(splitmix64(splitmix64(k) ^ c) ^ i)
     # the top 53 bits: every double in [0, 1) of the grid
     return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+def keyed_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """keys [B, 2] int64 on the host, (key, counter) per request -> [B, n] float64 uniforms
+    on the host: request b's j-th number is counter_uniforms(key_b, counter_b, j)."""
+    index = torch.arange(n, dtype=torch.int64)
+    return counter_uniforms(keys[:, :1], keys[:, 1:], index[None])

@@ -35,7 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verification.tensors import counter_uniforms, sample_from_weights, splitmix64
+from verification.tensors import (
+    counter_uniforms,
+    keyed_uniforms,
+    sample_from_weights,
+    splitmix64,
+)
 
 
 @dataclass(frozen=True)
@@ -200,12 +205,10 @@ def downweight_top(
 
 def sample(
     probs: torch.Tensor,  # [n, R, V]: R rows per request
-    draws: torch.Tensor,  # [n, 2] int64: (verify key, the step's root position) per request
+    draws: torch.Tensor,  # [n, 2] int64 on the host: (verify key, the step's root position)
 ) -> torch.Tensor:
     """One token per row [n, R]: row r of request i with u = hash(key_i, root_i, r), the same
     bits as that request's verifier would draw first, which its step does not also run."""
     n, r, vocab = probs.shape
-    index = torch.arange(r, dtype=torch.int64, device=draws.device)  # hashed where draws are
-    u = counter_uniforms(draws[:, :1], draws[:, 1:], index[None])
-    u = u.to(probs.device, non_blocking=True)  # made on the host: no wait for the device
+    u = keyed_uniforms(draws, r).to(probs.device, non_blocking=True)  # no wait for the device
     return sample_from_weights(probs.reshape(n * r, vocab), u.reshape(-1)).view(n, r)
