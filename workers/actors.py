@@ -74,10 +74,10 @@ from workers.models import DTYPES, LoadedModel, load_model
 from workers.proposers import build_proposer
 from workers.protocols import DraftFeed, DraftPrefill
 from workers.speculation import speculation_cache
-from workers.step import Proposal, Step, StepRunner, Verdict, on_device
+from workers.step import Proposal, Step, StepRunner, Verdict
 from workers.target import path_rows
 from workers.tensor_parallel import TargetShard, join_group, loopback_store
-from workers.tree import DraftTree, build_tree
+from workers.tree import DraftTree
 
 POSTED_OPS = ("prefill", "move", "commit")  # what the coordinator posts without waiting
 
@@ -428,10 +428,7 @@ class TargetShardActor(_Served):
         what rank 0 broadcasts it verified (`_ShardTarget.commit`)."""
         dev, n = self.device, len(step.params)
         x = drafted.tokens if drafted else torch.zeros(n, 1, 1, dtype=torch.int64)
-        paths, depths = on_device(dev, step.num_paths), on_device(dev, step.depth)
-        roots = step.roots.to(dev, non_blocking=True)
-        tree = build_tree(roots, x.to(dev, non_blocking=True), paths, depths)
-        self.shard.execute("score_logits", (tree,))
+        self.shard.execute("score_logits", (step.tree(x, dev),))
         accepted = torch.zeros(2, n, dtype=torch.int64, device=dev)  # path, τ
         dist.broadcast(accepted, src=0)
         self.shard.execute("commit", tuple(accepted))

@@ -32,7 +32,7 @@ from verification import VERIFIERS, CounterDraws, TargetModification, VerifyGrap
 from workers.protocols import Draft, LocalDraft, LocalTarget, Target
 from workers.sampling import SamplingParams, sample
 from workers.speculation import SpeculationCache
-from workers.tree import build_tree
+from workers.tree import DraftTree, build_tree
 
 PLAIN = "none"  # plain target decoding, no speculation (γ = 0)
 
@@ -70,6 +70,13 @@ class Step:
     def drafted(self) -> bool:
         """The draft model runs (a batch of plain requests skips it)."""
         return self.pending is not None
+
+    def tree(self, x: torch.Tensor, device: torch.device) -> DraftTree:
+        """The step's trees on `device`, from the draft tokens x [n, K, γ] (on the host when
+        they came over the wire: copied without waiting)."""
+        x = x.to(device, non_blocking=True)
+        paths, depths = on_device(device, self.num_paths), on_device(device, self.depth)
+        return build_tree(self.roots.to(device, non_blocking=True), x, paths, depths)
 
     def for_target(self) -> Step:
         """The step as the target's ranks read it: without the draft's features (the largest
@@ -162,8 +169,7 @@ class StepRunner:
             self.prepare()
             laps.lap("draft")
         x = x.to(dev, non_blocking=True)  # a proposal arrives on the host (over the wire)
-        paths, depths = on_device(dev, step.num_paths), on_device(dev, step.depth)
-        tree = build_tree(step.roots.to(dev, non_blocking=True), x, paths, depths)
+        tree = step.tree(x, dev)
         laps.lap("tree")
         p = self.target.score(tree, step.params)  # [n, K, γ+1, V]
         laps.lap("target")
