@@ -494,7 +494,8 @@ class _Remote:
         self.weights: ray.ObjectRef | None = None
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every actor has loaded its model (raises a load failure)."""
+        """Wait until every actor has loaded its model (raises a load failure). The first
+        time, also take the first actors' weights over (`weights`), for every restart."""
         ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
         if self.weights is None:  # the first actors, loaded: they hand their weights over
             self.weights = self.actors[0].weights.remote()
