@@ -402,6 +402,8 @@ class Linear(nn.Module):
         return self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        # Eager calls oneDNN directly: the custom op's dispatch costs ~17 µs a call here (55
+        # vs 38 µs for a [576, 576] weight), ~2 ms a forward of the default target.
         if self.packed and torch.compiler.is_compiling():
             return packed_linear(x, self.weight, self.bias, self.shape[0])
         if self.packed:
