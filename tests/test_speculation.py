@@ -31,11 +31,10 @@ from harness import ALPHA, WindowModel, decode_loop, loop_law_pvalue, method_ste
 from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine, tiny_pair
 from test_feature_draft import random_fc
 
-from service.engine import speculation_cache
 from service.requests import GenerationRequest, make_request
 from verification.tensors import counter_uniforms
 from workers.sampling import SamplingParams, downweight_top, draft_key, draft_uniforms
-from workers.speculation import SpeculationCache
+from workers.speculation import SpeculationCache, speculation_cache
 
 TRIALS = 12_000
 PROMPT, GAMMA, LENGTH = [1, 3, 0], 2, 4
