@@ -28,7 +28,8 @@ def pair():
                 message = link.recv()
                 if message == "close":
                     break
-                link.send(message)
+                if not (isinstance(message, tuple) and message[0] == "posted"):  # unanswered
+                    link.send(message)
         except channel.LinkBroken:
             pass
         link.close()
@@ -66,21 +67,47 @@ def test_a_message_crosses_a_link_and_its_large_buffer_travels_out_of_band(pair)
     link, _ = pair
     rows = torch.rand(2, 2, 4, 8192)  # 512 KiB: q rows of two requests
     frames = channel.dumps(("step", rows))
-    assert len(frames) == 2 and len(frames[0]) < 1024  # the pickle holds no tensor bytes
+    assert len(frames[0]) < 1024  # the pickle holds no tensor bytes: they follow it as they lie
+    assert memoryview(frames[-1]).nbytes == rows.numel() * 4
     link.send(("step", rows))
     op, back = link.recv(timeout_s=10)
     assert op == "step" and torch.equal(back, rows)
+    assert back.data_ptr() % 16 == 0  # a view of the message, aligned for any dtype
 
 
-def test_multi_frame_messages_return_without_nagles_delay(pair):
-    """A message is several writes; with Nagle's algorithm on, the second waits for the peer's
-    delayed ACK (~40 ms on Linux) and a round trip takes that long."""
+def test_a_message_of_many_tensors_arrives_whole(pair):
+    """Past what one sendmsg call takes (1,024 frames on Linux): a step's carries at batch 256
+    are that many tensors. The small ones travel inside the pickle, still writable."""
     link, _ = pair
-    message = (torch.zeros(4), torch.ones(1250))  # three frames
+    message = [torch.full((3,), i) for i in range(3000)] + [torch.rand(2048) for _ in range(1500)]
+    assert len(channel.dumps(message)) > 1500
+    link.send(message)
+    back = link.recv(timeout_s=30)
+    assert all(torch.equal(a, b) for a, b in zip(back, message, strict=True))
+    back[0].add_(1)
+
+
+def test_a_message_larger_than_the_sockets_buffer_arrives_whole(pair):
+    """Written with one sendmsg call that the kernel takes in parts, read in parts."""
+    link, _ = pair
+    message = (torch.arange(5), torch.rand(4 << 20), torch.ones(3, dtype=torch.bfloat16))
+    link.send(message)
+    back = link.recv(timeout_s=30)
+    assert all(torch.equal(a, b) for a, b in zip(back, message, strict=True))
+
+
+def test_messages_after_unanswered_ones_go_without_nagles_delay(pair):
+    """Posted messages (no reply) then a step, as the coordinator sends them: with Nagle's
+    algorithm on, a write that follows an unacknowledged one waits for the peer's delayed ACK
+    (~40 ms on Linux), and the step's round trip takes that long."""
+    link, _ = pair
+    posted = ("posted", torch.zeros(4), torch.ones(1250))
     laps = []
     for _ in range(30):
         start = time.perf_counter()
-        link.send(message)
+        link.send(posted)
+        link.send(posted)
+        link.send("step")
         link.recv(timeout_s=10)
         laps.append(time.perf_counter() - start)
     assert statistics.median(laps) < 0.01, laps

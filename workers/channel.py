@@ -9,8 +9,9 @@ argument: docs/service_benchmark.md, "Why links and not Ray calls").
 A link is a `multiprocessing.connection` socket (HMAC-authenticated with a key the coordinator
 draws per wiring; loopback when every process of the replica shares a node). A message is one
 pickle (protocol 5) whose tensors travel out of band: as numpy buffers (bf16 as its int16 bits)
-sent as they lie in memory and received into writable memory, arriving on the host. Reads
-block in the kernel: an idle replica spins nothing.
+sent as they lie in memory and received into writable memory, arriving on the host. A message
+goes out in one write (its reader wakes once for it) and reads block in the kernel: an idle
+replica spins nothing.
 """
 
 from __future__ import annotations
@@ -67,48 +68,84 @@ class _Pickler(pickle.Pickler):
         return tensor_from_wire, (tensor_to_wire(obj),)
 
 
+_ALIGN = 64  # each out-of-band buffer starts this far into a message: aligned for any dtype
+_IN_BAND = 4096  # smaller buffers go inside the pickle: a step's many small tensors, one frame
+_IOV_MAX = 512  # frames per sendmsg call (Linux takes at most 1024)
+
+
 def dumps(obj) -> list:
-    """One message's frames: the pickle, then its out-of-band buffers."""
+    """One message's frames, as they go out in one write: the layout (the buffers' offsets and
+    sizes), the pickle, then its out-of-band buffers, each after the padding that aligns it."""
     buffers: list[pickle.PickleBuffer] = []
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        if memoryview(buffer).nbytes < _IN_BAND:
+            return True
+        buffers.append(buffer)
+        return False
+
     body = io.BytesIO()
-    _Pickler(body, protocol=5, buffer_callback=buffers.append).dump(obj)
-    sizes = [memoryview(b).nbytes for b in buffers]
-    head = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
-    return [head + body.getvalue(), *(b.raw() for b in buffers)]
+    _Pickler(body, protocol=5, buffer_callback=in_band).dump(obj)
+    raws = [b.raw() for b in buffers]
+    pickled = body.getvalue()
+    offset = struct.calcsize(f"<I{2 * len(raws)}Q") + len(pickled)
+    frames, layout = [b""], []  # frame 0, the head, is set once the offsets are known
+    for raw in raws:
+        pad = -offset % _ALIGN
+        if pad:
+            frames.append(bytes(pad))
+        offset += pad
+        layout += [offset, raw.nbytes]
+        frames.append(raw)
+        offset += raw.nbytes
+    frames[0] = struct.pack(f"<I{len(layout)}Q", len(raws), *layout) + pickled
+    return frames
 
 
-def _layout(head: bytes) -> tuple[tuple[int, ...], int]:
-    """The out-of-band buffers' sizes a message's first frame announces, and where its pickle
-    starts in that frame."""
-    (count,) = struct.unpack_from("<I", head)
-    return struct.unpack_from(f"<{count}Q", head, 4), 4 + 8 * count
+def _parse(message: bytearray) -> object:
+    """dumps' inverse over one received message; the buffers are views of it (writable)."""
+    (count,) = struct.unpack_from("<I", message)
+    layout = struct.unpack_from(f"<{2 * count}Q", message, 4)
+    start = 4 + 16 * count
+    end = layout[0] if count else len(message)
+    view = memoryview(message)
+    buffers = [view[o : o + n] for o, n in zip(layout[::2], layout[1::2], strict=True)]
+    return pickle.loads(view[start:end], buffers=buffers)
 
 
 def loads(frames: list) -> object:
     """What `dumps` framed (the test suite's wire without a socket)."""
-    _, start = _layout(frames[0])
-    buffers = [bytearray(f) for f in frames[1:]]
-    return pickle.loads(memoryview(frames[0])[start:], buffers=buffers)
+    return _parse(bytearray(b"".join(frames)))
 
 
 class Link:
-    """One end of a duplex, ordered message link to another process."""
+    """One end of a duplex, ordered message link to another process.
+
+    A message is its length (8 bytes), then dumps' frames, written with one `sendmsg` and read
+    with two reads: the reader wakes once per message, not once per frame."""
 
     def __init__(self, connection: Connection):
-        self.connection = connection
-        # A message is several writes (its frames): without TCP_NODELAY, Nagle's algorithm
-        # holds each next write until the peer's delayed ACK, ~40 ms.
-        with socket.socket(fileno=os.dup(connection.fileno())) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection = connection  # authenticated; its own framing is not used past that
+        self._socket = socket.socket(fileno=os.dup(connection.fileno()))
+        if self._socket.family in (socket.AF_INET, socket.AF_INET6):
+            # Without TCP_NODELAY, Nagle's algorithm holds a write that follows an unacked one
+            # until the peer's delayed ACK, ~40 ms.
+            self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, obj) -> None:
         self.send_frames(dumps(obj))
 
     def send_frames(self, frames: list) -> None:
         """Send a message framed once (`dumps`), as to each rank of a group."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        parts = [memoryview(struct.pack("<Q", size)), *(memoryview(f).cast("B") for f in frames)]
         try:
-            for frame in frames:
-                self.connection.send_bytes(frame)
+            while parts:
+                sent = self._socket.sendmsg(parts[:_IOV_MAX])
+                while parts and sent >= parts[0].nbytes:
+                    sent -= parts.pop(0).nbytes
+                if sent:
+                    parts[0] = parts[0][sent:]
         except (OSError, ValueError) as exc:  # ValueError: this end was closed
             raise LinkBroken(f"sending: {exc!r}") from None
 
@@ -121,16 +158,23 @@ class Link:
         if not waiting:  # (a TimeoutError is an OSError: raised outside the handler)
             raise LinkTimedOut(f"nothing arrived in {timeout_s:.1f} s")
         try:
-            head = self.connection.recv_bytes()
-            sizes, start = _layout(head)
-            buffers = [bytearray(size) for size in sizes]
-            for buffer in buffers:
-                self.connection.recv_bytes_into(buffer)
-        except (EOFError, OSError, ValueError) as exc:
+            (size,) = struct.unpack("<Q", self._read(bytearray(8)))
+            message = self._read(bytearray(size))
+        except (OSError, ValueError) as exc:
             raise LinkBroken(f"receiving: {exc!r}") from None
-        return pickle.loads(memoryview(head)[start:], buffers=buffers)
+        return _parse(message)
+
+    def _read(self, into: bytearray) -> bytearray:
+        view, got = memoryview(into), 0
+        while got < len(into):
+            n = self._socket.recv_into(view[got:])
+            if n == 0:
+                raise LinkBroken("receiving: the other end closed the link")
+            got += n
+        return into
 
     def close(self) -> None:
+        self._socket.close()
         self.connection.close()
 
 
