@@ -50,7 +50,15 @@ from workers.proposers import build_proposer
 from workers.protocols import Draft, PrefillBatch, Target
 from workers.sampling import draft_key, verify_key
 from workers.speculation import speculation_cache
-from workers.step import Step, StepExecutor, StepRunner, Verdict, VerifyPlan, on_device
+from workers.step import (
+    Step,
+    StepExecutor,
+    StepRunner,
+    Verdict,
+    VerifyPlan,
+    draft_keeps,
+    on_device,
+)
 from workers.target import TargetWorker
 
 
@@ -282,7 +290,9 @@ class SpeculativeEngine:
         planned = time.perf_counter()
         x, verdict, seconds = self.executor.run(plan)
         speculated = time.perf_counter()
-        own = self._own_law(plan, verdict)
+        own, kept = draft_keeps(
+            self.feed, plan, verdict.num_accepted, verdict.live, self.executor.speculating
+        )  # the draft has kept `kept` already: the step's runner commits it
         for a, carry, mine in zip(batch, verdict.carries, own.tolist(), strict=True):
             a.carry = carry
             own_next = self.feed.keeps_own(mine)
@@ -290,11 +300,6 @@ class SpeculativeEngine:
             if a.own_from is None and (a.own_features or own_next):
                 a.own_from = len(a.req.prompt_ids) + a.emitted - len(a.draft_pending)
             a.own_features = own_next
-        # The target committed its paths itself; the draft keeps what its feed says (a feature
-        # draft: a path only under its own-feature law, see _Active.own_features).
-        kept = self.feed.kept(verdict.num_accepted, own) if plan.drafted else None
-        if kept is not None:
-            self.draft.commit(verdict.path, kept)
         if auto is not None:  # the step's whole wall time: the cost model knows the prefill
             arm, shape = auto
             accepted = verdict.num_accepted.tolist()
@@ -312,14 +317,6 @@ class SpeculativeEngine:
         self.times.add(times)
         self.steps += 1
         return StepResult(finished, times)
-
-    def _own_law(self, plan: Step, verdict: Verdict) -> torch.Tensor:
-        """[n] bool, on the host: the requests whose feature draft keeps its own features for
-        the next step (_Active.own_features): under a live record, and while a speculation
-        cache prepares proposals, after every rejection (τ < γ: workers/speculation.py)."""
-        if not (plan.drafted and self.executor.speculating):
-            return verdict.live
-        return verdict.live | (verdict.num_accepted < torch.tensor(plan.depth))
 
     def _choose_auto(self, batch: list[_Active], prefilled: int) -> tuple[Arm, StepShape] | None:
         """Set the arm of the batch's auto requests (service/policy.py): from finished steps

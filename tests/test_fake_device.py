@@ -424,9 +424,6 @@ class WiredDraft:
     def move(self, src: int, dst: int) -> None:
         self.actor.call("move", (src, dst))
 
-    def commit(self, *args) -> None:
-        self.actor.call("commit", wire(args))
-
 
 class WiredTarget(WiredDraft):
     """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
@@ -435,6 +432,8 @@ class WiredTarget(WiredDraft):
     def speculate(self, draft, step):
         drafted = wire(draft.actor.propose(wire(step))) if step.drafted else None
         x, verdict, seconds = wire(self.actor.speculate(wire(step.for_target()), drafted))
+        if step.drafted:  # rank 0's word to the draft: what it verified
+            draft.actor.call("keep", wire((step, verdict.path, verdict.num_accepted, verdict.live)))
         return x, verdict, seconds
 
 

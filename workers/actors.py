@@ -37,6 +37,7 @@ their torch.distributed group rendezvouses on rank 0's loopback store.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import threading
@@ -79,7 +80,7 @@ from workers.target import path_rows
 from workers.tensor_parallel import TargetShard, join_group, loopback_store
 from workers.tree import DraftTree
 
-POSTED_OPS = ("prefill", "move", "commit")  # what the coordinator posts without waiting
+POSTED_OPS = ("prefill", "move")  # what the coordinator posts to the draft, unanswered
 
 
 def use_numpy_wire() -> None:
@@ -285,10 +286,16 @@ class DraftActor(_Served):
                 link.send_frames(frames)
         if self.runner.speculating:
             self._run_posted("prepare", ())
+        if step.drafted:  # rank 0 says what it verified; the draft keeps its share of it
+            accepted = ranks[0].recv()
+            if accepted is not None:
+                self._run_posted("keep", (step, *accepted))
 
     def call(self, op: str, args: tuple) -> None:
         if op == "prepare":
             self.runner.prepare()
+        elif op == "keep":
+            self.runner.keep(*args)
         elif op in POSTED_OPS:
             getattr(self.worker, op)(*args)
         else:  # ops come from RemoteDraft only: a wrong one is our bug
@@ -358,9 +365,7 @@ class TargetShardActor(_Served):
         address they dial)."""
         listener = self._open(host, key)
         steps = {
-            "speculate": lambda links, args: links["coordinator"].send(
-                self._step(*args, links["draft"])
-            ),
+            "speculate": lambda links, args: self._step(*args, links),
             "prefill_features": lambda links, args: self._prefill_features(
                 links["coordinator"], *args
             ),
@@ -372,7 +377,20 @@ class TargetShardActor(_Served):
         """Runs a TargetWorker op; its output stays here."""
         self.shard.execute(op, args)
 
-    def _step(self, step: Step, draft: Link) -> Reply:
+    def _step(self, step: Step, links: dict[str, Link]) -> None:
+        """Rank 0 first tells a draft that drafted what it verified (None: nothing to keep), so
+        the draft commits while the coordinator reads the reply; then every rank replies."""
+        reply = self._reply(step, links["draft"])
+        if self.runner is not None and step.drafted:
+            accepted = None
+            if reply.error is None:
+                _, verdict, _ = reply.out
+                accepted = (verdict.path, verdict.num_accepted, verdict.live)
+            with contextlib.suppress(LinkBroken):  # a dead draft: the coordinator hears it
+                links["draft"].send(accepted)
+        links["coordinator"].send(reply)
+
+    def _reply(self, step: Step, draft: Link) -> Reply:
         try:  # the draft's proposal comes whether it drafted or not
             drafted = draft.recv()
         except LinkBroken as exc:
@@ -561,9 +579,6 @@ class RemoteDraft(_Remote):
         features: list[torch.Tensor] | None = None,
     ) -> None:
         self._post("prefill", slot0, contexts, keep, features)
-
-    def commit(self, path: torch.Tensor, keep: torch.Tensor) -> None:
-        self._post("commit", path, keep)
 
     def speculation_stats(self) -> dict[str, int]:
         """The actor's speculation cache counters: hits, lookups, prepared ({}: no cache)."""

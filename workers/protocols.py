@@ -121,6 +121,10 @@ class Draft(Protocol):
         """Copy cache slot src (and what else the draft keeps per slot) into slot dst."""
         ...
 
+
+class LocalDraft(Draft, Protocol):
+    """A draft in this process (or in its Ray actor): a proposer."""
+
     def commit(
         self,
         path: torch.Tensor,  # [n] int64: each request's accepted path
@@ -128,10 +132,6 @@ class Draft(Protocol):
     ) -> None:
         """Keep the first keep[i] run draft tokens of each request's accepted path."""
         ...
-
-
-class LocalDraft(Draft, Protocol):
-    """A draft in this process (or in its Ray actor): a proposer."""
 
     def propose(
         self,

@@ -26,7 +26,7 @@ a proposal prepared before verification has none for the tokens that verificatio
 while the cache is on, a feature draft drafts under its *own-feature law*: after a step that
 rejects (τ < γ), `commit` keeps the accepted path's entries and the draft's own feature at its
 end, and the next step's one pending token y reads that feature (as under a live record of
-greedy_block and SpecTr-GBV*; the engine sets it: `SpeculativeEngine._own_law`);
+greedy_block and SpecTr-GBV*; `workers.step.draft_keeps` says when);
 after a full acceptance it reads the target's features as without a cache, and the cache
 prepares no such outcome. Misses and hits draft under the same law, so seeded output does not
 depend on hits; it differs from the output without a cache (another draft law, lossless as

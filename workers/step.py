@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
-from workers.protocols import Draft, LocalDraft, LocalTarget, Target
+from workers.protocols import Draft, DraftFeed, LocalDraft, LocalTarget, Target
 from workers.sampling import SamplingParams, sample
 from workers.speculation import SpeculationCache
 from workers.tree import DraftTree, build_tree
@@ -178,6 +178,9 @@ class StepRunner:
         laps.lap("verify")
         verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
         laps.lap("target")  # the commit is the target's work too
+        if step.drafted and self.draft is not None:  # (the draft actor's: on rank 0's word)
+            self.keep(step, verdict.path, verdict.num_accepted, verdict.live)
+            laps.lap("draft")
         return x, verdict, dict(laps.seconds, transfer=0.0)
 
     def propose(self, step: Step, whole_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +206,40 @@ class StepRunner:
             self.speculation.prepare(self.draft, *self._proposed)
             self._proposed = None
 
+    def keep(
+        self,
+        step: Step,
+        path: torch.Tensor,  # [n] int64: the accepted paths
+        num_accepted: torch.Tensor,  # [n] int64: τ, on the host
+        live: torch.Tensor,  # [n] bool: the verdict's live records, on the host
+    ) -> None:
+        """The draft's commit of a verified step: what its feed keeps of each accepted path
+        (`draft_keeps`). In process `run` calls it; the draft actor, on rank 0's word."""
+        _, kept = draft_keeps(self.draft.feed, step, num_accepted, live, self.speculating)
+        if kept is not None:
+            self.draft.commit(path, kept)
+
     def restart_lost(self) -> None:
         """Nothing to restart: workers in this process are lost only with it."""
+
+
+def draft_keeps(
+    feed: DraftFeed,
+    step: Step,
+    num_accepted: torch.Tensor,  # [n] int64: τ, on the host
+    live: torch.Tensor,  # [n] bool: the verdict's live records, on the host
+    speculating: bool,  # a speculation cache prepares proposals
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the draft keeps of a verified step, as the engine and the draft's commit both read
+    it: (own [n] bool, kept [n] int64 or None). `own`: the requests whose feature draft keeps its
+    own features for the next step (the engine's _Active.own_features): under a live record,
+    and while a speculation cache prepares proposals, after every rejection (τ < γ:
+    workers/speculation.py). `kept`: the draft tokens of each accepted path the draft keeps
+    (DraftFeed.kept); None: no commit (nothing was drafted, or the feed keeps nothing)."""
+    if not step.drafted:
+        return live, None
+    own = live | (num_accepted < torch.tensor(step.depth)) if speculating else live
+    return own, feed.kept(num_accepted, own)
 
 
 # Captured verifier calls of this process (the engine's, or the target's rank 0 actor's where
