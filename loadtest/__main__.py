@@ -1,5 +1,5 @@
-"""`python -m loadtest`: see loadtest/cli.py."""
+"""`python -m blockspec.loadtest`: see loadtest/cli.py."""
 
-from loadtest.cli import main
+from blockspec.loadtest.cli import main
 
 main()

@@ -1,6 +1,6 @@
-r"""`python -m loadtest` / `blockspec-loadtest`: compare verifiers on a running service.
+r"""`python -m blockspec.loadtest` / `blockspec-loadtest`: compare verifiers on a running service.
 
-    python -m loadtest --address 127.0.0.1:50051 --methods token block gbv --k 1 2 4 \
+    python -m blockspec.loadtest --address 127.0.0.1:50051 --methods token block gbv --k 1 2 4 \
         --gamma 4 8 --temperature 0.6 1.0 --concurrency 1 2 4 8 16 32 --requests 32 \
         --out loadtest-results
 
@@ -29,12 +29,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from blockspec.loadtest.driver import OWN_CHOICE, Client, Config, closed_loop, open_loop
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.loadtest.report import parse_slo, summarize, write_outputs
+from blockspec.service.cli import HelpFormatter
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from loadtest.driver import OWN_CHOICE, Client, Config, closed_loop, open_loop
-from loadtest.prompts import prompt_ids
-from loadtest.report import parse_slo, summarize, write_outputs
-from service.cli import HelpFormatter
 
 # Fewer recorded requests than this per point give no interval (1) or a wide one: warned.
 FEW_REQUESTS = 6
@@ -56,9 +55,8 @@ def grid(args, single_path: set[str]) -> list[Config]:
 
 
 def load_prompts(args, max_context: int, configs: list[Config]) -> list[list[int]]:
+    from blockspec.workers.models import DEFAULT_TARGET
     from transformers import AutoTokenizer
-
-    from workers.models import DEFAULT_TARGET
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or DEFAULT_TARGET)
     # Each prompt's last tokens, so that it + max_new_tokens + a draft block fit the context.
@@ -70,7 +68,7 @@ def load_prompts(args, max_context: int, configs: list[Config]) -> list[list[int
 
 
 async def run(args) -> None:
-    from protos import blockspec_pb2 as pb
+    from blockspec.protos import blockspec_pb2 as pb
 
     token = args.token or os.environ.get("BLOCKSPEC_TOKEN")
     client = Client(args.address, args.max_new_tokens, args.timeout, args.tls_ca, token)
@@ -140,7 +138,7 @@ async def run(args) -> None:
                     )
     await client.close()
     meta = dict(
-        command="python -m loadtest " + " ".join(sys.argv[1:]),
+        command="python -m blockspec.loadtest " + " ".join(sys.argv[1:]),
         environment=_environment(info),
         seed=args.seed,
         slo=args.slo,

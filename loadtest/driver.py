@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.auth import bearer, client_channel
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.auth import bearer, client_channel
 
 OWN_CHOICE = ("none", "auto")  # methods with no K or γ of their own (auto picks them itself)
 

@@ -9,7 +9,7 @@ turns ending with a user turn; the model's answer to it is what gets measured.
 
 from __future__ import annotations
 
-from workers.models import render_chat
+from blockspec.workers.models import render_chat
 
 Turns = list[dict[str, str]]
 

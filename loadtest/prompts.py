@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from workers.models import render_chat, user_turn
+from blockspec.workers.models import render_chat, user_turn
 
 
 def complete_function(code: str) -> str:

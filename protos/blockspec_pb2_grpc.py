@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import blockspec_pb2 as protos_dot_blockspec__pb2
+from blockspec.protos import blockspec_pb2 as blockspec_dot_protos_dot_blockspec__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/blockspec_pb2_grpc.py depends on'
+        + ' but the generated code in blockspec/protos/blockspec_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GeneratorStub:
         """
         self.Generate = channel.unary_unary(
                 '/blockspec.v1.Generator/Generate',
-                request_serializer=protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_blockspec__pb2.GenerateResponse.FromString,
+                request_serializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/blockspec.v1.Generator/GenerateStream',
-                request_serializer=protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_blockspec__pb2.GenerateChunk.FromString,
+                request_serializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/blockspec.v1.Generator/Info',
-                request_serializer=protos_dot_blockspec__pb2.InfoRequest.SerializeToString,
-                response_deserializer=protos_dot_blockspec__pb2.InfoResponse.FromString,
+                request_serializer=blockspec_dot_protos_dot_blockspec__pb2.InfoRequest.SerializeToString,
+                response_deserializer=blockspec_dot_protos_dot_blockspec__pb2.InfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_blockspec__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_blockspec__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateRequest.FromString,
+                    response_serializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=protos_dot_blockspec__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_blockspec__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateRequest.FromString,
+                    response_serializer=blockspec_dot_protos_dot_blockspec__pb2.GenerateChunk.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=protos_dot_blockspec__pb2.InfoRequest.FromString,
-                    response_serializer=protos_dot_blockspec__pb2.InfoResponse.SerializeToString,
+                    request_deserializer=blockspec_dot_protos_dot_blockspec__pb2.InfoRequest.FromString,
+                    response_serializer=blockspec_dot_protos_dot_blockspec__pb2.InfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Generator:
             request,
             target,
             '/blockspec.v1.Generator/Generate',
-            protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
-            protos_dot_blockspec__pb2.GenerateResponse.FromString,
+            blockspec_dot_protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
+            blockspec_dot_protos_dot_blockspec__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Generator:
             request,
             target,
             '/blockspec.v1.Generator/GenerateStream',
-            protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
-            protos_dot_blockspec__pb2.GenerateChunk.FromString,
+            blockspec_dot_protos_dot_blockspec__pb2.GenerateRequest.SerializeToString,
+            blockspec_dot_protos_dot_blockspec__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Generator:
             request,
             target,
             '/blockspec.v1.Generator/Info',
-            protos_dot_blockspec__pb2.InfoRequest.SerializeToString,
-            protos_dot_blockspec__pb2.InfoResponse.FromString,
+            blockspec_dot_protos_dot_blockspec__pb2.InfoRequest.SerializeToString,
+            blockspec_dot_protos_dot_blockspec__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,15 +21,14 @@ import time
 
 import ray
 import torch
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.service.app import start_ray
+from blockspec.service.config import ReplicaConfig, Settings
+from blockspec.service.replica import build_remote_engine
+from blockspec.service.requests import make_request
+from blockspec.workers.draft import padding_groups
+from blockspec.workers.sampling import SamplingParams
 from transformers import AutoTokenizer
-
-from loadtest.prompts import prompt_ids
-from service.app import start_ray
-from service.config import ReplicaConfig, Settings
-from service.replica import build_remote_engine
-from service.requests import make_request
-from workers.draft import padding_groups
-from workers.sampling import SamplingParams
 
 
 def main() -> None:

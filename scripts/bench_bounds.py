@@ -40,11 +40,16 @@ from pathlib import Path
 
 import torch
 from bench_engine import forward_ms
-
-from service.engine import build_engine
-from service.requests import make_request
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET, load_model
-from workers.sampling import SamplingParams
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.workers.models import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    TINY_DRAFT,
+    TINY_TARGET,
+    load_model,
+)
+from blockspec.workers.sampling import SamplingParams
 
 GAMMAS = (2, 3, 4, 6)
 
@@ -129,12 +134,11 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
     import threading
 
     import ray
+    from blockspec.service.app import start_ray
+    from blockspec.service.config import Settings
+    from blockspec.workers import channel
+    from blockspec.workers.tensor_parallel import loopback_store
     from ray.dag import InputNode
-
-    from service.app import start_ray
-    from service.config import Settings
-    from workers import channel
-    from workers.tensor_parallel import loopback_store
 
     start_ray(Settings(ray_num_cpus=2))
     args, rows, verdict = _payloads()
@@ -282,10 +286,9 @@ def step_cpu(engine, pids: dict[str, int]) -> tuple[float, float, dict[str, Coun
 
 def cpu_split() -> None:
     import ray
-
-    from service.app import start_ray
-    from service.config import ReplicaConfig, Settings
-    from service.replica import build_remote_engine
+    from blockspec.service.app import start_ray
+    from blockspec.service.config import ReplicaConfig, Settings
+    from blockspec.service.replica import build_remote_engine
 
     local, _ = build_engine(str(TINY_DRAFT), str(TINY_TARGET), 1)
     rows = [("in process", *step_cpu(local, {"engine": os.getpid()}))]

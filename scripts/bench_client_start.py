@@ -29,8 +29,8 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from protos import blockspec_pb2 as pb  # noqa: E402
-from protos import blockspec_pb2_grpc as pb_grpc  # noqa: E402
+from blockspec.protos import blockspec_pb2 as pb  # noqa: E402
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc  # noqa: E402
 
 CONSOLE_SCRIPT = "from service.cli import main; main()"
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.engine import build_engine
-from service.requests import make_request
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat
-from workers.sampling import SamplingParams
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat
+from blockspec.workers.sampling import SamplingParams
 
 QUESTIONS = [
     "Explain what a hash map is in two sentences.",

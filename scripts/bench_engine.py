@@ -28,16 +28,15 @@ import time
 from pathlib import Path
 
 import torch
-
-from loadtest.prompts import prompt_ids
-from service.engine import build_engine
-from service.policy import AUTO
-from service.requests import make_request
-from verification import VERIFIERS
-from workers.draft import prefill
-from workers.llama import KVCache, Llama
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC, TOKEN_ONLY_DRAFT
-from workers.sampling import SamplingParams
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.service.engine import build_engine
+from blockspec.service.policy import AUTO
+from blockspec.service.requests import make_request
+from blockspec.verification import VERIFIERS
+from blockspec.workers.draft import prefill
+from blockspec.workers.llama import KVCache, Llama
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC, TOKEN_ONLY_DRAFT
+from blockspec.workers.sampling import SamplingParams
 
 
 def forward_ms(
@@ -97,9 +96,8 @@ def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=
 
 
 def run_hf_assisted(draft_dir, target_dir, prompts, temperature, new_tokens, dtype):
+    from blockspec.workers.models import DTYPES
     from transformers import AutoModelForCausalLM
-
-    from workers.models import DTYPES
 
     def load(path):
         return AutoModelForCausalLM.from_pretrained(

@@ -84,21 +84,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no progress bars, no
 
 import torch
 from bench_verify import make_inputs
-
-from loadtest.prompts import complete_function
-from service.engine import build_engine
-from service.policy import DEFAULT_ARMS
-from service.requests import make_request
-from verification import VERIFIERS, VerifyGraphs, verify
-from verification.graphs import GraphCache
-from workers import models as wm
-from workers.draft import prefill
-from workers.graphs import ForwardGraphs
-from workers.llama import KVCache, Llama, LlamaSpec
-from workers.sampling import SamplingParams, process
-from workers.step import VERIFY_GRAPHS
-from workers.target import path_rows
-from workers.tree import TREE_GRAPHS, build_tree
+from blockspec.loadtest.prompts import complete_function
+from blockspec.service.engine import build_engine
+from blockspec.service.policy import DEFAULT_ARMS
+from blockspec.service.requests import make_request
+from blockspec.verification import VERIFIERS, VerifyGraphs, verify
+from blockspec.verification.graphs import GraphCache
+from blockspec.workers import models as wm
+from blockspec.workers.draft import prefill
+from blockspec.workers.graphs import ForwardGraphs
+from blockspec.workers.llama import KVCache, Llama, LlamaSpec
+from blockspec.workers.sampling import SamplingParams, process
+from blockspec.workers.step import VERIFY_GRAPHS
+from blockspec.workers.target import path_rows
+from blockspec.workers.tree import TREE_GRAPHS, build_tree
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["none", *VERIFIERS]
@@ -186,7 +185,7 @@ def load_prompts(tokenizer, source: str, count: int, room: int) -> tuple[list[li
     HumanEval (as loadtest.prompts asks it) where installed and allowed, else BUILTIN_STUBS."""
     if source in ("auto", "humaneval"):
         try:
-            from loadtest.prompts import prompt_ids
+            from blockspec.loadtest.prompts import prompt_ids
 
             return prompt_ids(tokenizer, "humaneval", count, room), "humaneval"
         except ImportError:
@@ -924,9 +923,8 @@ def section_tp(args, pair: dict) -> dict:
     heads allow (SmolLM2-135M: 3; all on this device; gloo, since NCCL refuses two ranks on one
     GPU) against the whole target, float32: a prompt's prefill, then a draft tree's logits
     (K = 2 paths of γ = 4)."""
+    from blockspec.workers.tensor_parallel import TensorParallelTarget
     from transformers import AutoConfig
-
-    from workers.tensor_parallel import TensorParallelTarget
 
     dev = args.device
     if dev == "cuda":

@@ -27,10 +27,9 @@ import sys
 
 import torch
 from bench_engine import forward_ms, run_engine
-
-from loadtest.prompts import prompt_ids
-from service.engine import build_engine
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.service.engine import build_engine
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
 # name: (dtype, Llama's `packed` argument: None packs what packs_weights picks)
 LAYOUTS = {

@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from service.engine import build_engine
-from service.requests import make_request
-from service.results import StepTimes
-from workers.models import TINY_TARGET
-from workers.sampling import SamplingParams
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.service.results import StepTimes
+from blockspec.workers.models import TINY_TARGET
+from blockspec.workers.sampling import SamplingParams
 
 PHASES = StepTimes.PHASES
 
@@ -65,7 +64,7 @@ def save_micro_pair(root: Path) -> tuple[str, str]:
 
 def sleep_forwards(ms_by_layers: dict[int, float]) -> None:
     """In this process: every Llama forward takes at least ms_by_layers[its layer count]."""
-    from workers.llama import Llama
+    from blockspec.workers.llama import Llama
 
     compute = getattr(Llama.forward, "__wrapped_compute__", Llama.forward)
 
@@ -121,10 +120,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import ray
-
-    from service.app import start_ray
-    from service.config import ReplicaConfig, Settings
-    from service.replica import build_remote_engine
+    from blockspec.service.app import start_ray
+    from blockspec.service.config import ReplicaConfig, Settings
+    from blockspec.service.replica import build_remote_engine
 
     ms = {1: args.draft_ms, 2: args.target_ms}
     sleep_forwards(ms)

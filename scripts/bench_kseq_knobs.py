@@ -18,9 +18,8 @@ import functools
 
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
-
-from verification import VerifyGraphs, verify
-from verification.top_down import kernels as knobs
+from blockspec.verification import VerifyGraphs, verify
+from blockspec.verification.top_down import kernels as knobs
 
 
 def main() -> None:

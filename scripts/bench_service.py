@@ -27,14 +27,13 @@ from pathlib import Path
 
 import grpc
 import torch
-
-from loadtest.prompts import prompt_ids
-from service.config import Settings
-from service.engine import build_engine
-from service.requests import make_request
-from service.results import StepTimes
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
-from workers.sampling import SamplingParams
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.service.config import Settings
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.service.results import StepTimes
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
+from blockspec.workers.sampling import SamplingParams
 
 PHASES = StepTimes.PHASES
 
@@ -83,7 +82,7 @@ def _summary(wall, latencies, tokens, steps, times: StepTimes) -> dict:
 
 
 def through_service(args, ids, stub, replica, batch: int) -> dict:
-    from protos import blockspec_pb2 as pb
+    from blockspec.protos import blockspec_pb2 as pb
 
     def call(i_p):
         i, p = i_p
@@ -113,7 +112,7 @@ def through_service(args, ids, stub, replica, batch: int) -> dict:
 
 def session_reuse(stub, tokenizer, ids) -> dict:
     """Turn 2 of a session (KV of turn 1 parked on the replica) vs the same context cold."""
-    from protos import blockspec_pb2 as pb
+    from blockspec.protos import blockspec_pb2 as pb
 
     sid = f"bench-{time.time_ns()}"
     turn1 = pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=8, session_id=sid, seed=1)
@@ -149,11 +148,10 @@ PAIRS = {
 def bench_pair(args, name: str) -> dict:
     """Engine and service side by side on one model pair, at every batch size, alternated
     round by round (both warm: the engines stay built, the service up)."""
+    from blockspec.protos import blockspec_pb2 as pb
+    from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+    from blockspec.service.app import run
     from ray import serve
-
-    from protos import blockspec_pb2 as pb
-    from protos import blockspec_pb2_grpc as pb_grpc
-    from service.app import run
 
     draft, target = PAIRS[name]
     most = max(args.batch)

@@ -32,12 +32,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.everyday import everyday_ids  # noqa: E402
-from service.engine import build_engine  # noqa: E402
-from service.requests import make_request  # noqa: E402
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
-from workers.speculation import speculation_cache  # noqa: E402
+from blockspec.loadtest.everyday import everyday_ids  # noqa: E402
+from blockspec.service.engine import build_engine  # noqa: E402
+from blockspec.service.requests import make_request  # noqa: E402
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
+from blockspec.workers.sampling import SamplingParams  # noqa: E402
+from blockspec.workers.speculation import speculation_cache  # noqa: E402
 
 
 def run(

@@ -25,8 +25,7 @@ import statistics
 import time
 
 import torch
-
-from verification import METHODS, VERIFIERS, VerifyGraphs, verify
+from blockspec.verification import METHODS, VERIFIERS, VerifyGraphs, verify
 
 
 def make_inputs(b: int, k: int, gamma: int, vocab: int, device: str, seed: int = 0):

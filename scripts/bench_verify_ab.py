@@ -32,17 +32,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_verify import make_inputs  # noqa: E402
+from check_seeded_outputs import package_view  # noqa: E402
 
 
 def load_verification(root: Path):
-    """`verification` as it is under `root` (its own `workers` too)."""
-    for name in [n for n in sys.modules if n.split(".")[0] in ("service", "workers")]:
+    """`blockspec.verification` as it is under `root` (its own `workers` too)."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "blockspec"]:
         del sys.modules[name]
-    sys.path.insert(0, str(root))
+    view = str(package_view(root))
+    sys.path.insert(0, view)
     try:
-        return importlib.import_module("verification")
+        return importlib.import_module("blockspec.verification")
     finally:
-        sys.path.remove(str(root))
+        sys.path.remove(view)
 
 
 def inputs(b: int, k: int, gamma: int, vocab: int, support: int | None):

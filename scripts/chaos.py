@@ -38,11 +38,10 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import grpc
-
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.config import Settings
-from workers.models import TINY_DRAFT, TINY_TARGET
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.config import Settings
+from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
 
 METHODS = [("none", 1, 1), ("token", 1, 4), ("block", 1, 4), ("gbv", 2, 3), ("traversal", 2, 3)]
 # Codes a fault may cause by design; anything else is unexplained.
@@ -332,9 +331,8 @@ def main() -> None:
     ap.add_argument("--records", help="the run with every request's record (JSON)")
     ap.add_argument("--plot", help="RSS over time (PNG, needs matplotlib)")
     args = ap.parse_args()
+    from blockspec.service.app import run as run_service
     from ray import serve
-
-    from service.app import run as run_service
 
     with tempfile.TemporaryDirectory() as workdir:
         redis, url = start_redis(workdir)

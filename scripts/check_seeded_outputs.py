@@ -37,9 +37,9 @@ def _verify():
     # The library's home moved out of service/; ask the tree being recorded where it lives (an
     # installed package of the other layout may be importable too).
     if (ROOT / "verification").is_dir():
-        from verification import METHODS, VERIFIERS, verify
+        from blockspec.verification import METHODS, VERIFIERS, verify
     else:
-        from service.verification import METHODS, VERIFIERS, verify
+        from blockspec.service.verification import METHODS, VERIFIERS, verify  # older trees
     return METHODS, VERIFIERS, verify
 
 
@@ -92,21 +92,20 @@ def verifier_runs() -> dict[str, list]:
 
 
 def engine_runs() -> dict[str, list]:
+    from blockspec.service.engine import build_engine
+    from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
+    from blockspec.workers.sampling import SamplingParams
     from fake_device import FakeCuda
     from test_engine import make_engine, tiny_pair
     from test_feature_draft import random_fc
-
-    from service.engine import build_engine
-    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
-    from workers.sampling import SamplingParams
 
     METHODS, VERIFIERS, _ = _verify()
 
     def request(engine, prompt: list[int], new: int, method: str, k: int, sampling, seed: int):
         try:  # requests are built by the validator (service/requests.py) since it exists
-            from service.requests import make_request
+            from blockspec.service.requests import make_request
         except ImportError:  # older trees: the engine checked the request itself
-            from service.engine import GenerationRequest
+            from blockspec.service.engine import GenerationRequest
 
             return GenerationRequest(prompt, new, method, k, 3, sampling, seed=seed)
         return make_request(engine.limits, prompt, new, method, k, 3, sampling, seed=seed)
@@ -159,10 +158,23 @@ def record(path: Path) -> None:
     path.write_text(json.dumps(runs))
 
 
+def package_view(tree: Path) -> Path:
+    """A folder where `blockspec` is `tree`'s code: its top-level folders as the installed
+    package's subpackages (pyproject.toml maps them so). Put first on PYTHONPATH, it is found
+    before the editable install, which maps blockspec to this repository."""
+    view = tree / "_package_view"
+    (view / "blockspec").mkdir(parents=True, exist_ok=True)
+    for name in ("service", "workers", "verification", "protos", "loadtest"):
+        link = view / "blockspec" / name
+        if (tree / name).is_dir() and not link.exists():
+            link.symlink_to(tree / name)
+    return view
+
+
 def record_in(tree: Path, path: Path) -> None:
     """Run this script's recorder on the code of `tree`, in a fresh process (this script's:
     an older tree's own copy may not know the layout of a newer one)."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package_view(tree)), str(tree)]))
     script = tree / "_check_seeded_outputs.py"
     script.write_text(Path(__file__).read_text().replace("parents[1]", "parents[0]"))
     try:

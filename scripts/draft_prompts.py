@@ -22,8 +22,8 @@ import random
 import sysconfig
 from pathlib import Path
 
-from loadtest.everyday import HELD_OUT_TOPICS
-from loadtest.prompts import complete_function
+from blockspec.loadtest.everyday import HELD_OUT_TOPICS
+from blockspec.loadtest.prompts import complete_function
 
 Turns = list[dict[str, str]]
 

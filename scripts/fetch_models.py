@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from workers.models import (  # noqa: E402
+from blockspec.workers.models import (  # noqa: E402
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     FEATURE_FC,

@@ -19,8 +19,7 @@ import time
 
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
-
-from verification import VerifyGraphs, verify
+from blockspec.verification import VerifyGraphs, verify
 
 
 def gpu_profile(fn, top: int) -> dict:

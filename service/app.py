@@ -8,13 +8,12 @@ import os
 from typing import Any
 
 import ray
+from blockspec.service.config import Settings
+from blockspec.service.http_api import OpenAIFrontend, http_app
+from blockspec.service.ports import SERVE_EXCLUSIVE_ENV
+from blockspec.service.replica import Replica
 from fastapi import Request
 from ray import serve
-
-from service.config import Settings
-from service.http_api import OpenAIFrontend, http_app
-from service.ports import SERVE_EXCLUSIVE_ENV
-from service.replica import Replica
 
 # What a local cluster's processes (GCS, raylet, Serve's controller and proxy, the actors) read
 # at start. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: listen on 127.0.0.1 only; a real cluster's pods
@@ -39,7 +38,7 @@ class Gateway:
     path (service/http_api.py)."""
 
     async def __init__(self, replicas, settings: dict[str, Any]):
-        from service.gateway import GatewayServer
+        from blockspec.service.gateway import GatewayServer
 
         self.settings = Settings.model_validate(settings)
         info = await replicas.info.remote()
@@ -132,7 +131,7 @@ def start_ray(settings: Settings) -> None:
         include_dashboard=False,
         runtime_env={
             "env_vars": {key: os.environ[key] for key in LOCAL_CLUSTER_ENV},  # as set above
-            "worker_process_setup_hook": "service.app.serve_replicas_on_loopback",
+            "worker_process_setup_hook": "blockspec.service.app.serve_replicas_on_loopback",
         },
     )
 

@@ -45,10 +45,9 @@ def _exact(text: str) -> float:
 
 def demo(trials: int, seed: int) -> None:
     import torch
+    from blockspec.verification import verify
     from rich.console import Console
     from rich.table import Table
-
-    from verification import verify
 
     console = Console()
     gamma, gen = 2, torch.Generator().manual_seed(seed)
@@ -72,13 +71,12 @@ def demo(trials: int, seed: int) -> None:
 
 def generate_local(args) -> None:
     import torch
-
-    from protos import blockspec_pb2 as pb
-    from service.client import Reply, stats_line
-    from service.detokenizer import TextStream
-    from service.engine import build_engine
-    from service.requests import ChatTurn, RequestParams, RequestValidator
-    from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from blockspec.protos import blockspec_pb2 as pb
+    from blockspec.service.client import Reply, stats_line
+    from blockspec.service.detokenizer import TextStream
+    from blockspec.service.engine import build_engine
+    from blockspec.service.requests import ChatTurn, RequestParams, RequestValidator
+    from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     torch.set_num_threads(args.threads)
     draft = args.draft or str(DEFAULT_DRAFT)
@@ -129,7 +127,7 @@ def generate_local(args) -> None:
 def serve_settings(args):
     """One validated Settings: `blockspec serve` flags over env over the config file (nested
     sections merge, so --tp keeps the rest of the file's replica section)."""
-    from service.config import Settings
+    from blockspec.service.config import Settings
 
     names = ("host", "port", "http_port", "metrics_port", "redis_url", "ray_address")
     names += ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file")
@@ -152,7 +150,7 @@ def serve_forever(args) -> None:
     import asyncio
     import signal
 
-    from service.ports import check_free, listeners
+    from blockspec.service.ports import check_free, listeners
 
     settings = serve_settings(args)
     # Before Ray is even imported: a port that is not ours alone is refused, named with its
@@ -160,10 +158,9 @@ def serve_forever(args) -> None:
     if not (settings.ray_address or os.environ.get("RAY_ADDRESS")):
         check_free(settings.host, listeners(settings))
 
+    from blockspec.service.app import run
+    from blockspec.workers.models import check_pair
     from ray import serve
-
-    from service.app import run
-    from workers.models import check_pair
 
     # Before any Ray start: a pair that cannot work together is refused here, naming both.
     check_pair(settings.replica.draft_dir, settings.replica.target_dir)
@@ -366,7 +363,7 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "methods":
-        from verification import VERIFIERS
+        from blockspec.verification import VERIFIERS
 
         for v in VERIFIERS.values():
             paths = "K = 1" if v.single_path else "K >= 1"
@@ -374,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         demo(args.trials, args.seed)
     elif args.command == "serve":
-        from service.ports import PortTaken
+        from blockspec.service.ports import PortTaken
 
         try:
             serve_forever(args)
@@ -389,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
 def client_command(args) -> int:
     """generate and chat: every way they can fail ends as one `error: ...` line on stderr and
     exit status 1, never a traceback (an unforeseen failure says its type)."""
-    from service import client
+    from blockspec.service import client
 
     try:
         client.check_args(args)

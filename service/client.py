@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.auth import bearer, client_channel
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.auth import bearer, client_channel
 
 # Sampling and method fields a request may set; None (the flag's default) leaves the field
 # unset: the server's default then applies (Info tells which).

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from blockspec.service.policy import DEFAULT_ARMS, Arm
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -24,9 +26,6 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
-
-from service.policy import DEFAULT_ARMS, Arm
-from workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
 
@@ -200,7 +199,7 @@ class Settings(BaseSettings):
 
     def tokens(self) -> dict[str, str]:
         """principal -> token, from auth_tokens and auth_tokens_file."""
-        from service.auth import read_tokens_file
+        from blockspec.service.auth import read_tokens_file
 
         tokens = read_tokens_file(self.auth_tokens_file) if self.auth_tokens_file else {}
         return {**tokens, **self.auth_tokens}

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.engine import SpeculativeEngine
-from service.requests import GenerationRequest
-from service.results import GenerationResult, Progress, StepResult, StepTimes
-from workers.actors import WorkerLost
+from blockspec.service.engine import SpeculativeEngine
+from blockspec.service.requests import GenerationRequest
+from blockspec.service.results import GenerationResult, Progress, StepResult, StepTimes
+from blockspec.workers.actors import WorkerLost
 
 log = logging.getLogger(__name__)
 

@@ -39,18 +39,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from service.parking import Parked, Parking
-from service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
-from service.requests import GenerationRequest, Limits, context_needed
-from service.results import GenerationResult, Progress, RequestStats, StepResult, StepTimes
-from verification import TargetModification
-from workers.graphs import graphs_available
-from workers.proposers import build_proposer
-from workers.protocols import Draft, PrefillBatch, Target
-from workers.sampling import draft_key, verify_key
-from workers.speculation import speculation_cache
-from workers.step import (
+from blockspec.service.parking import Parked, Parking
+from blockspec.service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
+from blockspec.service.requests import GenerationRequest, Limits, context_needed
+from blockspec.service.results import (
+    GenerationResult,
+    Progress,
+    RequestStats,
+    StepResult,
+    StepTimes,
+)
+from blockspec.verification import TargetModification
+from blockspec.workers.graphs import graphs_available
+from blockspec.workers.proposers import build_proposer
+from blockspec.workers.protocols import Draft, PrefillBatch, Target
+from blockspec.workers.sampling import draft_key, verify_key
+from blockspec.workers.speculation import speculation_cache
+from blockspec.workers.step import (
     Step,
     StepExecutor,
     StepRunner,
@@ -59,7 +64,7 @@ from workers.step import (
     draft_keeps,
     on_device,
 )
-from workers.target import TargetWorker
+from blockspec.workers.target import TargetWorker
 
 
 @dataclass
@@ -467,8 +472,8 @@ def build_engine(
     device `cuda_graphs` replays the decode step's forwards from CUDA graphs (workers/graphs.py;
     the in-process target only: tensor-parallel ranks run eagerly).
     Returns (engine, tokenizer)."""
-    from workers.models import DTYPES, load_pair
-    from workers.tensor_parallel import TensorParallelTarget
+    from blockspec.workers.models import DTYPES, load_pair
+    from blockspec.workers.tensor_parallel import TensorParallelTarget
 
     d, t, tokenizer = load_pair(draft_dir, target_dir, dtype, device)
     # Positions past either model's trained context are refused, not silently extrapolated.

@@ -27,22 +27,15 @@ from typing import Any
 
 import grpc
 import ray
-from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from ray.serve.exceptions import BackPressureError
-from transformers import AutoTokenizer
-
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.auth import BearerAuth, server_credentials, warn_if_exposed
-from service.config import Settings
-from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
-from service.detokenizer import TextStream
-from service.policy import AUTO
-from service.ports import GRPC_EXCLUSIVE
-from service.requests import (
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.auth import BearerAuth, server_credentials, warn_if_exposed
+from blockspec.service.config import Settings
+from blockspec.service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed, RequestLost
+from blockspec.service.detokenizer import TextStream
+from blockspec.service.policy import AUTO
+from blockspec.service.ports import GRPC_EXCLUSIVE
+from blockspec.service.requests import (
     CHARS_PER_POSITION,
     CHAT_ROLES,
     MAX_STOP_CHARS,
@@ -57,8 +50,14 @@ from service.requests import (
     RequestParams,
     RequestValidator,
 )
-from service.results import RequestStats, StepTimes
-from service.sessions import Session, SessionStore, StoreUnavailableError, open_store
+from blockspec.service.results import RequestStats, StepTimes
+from blockspec.service.sessions import Session, SessionStore, StoreUnavailableError, open_store
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from ray.serve.exceptions import BackPressureError
+from transformers import AutoTokenizer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}

@@ -37,16 +37,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Literal
 
 import grpc
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.service.gateway import Refusal
+from blockspec.service.requests import ChatTurn, RequestParams
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
-
-from protos import blockspec_pb2 as pb
-from service.gateway import Refusal
-from service.requests import ChatTurn, RequestParams
 
 # The gateway's status codes as HTTP statuses and OpenAI error types.
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.requests import GenerationRequest
+from blockspec.service.requests import GenerationRequest
 
 # A parked prefix is taken only for at least this many shared tokens: fewer save less prefill
 # than moving the slot costs, and would evict the entry for another request's sake.

@@ -40,9 +40,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from verification import VERIFIERS
-from workers.step import PLAIN
+from blockspec.verification import VERIFIERS
+from blockspec.workers.step import PLAIN
 
 AUTO = "auto"
 

@@ -23,13 +23,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ray import serve
-
-from service.config import ReplicaConfig, Resources
-from service.coordinator import Coordinator, Done, Emitted, Event, Failed
-from service.engine import SpeculativeEngine
-from service.policy import AUTO, AutoPolicy
-from service.requests import (
+from blockspec.service.config import ReplicaConfig, Resources
+from blockspec.service.coordinator import Coordinator, Done, Emitted, Event, Failed
+from blockspec.service.engine import SpeculativeEngine
+from blockspec.service.policy import AUTO, AutoPolicy
+from blockspec.service.requests import (
     FinishedEvent,
     GenerationRequest,
     MethodInfo,
@@ -37,8 +35,9 @@ from service.requests import (
     ReplicaStats,
     TokensEvent,
 )
-from service.results import StepTimes
-from verification import VERIFIERS
+from blockspec.service.results import StepTimes
+from blockspec.verification import VERIFIERS
+from ray import serve
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
 
@@ -79,8 +78,8 @@ def _step_metrics():
 def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str, Any]]:
     """Engine over a draft actor and the target shard group (a `RemoteRunner`); returns
     (engine, model info)."""
-    from workers.actors import ActorSpec, RemoteRunner, start_draft, start_target
-    from workers.models import check_pair
+    from blockspec.workers.actors import ActorSpec, RemoteRunner, start_draft, start_target
+    from blockspec.workers.models import check_pair
 
     _, vocab_size, context = check_pair(cfg.draft_dir, cfg.target_dir)
     max_len = min(cfg.max_len, context)

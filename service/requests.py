@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from service.policy import AUTO, PLAIN
-from verification import VERIFIERS
-from workers.models import render_chat
-from workers.sampling import SamplingParams
+from blockspec.service.policy import AUTO, PLAIN
+from blockspec.verification import VERIFIERS
+from blockspec.workers.models import render_chat
+from blockspec.workers.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports this module
-    from service.results import RequestStats
+    from blockspec.service.results import RequestStats
 
 
 class InvalidArgument(ValueError):

@@ -493,7 +493,7 @@ class FakeCuda:
         """VerifyGraphs.run: the verifier called eagerly, counted as a GPU runs it: a replay
         with its inputs' copies in and outputs' copies out, or eager where its inputs are too
         large for a graph (verification/graphs.py)."""
-        from verification import graphs
+        from blockspec.verification import graphs
 
         tensors = graphs._flatten(inputs)
         if not graphs.fits_graph(tensors):
@@ -510,8 +510,8 @@ class FakeCuda:
         setattr(owner, name, value)
 
     def __enter__(self) -> FakeCuda:
-        from verification import graphs, kernels
-        from workers.graphs import CallGraphs, ForwardGraphs
+        from blockspec.verification import graphs, kernels
+        from blockspec.workers.graphs import CallGraphs, ForwardGraphs
 
         self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
         self._patch(
@@ -547,7 +547,7 @@ def to_fake(obj):
 def to_fake_model(model):
     """A copy of a ``workers.llama.Llama`` built on the CPU, its tensors on the fake device
     (weights packed for oneDNN cannot move: build the model with ``packed=False``)."""
-    from workers.llama import Linear
+    from blockspec.workers.llama import Linear
 
     if any(isinstance(m, Linear) and m.packed for m in model.modules()):
         raise ValueError("a packed weight cannot move to the fake device")

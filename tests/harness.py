@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from blockspec.verification.tensors import sample_from_weights
 from scipy import stats
-
-from verification.tensors import sample_from_weights
 
 # The reference instances and their exact laws (docs/verification.md §12); they are recomputed
 # by tests/reference_laws.py (tests/test_reference_numbers.py runs its check).
@@ -45,7 +44,7 @@ DEVICE = torch.device(os.environ.get("BLOCKSPEC_TEST_DEVICE", "cpu"))
 # (BLOCKSPEC_TEST_GRAPHS=0: eager).
 GRAPHS = None
 if DEVICE.type == "cuda" and os.environ.get("BLOCKSPEC_TEST_GRAPHS", "1") != "0":
-    from verification import VerifyGraphs
+    from blockspec.verification import VerifyGraphs
 
     GRAPHS = VerifyGraphs()
 
@@ -123,7 +122,7 @@ def sample_paths(
 
 def one_iteration(method, target, draft, n, k, gamma, seed, dtype=torch.float32, chunk=50_000):
     """Run n independent one-iteration trials; returns list of emitted-sequence strings."""
-    from verification import verify
+    from blockspec.verification import verify
 
     gen = torch.Generator().manual_seed(seed)
     outcomes = []
@@ -276,7 +275,7 @@ def sequence_codes(seq: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def method_step(method: str, thread_carry: bool = True):
     """A loop step calling ``verify``; thread_carry=False drops the carry (a lossy mutant)."""
-    from verification import verify
+    from blockspec.verification import verify
 
     def step(x, q, p, gen, carry):
         return on_device(verify, method, x, q, p, gen, carry=carry if thread_carry else None)

@@ -632,8 +632,8 @@ def compare(committed: dict, fresh: dict) -> tuple[list[str], float]:
 def check_toy_fractions(instances: dict) -> list[str]:
     """The toy instance in rational arithmetic: E[τ] equals the fractions that ``blockspec demo``
     prints and §12 lists (SpecTr's to the 6 decimals given: ρ* is irrational)."""
-    from service.cli import TOY_EXACT
-    from verification import VERIFIERS
+    from blockspec.service.cli import TOY_EXACT
+    from blockspec.verification import VERIFIERS
 
     method_of = {registry: spec for spec, registry in SPEC_NAMES.items()}
     fresh = recompute({"toy": instances["toy"]}, exact=True)[0]["numbers"]["toy"]

@@ -34,6 +34,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from blockspec.verification import METHODS, VERIFIERS, Backend, common, gbv, top_down, verify
+from blockspec.verification import token as token_module
 from harness import (
     ALPHA,
     TableModel,
@@ -47,9 +49,6 @@ from harness import (
     random_rows,
     sequence_codes,
 )
-
-from verification import METHODS, VERIFIERS, Backend, common, gbv, top_down, verify
-from verification import token as token_module
 
 V = 16
 GAMMA = 3

@@ -11,8 +11,7 @@ from multiprocessing import AuthenticationError
 
 import pytest
 import torch
-
-from workers import channel
+from blockspec.workers import channel
 
 
 @pytest.fixture()

@@ -17,17 +17,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.cli import build_parser, main
+from blockspec.service.client import ClientError, Reply, config_ran, stats_line
 
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.cli import build_parser, main
-from service.client import ClientError, Reply, config_ran, stats_line
 from tests.cli_process import BLOCKSPEC
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "transformers", "ray", "numpy", "tokenizers", "safetensors", "rich"}
-HEAVY |= {"pydantic", "redis", "prometheus_client", "workers", "loadtest"}
-LIGHT_SERVICE = {"service", "service.cli", "service.client", "service.auth"}
+HEAVY |= {"pydantic", "redis", "prometheus_client", "blockspec.workers", "blockspec.loadtest"}
+LIGHT_SERVICE = {"blockspec.service", "blockspec.service.cli", "blockspec.service.client"}
+LIGHT_SERVICE |= {"blockspec.service.auth"}
 
 
 class FakeGenerator(pb_grpc.GeneratorServicer):
@@ -155,7 +156,7 @@ def test_an_unreachable_server_is_an_error_line_and_a_nonzero_status():
 
 IMPORTS = """
 import json, sys
-from service.cli import main
+from blockspec.service.cli import main
 for argv in {argvs!r}:
     try:
         main(argv)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-
-from service.config import Settings
+from blockspec.service.config import Settings
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -74,10 +73,12 @@ def test_cuda_without_gpus_is_refused_naming_the_field():
 
 
 def test_serve_flags_override_env_and_are_validated(monkeypatch):
-    from service.cli import main, serve_settings
+    from blockspec.service.cli import main, serve_settings
 
     captured = {}
-    monkeypatch.setattr("service.cli.serve_forever", lambda args: captured.update(args=args))
+    monkeypatch.setattr(
+        "blockspec.service.cli.serve_forever", lambda args: captured.update(args=args)
+    )
     monkeypatch.setenv("BLOCKSPEC_REPLICA__MAX_K", "3")
     main(["serve", "--port", "0", "--tp", "2", "--replicas", "1-3"])
     s = serve_settings(captured["args"])

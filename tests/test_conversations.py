@@ -16,8 +16,7 @@ import time
 
 import openai
 import pytest
-
-from protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2 as pb
 
 pytestmark = pytest.mark.xdist_group("ray")
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from verification import Backend, block, choose_backend, gbv
-from verification.gbv import loops as gbv_loops
-from verification.top_down import loops as top_down_loops
+from blockspec.verification import Backend, block, choose_backend, gbv
+from blockspec.verification.gbv import loops as gbv_loops
+from blockspec.verification.top_down import loops as top_down_loops
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 
@@ -133,7 +132,7 @@ def test_kseq_rho_equals_the_torch_search(vocab, ties):
     """SpecTr's ρ* and β(ρ*) from the kernel against top_down.kseq_rho_all's torch ops, for
     n = 2..5 candidates: the same prefix sums and probes; ρ* equal up to the last bits of
     (1 - β)^n, which torch's vectorised pow and the compiled one may round differently."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     p, q = rows(vocab, seed=vocab + 7, ties=ties)
     nf = torch.arange(8).remainder(4).add(2).double()
@@ -149,7 +148,7 @@ def test_kseq_rho_with_ratios_at_the_search_bounds(n):
     """The kernel ranks only the ratios in [1, n) and sums the rest apart: rows whose ratios
     are exactly 1 (a probe at ρ = 1 counts them above it), exactly n (above every probe) or
     0, against the torch search over every token."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     vocab = 4096
     q = torch.full((3, vocab), 1 / vocab)
@@ -170,7 +169,7 @@ def test_kseq_rho_with_ratios_at_the_search_bounds(n):
 def test_draft_support_equals_the_torch_ops():
     """common.draft_support through the kernel against its torch ops: a sparse draft (the
     union of the rows' supports), a dense one, and one whose first row alone is sparse."""
-    from verification import common
+    from blockspec.verification import common
 
     gen = torch.Generator().manual_seed(0)
     q = torch.rand(6, 1000, generator=gen)
@@ -288,8 +287,8 @@ def test_kseq_residual_draws_equal_the_torch_ops(vocab):
     """top_down_loops.kseq_residual_tokens against spectr_rule's residual as torch ops,
     y ~ (p - min(q, p/ρ)·scale)_+, for ρ from 1 to 3 and 40 uniforms a row; row 0 has p = q at
     ρ = scale = 1, nothing left: p is drawn instead."""
-    from verification.common import positive_part_or
-    from verification.tensors import sample_from_weights
+    from blockspec.verification.common import positive_part_or
+    from blockspec.verification.tensors import sample_from_weights
 
     p, q = rows(vocab, seed=vocab + 11, ties=False)
     p[0] = q[0]

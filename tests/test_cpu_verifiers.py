@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from verification import VERIFIERS, Backend, verify
-from verification.modification import apply_records
+from blockspec.verification import VERIFIERS, Backend, verify
+from blockspec.verification.modification import apply_records
 
 VOCABS = [7, 300, 5003]  # below and above one vector of lanes, and no multiple of one
 

@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-
-from service.engine import build_engine
-from service.requests import (
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import (
     ChatTurn,
     InvalidArgument,
     Limits,
@@ -21,7 +20,7 @@ from service.requests import (
     RequestValidator,
     make_request,
 )
-from workers.models import (
+from blockspec.workers.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     HEAD_SCALE,
@@ -32,7 +31,7 @@ from workers.models import (
     render_chat,
     user_turn,
 )
-from workers.sampling import SamplingParams
+from blockspec.workers.sampling import SamplingParams
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -103,7 +102,7 @@ def test_greedy_chat_answer_equals_hugging_face(tokenizer):
 
 
 def test_messages_render_with_the_chat_template(tokenizer):
-    from service.gateway import _default_template
+    from blockspec.service.gateway import _default_template
 
     # What Info.chat_template sends: the template clients render later session turns with.
     assert "<|im_start|>" in _default_template(tokenizer.chat_template)
@@ -144,8 +143,8 @@ def test_messages_render_with_the_chat_template(tokenizer):
 
 
 def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):
-    from service.cli import main
-    from workers.models import TINY_DRAFT
+    from blockspec.service.cli import main
+    from blockspec.workers.models import TINY_DRAFT
 
     with pytest.raises(SystemExit) as exit_:
         ports = ["--port", "0", "--http-port", "0", "--metrics-port", "0"]  # none probed

@@ -22,16 +22,15 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from blockspec.service import app as service_app
+from blockspec.service.config import Settings
+from blockspec.service.ports import SERVE_EXCLUSIVE_ENV
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.config import AutoscalingConfig, ProxyLocation
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
-
-from service import app as service_app
-from service.config import Settings
-from service.ports import SERVE_EXCLUSIVE_ENV
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 SERVE_CONFIG = DEPLOY / "serve_config.yaml"
@@ -359,7 +358,7 @@ def no_ray(monkeypatch):
 def test_serve_config_is_valid(source, no_ray):
     cfg = CONFIGS[source]()
     app = the_app(cfg)
-    assert app["import_path"] == "service.app:app_builder"
+    assert app["import_path"] == "blockspec.service.app:app_builder"
     assert config_problems(cfg) == []  # runs the builder
 
 
@@ -393,7 +392,7 @@ def test_dockerfile_matches_the_configs():
 
 
 def test_dockerfile_command_is_a_valid_cli_call(capsys):
-    from service.cli import main
+    from blockspec.service.cli import main
 
     cmd = [rest for name, rest in dockerfile_instructions(DOCKERFILE.read_text()) if name == "CMD"]
     assert len(cmd) == 1
@@ -480,7 +479,7 @@ def test_override_disagreeing_with_args_is_caught():
 def test_bad_serve_options_are_caught():
     def bad(app):
         app["deployments"][1]["ray_actor_options"]["num_cpu"] = 1
-        app["import_path"] = "service.app:build"
+        app["import_path"] = "blockspec.service.app:build"
         app["route_prefix"] = "/"
 
     problems = config_problems(broken(bad))

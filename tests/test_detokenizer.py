@@ -8,10 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from blockspec.service.detokenizer import TextStream
+from blockspec.workers.models import DEFAULT_TARGET, TINY_TARGET
 from transformers import AutoTokenizer
-
-from service.detokenizer import TextStream
-from workers.models import DEFAULT_TARGET, TINY_TARGET
 
 TEXTS = [
     "emoji 🙂🚀 and a family 👨‍👩‍👧 in one line",

@@ -39,12 +39,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from blockspec.verification import METHODS, VERIFIERS
+from blockspec.workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
 from harness import ALPHA
 from test_engine import engine_law_pvalue, exact_target_law, make_engine, save_tiny, tiny_config
 
 from tests.live_service import stop_remote_engine
-from verification import METHODS, VERIFIERS
-from workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
 
 KINDS = ("token", "feature", "feature_reduced")
 PROMPT, LENGTH, GAMMA, VOCAB, TRIALS = [1, 4, 2], 3, 2, 6, 6000
@@ -115,7 +115,7 @@ def test_the_carried_records_mutant_is_lossy_with_a_feature_draft(pairs, monkeyp
     target's true features while a record is live) the same test fails."""
     from dataclasses import replace
 
-    from workers import step as step_module
+    from blockspec.workers import step as step_module
 
     verify_step = step_module.verify_step
 
@@ -152,7 +152,7 @@ SEEDED_PROMPT = [(i * 5 + 1) % VOCAB for i in range(20)]
 
 @pytest.fixture
 def float64(monkeypatch) -> str:
-    from workers import models
+    from blockspec.workers import models
 
     monkeypatch.setitem(models.DTYPES, "float64", torch.float64)
     return "float64"
@@ -161,8 +161,8 @@ def float64(monkeypatch) -> str:
 def _seeded_follow_ups(engine, method: str, session: bool) -> list[tuple[list[int], int]]:
     """Per seed: a request, then one that extends its prompt and output (as a chat's next
     turn does), through a session or a cached prefix; the second's tokens and cached tokens."""
-    from service.requests import GenerationRequest
-    from workers.sampling import SamplingParams
+    from blockspec.service.requests import GenerationRequest
+    from blockspec.workers.sampling import SamplingParams
 
     def ask(prompt: list[int], new: int, seed: int, where: dict):
         request = GenerationRequest(
@@ -191,7 +191,7 @@ def test_seeded_output_is_the_same_with_and_without_parked_kv(
     what a cold prefill computes from the target's: parked KV is reused only up to the first
     of them. Before, 22-25 of 30 seeded follow-ups of greedy_block and spectr_gbv changed on
     a hit, and 17-19 of 20 of block, gbv and token with the speculation cache, in float64."""
-    from service.engine import build_engine
+    from blockspec.service.engine import build_engine
 
     draft_dir, target_dir = save_pair(tmp_path, "feature")
 
@@ -213,9 +213,9 @@ def test_speculation_cache_output_is_batch_independent_up_to_rounding(tmp_path, 
     """With the speculation cache a feature draft chains its own features from step to step,
     which amplifies float32's batch-shape rounding (docs/client.md: the boundary); the logic
     itself leaves a seeded request's tokens the same alone and in a batch of 24."""
-    from service.engine import build_engine
-    from service.requests import GenerationRequest
-    from workers.sampling import SamplingParams
+    from blockspec.service.engine import build_engine
+    from blockspec.service.requests import GenerationRequest
+    from blockspec.workers.sampling import SamplingParams
 
     draft_dir, target_dir = save_pair(tmp_path, "feature")
     requests = [
@@ -255,8 +255,8 @@ def test_output_law_through_the_actors(service, tmp_path, method, kind):
     """The same law through a replica's Ray actors (draft actor -> target rank 0, which
     verifies), where the draft's kept features live in the draft actor between steps."""
 
-    from service.config import ReplicaConfig
-    from service.replica import build_remote_engine
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.replica import build_remote_engine
 
     draft_dir, target_dir = save_pair(tmp_path, kind)
     law = exact_target_law(load_model(target_dir).build(), PROMPT, LENGTH, VOCAB)

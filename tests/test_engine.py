@@ -16,22 +16,21 @@ from collections import Counter
 
 import pytest
 import torch
+from blockspec.service.engine import SpeculativeEngine
+from blockspec.service.policy import PLAIN
+from blockspec.service.requests import GenerationRequest, InvalidArgument, make_request
+from blockspec.verification import METHODS, VERIFIERS, CounterDraws, verify
+from blockspec.verification.tensors import gather_rows, rows_at
+from blockspec.workers.draft import padding_groups, prefill
+from blockspec.workers.llama import KVCache, Llama, LlamaSpec
+from blockspec.workers.proposers import build_proposer
+from blockspec.workers.sampling import SamplingParams, sample, verify_key
+from blockspec.workers.speculation import SpeculationCache
+from blockspec.workers.step import StepRunner, VerifyPlan, verify_step
+from blockspec.workers.target import TargetWorker
+from blockspec.workers.tree import build_tree
 from harness import ALPHA, chi_square
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from service.engine import SpeculativeEngine
-from service.policy import PLAIN
-from service.requests import GenerationRequest, InvalidArgument, make_request
-from verification import METHODS, VERIFIERS, CounterDraws, verify
-from verification.tensors import gather_rows, rows_at
-from workers.draft import padding_groups, prefill
-from workers.llama import KVCache, Llama, LlamaSpec
-from workers.proposers import build_proposer
-from workers.sampling import SamplingParams, sample, verify_key
-from workers.speculation import SpeculationCache
-from workers.step import StepRunner, VerifyPlan, verify_step
-from workers.target import TargetWorker
-from workers.tree import build_tree
 
 
 def tiny_config(vocab: int, **overrides) -> LlamaConfig:
@@ -447,7 +446,7 @@ def save_tiny(path, vocab: int, context: int = 2048) -> None:
 
 
 def test_mismatched_vocabularies_are_refused(tmp_path):
-    from workers.models import check_pair, load_pair
+    from blockspec.workers.models import check_pair, load_pair
 
     save_tiny(tmp_path / "draft", 40)
     save_tiny(tmp_path / "target", 48)
@@ -457,7 +456,7 @@ def test_mismatched_vocabularies_are_refused(tmp_path):
 
 
 def test_missing_model_directories_say_what_to_set(tmp_path):
-    from workers.models import DEFAULT_TARGET, load_model
+    from blockspec.workers.models import DEFAULT_TARGET, load_model
 
     with pytest.raises(ValueError, match=r"has no config\.json$"):
         load_model(tmp_path / "nowhere")
@@ -466,7 +465,7 @@ def test_missing_model_directories_say_what_to_set(tmp_path):
 
 
 def test_engine_context_is_capped_at_the_models_context(tmp_path):
-    from service.engine import build_engine
+    from blockspec.service.engine import build_engine
 
     save_tiny(tmp_path / "draft", 40, context=96)
     save_tiny(tmp_path / "target", 40, context=64)

@@ -16,6 +16,14 @@ from collections import Counter
 
 import pytest
 import torch
+from blockspec.verification import (
+    METHODS,
+    ROW_SUM_TOL,
+    VERIFIERS,
+    Backend,
+    TargetModification,
+    verify,
+)
 from harness import (
     ALPHA,
     SPEC_NAMES,
@@ -31,15 +39,6 @@ from harness import (
     random_rows,
     reference_models,
     sample_paths,
-)
-
-from verification import (
-    METHODS,
-    ROW_SUM_TOL,
-    VERIFIERS,
-    Backend,
-    TargetModification,
-    verify,
 )
 
 INSTANCES, NUMBERS = load_reference()
@@ -570,8 +569,8 @@ def test_specinfer_computes_low_precision_rows_in_float32():
     t = 1 + z_1 rounds back to 1 and p - t q cancels where p ≈ q. So bfloat16 rows give exactly
     the tokens of the same values in float32. Rows with p within 0.2% of q (small residual
     masses) and uniforms near 1 (most candidates rejected) reach the deeper levels."""
-    from verification.backends import choose_backend
-    from verification.top_down import specinfer_rule
+    from blockspec.verification.backends import choose_backend
+    from blockspec.verification.top_down import specinfer_rule
 
     gen = torch.Generator().manual_seed(0)
     n, vocab, k = 200_000, 8, 4
@@ -609,7 +608,7 @@ def test_specinfer_levels_read_lazily_give_the_same_tokens():
     recovered row only when some row rejected every candidate; on an accelerator it computes
     all of them without host reads. Both give the same tokens, on nodes with 1-4 of the 4
     paths as candidates and uniforms from everything-accepted to everything-rejected."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     gen = torch.Generator().manual_seed(1)
     n, vocab, k = 4000, 12, 4
@@ -630,7 +629,7 @@ def test_gbv_mass_below_the_path_equals_the_ranked_sums(dtype):
     """C(x_i), the q-mass ranked below each drafted token, summed by one comparison per row
     (no sort) equals the running sum over the row sorted by (p/q, id) at x_i, ties by id
     included: p/q is quantised to a few values, and rows where p = q tie every token."""
-    from verification import gbv
+    from blockspec.verification import gbv
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(64, 4, 300, generator=gen, dtype=torch.float64).softmax(-1)
@@ -664,7 +663,7 @@ def test_kseq_rho_is_the_smallest_feasible_ratio(monkeypatch, reads_free, search
     candidate (ρ* = 1) among them; both on CPU's path (those nodes picked out) and on the
     accelerators' (every row solved at once), with the CPU's narrow search, the GPU's wide
     one and the CUDA kernels' grid (taken here on CPU; 2^28 parts: within 6e-8 of it)."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     backend = Backend.NUMBA if reads_free else Backend.TORCH_DEVICE
 

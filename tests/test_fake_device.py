@@ -26,27 +26,26 @@ import sys
 import textwrap
 from collections import Counter
 
+import blockspec.workers.actors as actors
+import blockspec.workers.channel as channel
 import pytest
 import torch
+from blockspec import workers
+from blockspec.service.engine import SpeculativeEngine, build_engine
+from blockspec.service.policy import AUTO, PLAIN
+from blockspec.service.requests import GenerationRequest, Limits, make_request
+from blockspec.verification import METHODS, VERIFIERS
+from blockspec.workers.draft import DraftProposer
+from blockspec.workers.feature_draft import FeatureDraft, FeatureFeed
+from blockspec.workers.llama import KVCache, LlamaSpec
+from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.step import StepRunner
+from blockspec.workers.target import TargetWorker
+from blockspec.workers.token_draft import TokenFeed
 from fake_device import FakeCuda, is_fake, to_fake_model
 from test_engine import make_engine, tiny_pair
 from test_feature_draft import random_fc
-
-import workers.actors as actors
-import workers.channel as channel
-import workers.step
-from service.engine import SpeculativeEngine, build_engine
-from service.policy import AUTO, PLAIN
-from service.requests import GenerationRequest, Limits, make_request
-from verification import METHODS, VERIFIERS
-from workers.draft import DraftProposer
-from workers.feature_draft import FeatureDraft, FeatureFeed
-from workers.llama import KVCache, LlamaSpec
-from workers.models import TINY_DRAFT, TINY_TARGET
-from workers.sampling import SamplingParams
-from workers.step import StepRunner
-from workers.target import TargetWorker
-from workers.token_draft import TokenFeed
 
 MAX_BATCH, MAX_LEN = 4, 96
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from blockspec.service.requests import GenerationRequest, make_request
+from blockspec.workers.draft import prefill
+from blockspec.workers.llama import KVCache, Llama
+from blockspec.workers.sampling import SamplingParams
 from harness import ALPHA
 from test_engine import (
     greedy_reference,
@@ -20,11 +24,6 @@ from test_engine import (
     sampled_law_pvalue,
     tiny_pair,
 )
-
-from service.requests import GenerationRequest, make_request
-from workers.draft import prefill
-from workers.llama import KVCache, Llama
-from workers.sampling import SamplingParams
 
 
 def random_fc(E: int, scale: float, seed: int = 0) -> torch.Tensor:
@@ -135,10 +134,9 @@ def test_sampled_output_law_equals_target_law(method, k):
 
 
 def test_a_feature_draft_loads_from_its_directory(tmp_path):
+    from blockspec.workers.models import FEATURE_FC, load_model
     from safetensors.torch import save_file
     from test_engine import save_tiny
-
-    from workers.models import FEATURE_FC, load_model
 
     save_tiny(tmp_path, vocab=16)
     save_file({"weight": torch.randn(32, 64)}, tmp_path / FEATURE_FC)
@@ -154,10 +152,9 @@ def save_feature_draft(target_dir, out, scale: float = 0.3) -> None:
     head, reading the features through `random_fc`."""
     import shutil
 
+    from blockspec.workers.models import FEATURE_FC
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    from workers.models import FEATURE_FC
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     cfg = target.config
@@ -174,7 +171,7 @@ def save_feature_draft(target_dir, out, scale: float = 0.3) -> None:
 def test_a_feature_draft_must_match_the_targets_width(tmp_path):
     import shutil
 
-    from workers.models import FEATURE_FC, TINY_DRAFT, TINY_TARGET, check_pair
+    from blockspec.workers.models import FEATURE_FC, TINY_DRAFT, TINY_TARGET, check_pair
 
     shutil.copytree(TINY_DRAFT, tmp_path / "draft")  # hidden 128; the tiny target's is 256
     (tmp_path / "draft" / FEATURE_FC).write_bytes(b"")

@@ -9,16 +9,15 @@ import random
 
 import grpc
 import pytest
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
+from blockspec.service.detokenizer import TextStream
+from blockspec.service.gateway import refusal_of, request_params
+from blockspec.service.requests import InvalidArgument, Limits, RequestValidator
+from blockspec.service.sessions import StoreUnavailableError
+from blockspec.workers.models import TINY_TARGET
 from ray.serve.exceptions import BackPressureError
 from transformers import AutoTokenizer
-
-from protos import blockspec_pb2 as pb
-from service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
-from service.detokenizer import TextStream
-from service.gateway import refusal_of, request_params
-from service.requests import InvalidArgument, Limits, RequestValidator
-from service.sessions import StoreUnavailableError
-from workers.models import TINY_TARGET
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # sum\n",

@@ -11,17 +11,16 @@ generation crosses several of them.
 
 from __future__ import annotations
 
+import blockspec.workers.graphs as graphs
+import blockspec.workers.llama as llama
 import pytest
 import torch
+from blockspec.service.requests import make_request
+from blockspec.workers.graphs import ForwardGraphs, batch_bucket, window_bucket
+from blockspec.workers.llama import KVCache
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.token_draft import TokenDraft
 from test_engine import MIXED, make_engine, tiny_pair
-
-import workers.graphs as graphs
-import workers.llama as llama
-from service.requests import make_request
-from workers.graphs import ForwardGraphs, batch_bucket, window_bucket
-from workers.llama import KVCache
-from workers.sampling import SamplingParams
-from workers.token_draft import TokenDraft
 
 
 @pytest.fixture(scope="module")
@@ -265,10 +264,10 @@ def test_a_target_shard_replays_where_asked_and_unsplit(monkeypatch):
     """The service's switch (ReplicaConfig.cuda_graphs, through ActorSpec): a shard replays its
     tree pass where graphs are available (faked here: the capture itself needs a GPU) unless
     told not to, and never when split (its forward all-reduces)."""
-    from service.config import ReplicaConfig
-    from workers import tensor_parallel
-    from workers.models import TINY_TARGET
-    from workers.tensor_parallel import TargetShard
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.workers import tensor_parallel
+    from blockspec.workers.models import TINY_TARGET
+    from blockspec.workers.tensor_parallel import TargetShard
 
     assert ReplicaConfig().cuda_graphs and not ReplicaConfig(cuda_graphs=False).cuda_graphs
     monkeypatch.setattr(tensor_parallel, "graphs_available", lambda device: True)

@@ -47,7 +47,8 @@ def package_imports() -> dict[str, set[str]]:
                 names = [node.module]
             else:
                 continue
-            graph[package] |= {n.split(".")[0] for n in names} & set(PACKAGES) - {package}
+            tops = {n.split(".")[1] for n in names if n.startswith("blockspec.")}
+            graph[package] |= tops & set(PACKAGES) - {package}
     return graph
 
 

@@ -12,12 +12,12 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.service.auth import BearerAuth
+from blockspec.service.gateway import Refusal
+from blockspec.service.http_api import ApiError, OpenAIFrontend, request_timeout
 from starlette.requests import Request
 
-from protos import blockspec_pb2 as pb
-from service.auth import BearerAuth
-from service.gateway import Refusal
-from service.http_api import ApiError, OpenAIFrontend, request_timeout
 from tests.test_service import poll_gateway_metrics, scrape, stats, wait_idle
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
@@ -421,7 +421,7 @@ def test_authorization_mirrors_the_grpc_interceptor():
 
 
 def test_http_api_settings_default_to_loopback_8000_and_accept_0_for_off():
-    from service.config import Settings
+    from blockspec.service.config import Settings
 
     assert Settings(http_port=0).http_port == 0
     assert Settings().http_port == 8000 and Settings().host == "127.0.0.1"
@@ -491,9 +491,9 @@ def test_the_docs_list_every_extra_field_refused_field_and_limit():
     """docs/openai_api.md is the API's reference: it must keep up with the code."""
     from pathlib import Path
 
-    from service.config import ReplicaConfig
-    from service.http_api import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, EXTENSIONS
-    from service.requests import (
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.http_api import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, EXTENSIONS
+    from blockspec.service.requests import (
         CHARS_PER_POSITION,
         CHAT_ROLES,
         MAX_STOP_CHARS,

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKERS = sorted(f"workers.{p.stem}" for p in (REPO / "workers").glob("*.py"))
+WORKERS = sorted(f"blockspec.workers.{p.stem}" for p in (REPO / "workers").glob("*.py"))
 
 
 def fresh_python(code: str) -> str:
@@ -31,7 +31,7 @@ def test_importing_the_verification_library_sets_no_ray_variables():
         import json, os
         ray_vars = lambda: {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
         before = ray_vars()
-        import verification
+        from blockspec import verification
         print(json.dumps([before, ray_vars()]))
     """
     before, after = json.loads(fresh_python(code))
@@ -43,7 +43,7 @@ def test_workers_modules_import_no_service_module():
         import importlib, json, sys
         for name in {WORKERS!r}:
             importlib.import_module(name)
-        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "service")))
+        print(json.dumps(sorted(m for m in sys.modules if m.startswith("blockspec.service"))))
     """
     assert json.loads(fresh_python(code)) == []
 
@@ -58,5 +58,5 @@ def test_workers_sources_name_no_service_module():
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
-            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "service"]
+            found += [f"{path.name}: {n}" for n in names if n.startswith("blockspec.service")]
     assert found == []

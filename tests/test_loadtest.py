@@ -8,10 +8,9 @@ import json
 import math
 
 import pytest
-
-from loadtest.cli import main as loadtest
-from loadtest.report import auto_versus_fixed, best_per_method, parse_slo, summarize
-from workers.models import TINY_TARGET
+from blockspec.loadtest.cli import main as loadtest
+from blockspec.loadtest.report import auto_versus_fixed, best_per_method, parse_slo, summarize
+from blockspec.workers.models import TINY_TARGET
 
 pytestmark = pytest.mark.xdist_group("ray")  # uses the live service (tests/live_service.py)
 
@@ -63,7 +62,7 @@ def test_sweep_writes_every_output_with_sane_values(service, tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == len(points) and not math.isnan(float(rows[0]["tokens_per_s"]))
     report = (out / "report.md").read_text()
-    assert "python -m loadtest" in report and "gbv K=2 γ=3 T=1.0" in report
+    assert "python -m blockspec.loadtest" in report and "gbv K=2 γ=3 T=1.0" in report
     assert "`auto` against fixed configurations" in report and "What `auto` ran" in report
     # A concurrency of 4 ran batches larger than 1.
     assert max(p["mean_batch_size"] for p in points if p["load"] == "c=4") > 1
@@ -173,7 +172,7 @@ def test_auto_is_compared_with_the_best_fixed_configuration_at_each_load():
 
 def test_the_console_interval_says_when_there_is_none():
     """One request has no spread to estimate: said so, not `±nan%`."""
-    from loadtest.cli import interval
+    from blockspec.loadtest.cli import interval
 
     assert interval(dict(tokens_per_s_ci=0.123, ok=8)) == "±12%"
     assert interval(dict(tokens_per_s_ci=math.nan, ok=1)) == "no interval from 1 request"
@@ -181,7 +180,7 @@ def test_the_console_interval_says_when_there_is_none():
 
 
 def test_help_shows_defaults_and_the_example_as_written():
-    from loadtest.cli import parser
+    from blockspec.loadtest.cli import parser
 
     ap = parser()
     assert "--concurrency 1 2 4 8 16 32 --requests 32 \\\n" in ap.format_help()  # lines kept
@@ -196,7 +195,7 @@ def test_too_few_requests_per_point_are_warned(requests, warned, monkeypatch, ca
     async def no_run(args) -> None:
         pass
 
-    monkeypatch.setattr("loadtest.cli.run", no_run)
+    monkeypatch.setattr("blockspec.loadtest.cli.run", no_run)
     loadtest(["--requests", str(requests)])
     err = capsys.readouterr().err
     assert ("warning: " in err) == warned, err

@@ -18,6 +18,10 @@ import threading
 
 import pytest
 import torch
+from blockspec import workers
+from blockspec.workers.draft import prefill
+from blockspec.workers.llama import KVCache, Llama, LlamaSpec
+from blockspec.workers.models import load_model
 from test_engine import greedy_reference
 from transformers import (
     AutoModelForCausalLM,
@@ -28,11 +32,6 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-
-import workers.llama
-from workers.draft import prefill
-from workers.llama import KVCache, Llama, LlamaSpec
-from workers.models import load_model
 
 VOCAB, TOL = 256, 1e-4
 # bfloat16 logits (up to ~17 here) of two layouts: equal bit for bit on the AVX-512 BF16 VM;

@@ -6,11 +6,9 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
-from harness import ALPHA, chi_square, load_reference, reference_models, sequences
-
-from verification import verify
-from workers import outcomes
-from workers.outcomes import (
+from blockspec.verification import verify
+from blockspec.workers import outcomes
+from blockspec.workers.outcomes import (
     actual_outcomes,
     law_mass,
     merged_by_prefix,
@@ -18,6 +16,7 @@ from workers.outcomes import (
     outcome_scores,
     predict_outcomes,
 )
+from harness import ALPHA, chi_square, load_reference, reference_models, sequences
 
 
 def rows(n, k, depth, V, seed=0):

@@ -7,13 +7,19 @@ import random
 from collections import Counter
 
 import pytest
+from blockspec.service.config import ReplicaConfig
+from blockspec.service.policy import (
+    Acceptance,
+    Arm,
+    AutoPolicy,
+    AutoState,
+    StepShape,
+    expected_tokens,
+)
+from blockspec.service.requests import make_request
+from blockspec.workers.sampling import SamplingParams
 from harness import ALPHA, chi_square
 from test_engine import exact_target_law, make_engine, tiny_pair
-
-from service.config import ReplicaConfig
-from service.policy import Acceptance, Arm, AutoPolicy, AutoState, StepShape, expected_tokens
-from service.requests import make_request
-from workers.sampling import SamplingParams
 
 
 def test_expected_tokens_counts_the_accepted_prefix_and_stops_at_remaining():

@@ -6,12 +6,11 @@ request gives the same tokens with and without a cache hit."""
 from __future__ import annotations
 
 import pytest
-
-from service.engine import build_engine
-from service.parking import MIN_SHARED_PREFIX
-from service.requests import make_request
-from workers.models import TINY_DRAFT, TINY_TARGET
-from workers.sampling import SamplingParams
+from blockspec.service.engine import build_engine
+from blockspec.service.parking import MIN_SHARED_PREFIX
+from blockspec.service.requests import make_request
+from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
+from blockspec.workers.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [(7 * i) % 97 + 3 for i in range(40)]

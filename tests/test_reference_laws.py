@@ -17,10 +17,9 @@ from collections import Counter
 
 import pytest
 import torch
+from blockspec import verification
+from blockspec.verification import VERIFIERS, Backend, block, top_down
 from harness import ALPHA, SPEC_NAMES, chi_square, load_reference, one_iteration, reference_models
-
-import verification
-from verification import VERIFIERS, Backend, block, top_down
 
 N = 200_000
 INSTANCES, NUMBERS = load_reference()

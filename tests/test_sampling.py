@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 import torch
-
-from verification import CounterDraws
-from verification.common import draw_uniforms
-from verification.tensors import chunked_cumsum64, sample_from_weights
-from workers.sampling import (
+from blockspec.verification import CounterDraws
+from blockspec.verification.common import draw_uniforms
+from blockspec.verification.tensors import chunked_cumsum64, sample_from_weights
+from blockspec.workers.sampling import (
     SamplingParams,
     apply_law,
     draft_key,

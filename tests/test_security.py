@@ -15,16 +15,16 @@ import time
 
 import grpc
 import pytest
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.auth import bearer, client_channel, warn_if_exposed
+from blockspec.service.cli import main as cli_main
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.auth import bearer, client_channel, warn_if_exposed
-from service.cli import main as cli_main
 from tests.live_service import APP
 
 pytestmark = pytest.mark.xdist_group("ray")
@@ -78,9 +78,8 @@ class _Gateway:
     """A GatewayServer with `update` applied to the service's settings, on its own loop."""
 
     def __init__(self, service, **update):
+        from blockspec.service.gateway import GatewayServer
         from ray import serve
-
-        from service.gateway import GatewayServer
 
         settings = service["settings"].model_copy(update=dict(port=0, metrics_port=0, **update))
         replicas = serve.get_deployment_handle("Replica", APP)
@@ -181,7 +180,7 @@ def test_the_cli_speaks_tls_with_a_token(secure, pki, capsys, monkeypatch):
 
 
 def test_serving_beyond_loopback_without_tls_and_tokens_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="service.auth"):
+    with caplog.at_level(logging.WARNING, logger="blockspec.service.auth"):
         warn_if_exposed("127.0.0.1", tls=False, auth=False)
         warn_if_exposed("0.0.0.0", tls=True, auth=True)
         assert not caplog.records

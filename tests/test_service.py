@@ -16,22 +16,22 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.config import Settings
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import ReplicaStats, make_request
+from blockspec.service.results import StepTimes
+from blockspec.service.sessions import RedisStore
+from blockspec.verification import VERIFIERS
+from blockspec.workers.draft import padding_groups
+from blockspec.workers.sampling import SamplingParams
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import blockspec_pb2 as pb
-from protos import blockspec_pb2_grpc as pb_grpc
-from service.config import Settings
-from service.engine import build_engine
-from service.requests import ReplicaStats, make_request
-from service.results import StepTimes
-from service.sessions import RedisStore
 from tests.cli_process import BLOCKSPEC
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
-from verification import VERIFIERS
-from workers.draft import padding_groups
-from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
 
@@ -113,8 +113,7 @@ def test_serves_controller_gives_a_slow_proxy_time_to_start(service):
     # and serve.start failed (service.app.LOCAL_CLUSTER_ENV): the controller that runs the
     # check must read the longer one.
     import psutil
-
-    from service.app import LOCAL_CLUSTER_ENV
+    from blockspec.service.app import LOCAL_CLUSTER_ENV
 
     key = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
     controllers = [
@@ -531,9 +530,9 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
 
 def test_draining_gateway_answers_unavailable_and_not_serving(service):
     """A second gateway on the same replicas, drained: the first keeps serving."""
+    from blockspec.service.gateway import GatewayServer
     from ray import serve
 
-    from service.gateway import GatewayServer
     from tests.test_http_api import post_completion
 
     # drain waits as long as the in-flight request takes, however loaded the machine
@@ -581,9 +580,8 @@ def test_serve_scales_replicas_from_one_to_two_under_load(service, until):
     load Serve's autoscaler asks for a second replica, and (until="running") it runs. The
     default run stops at the ask: the second start is the first one's again and half the
     test's time (34 s of 62 alone)."""
+    from blockspec.service.app import build
     from ray import serve
-
-    from service.app import build
 
     autoscaling = dict(
         min_replicas=1,
@@ -636,8 +634,8 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
     """The replica's engine with the target split over 2 shard actors (gloo on loopback, one
     placement group) decodes exactly like the in-process engine."""
 
-    from service.config import ReplicaConfig
-    from service.replica import build_remote_engine
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.replica import build_remote_engine
 
     cfg = ReplicaConfig(**TINY_PAIR, tensor_parallel=2, max_batch=2, max_sessions=0)
     engine, info = build_remote_engine(cfg)
@@ -674,8 +672,9 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     import shutil
     from pathlib import Path
 
-    from service.config import ReplicaConfig
-    from service.replica import build_remote_engine
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.replica import build_remote_engine
+
     from tests.test_engine import MIXED
     from tests.test_feature_draft import save_feature_draft
 
@@ -760,10 +759,10 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(
     can move p and q in the last bits, as in the concurrent-service test above: 8 of 10 must
     match exactly.)"""
     import ray
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.coordinator import Coordinator, Done, Emitted
+    from blockspec.service.replica import build_remote_engine
 
-    from service.config import ReplicaConfig
-    from service.coordinator import Coordinator, Done, Emitted
-    from service.replica import build_remote_engine
     from tests.test_engine import MIXED
 
     cfg = ReplicaConfig(
@@ -824,9 +823,8 @@ def test_restarted_actors_load_the_weights_their_first_ones_handed_over(service,
     import shutil
 
     import ray
-
-    from service.config import ReplicaConfig
-    from service.replica import build_remote_engine
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.replica import build_remote_engine
 
     dirs = {key: tmp_path / key for key in TINY_PAIR}
     for key, path in dirs.items():
@@ -867,10 +865,10 @@ def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service,
     from pathlib import Path
 
     import ray
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.coordinator import Coordinator, Done, Emitted, Failed, RequestLost
+    from blockspec.service.replica import build_remote_engine
 
-    from service.config import ReplicaConfig
-    from service.coordinator import Coordinator, Done, Emitted, Failed, RequestLost
-    from service.replica import build_remote_engine
     from tests.test_feature_draft import save_feature_draft
 
     draft = tmp_path / "draft"

@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-
-from service.sessions import (
+from blockspec.service.sessions import (
     MemoryStore,
     RedisStore,
     Session,
@@ -18,6 +17,7 @@ from service.sessions import (
     StoreUnavailableError,
     open_store,
 )
+
 from tests.redis_server import free_port
 
 

@@ -19,17 +19,16 @@ import subprocess
 
 import pytest
 import torch
-
-from service.engine import SpeculativeEngine
-from service.requests import make_request
-from workers.llama import Llama
-from workers.models import load_model
-from workers.proposers import build_proposer
-from workers.sampling import SamplingParams
-from workers.step import StepRunner
-from workers.target import TargetWorker
-from workers.tensor_parallel import TensorParallelTarget
-from workers.tree import build_tree
+from blockspec.service.engine import SpeculativeEngine
+from blockspec.service.requests import make_request
+from blockspec.workers.llama import Llama
+from blockspec.workers.models import load_model
+from blockspec.workers.proposers import build_proposer
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.step import StepRunner
+from blockspec.workers.target import TargetWorker
+from blockspec.workers.tensor_parallel import TensorParallelTarget
+from blockspec.workers.tree import build_tree
 
 VOCAB, MAX_BATCH, MAX_LEN = 96, 4, 64
 TOL = 1e-4

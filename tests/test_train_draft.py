@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from workers.models import TINY_TARGET
+from blockspec.workers.models import TINY_TARGET
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,8 @@ import warnings
 
 import pytest
 import torch
+from blockspec.verification import METHODS, VERIFIERS, Backend, top_down, verify
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from verification import METHODS, VERIFIERS, Backend, top_down, verify
 
 # Ops whose result the host must read before it can go on: on an accelerator, a wait.
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
@@ -219,7 +218,7 @@ def same_tokens(a, b) -> bool:
 def take_accelerator_paths(monkeypatch) -> None:
     """Run the verifiers' accelerator paths on CPU: verify's backend is the fixed-shape torch
     ops' (torch-device), no host reads to skip or compact work."""
-    import verification
+    from blockspec import verification
 
     monkeypatch.setattr(verification, "choose_backend", lambda q, p: Backend.TORCH_DEVICE)
 
@@ -293,7 +292,7 @@ def test_gbv_levels_compare_uniforms_in_the_promoted_dtype():
     """float32 target rows, float64 draft rows: block verification compares η with h in
     float64. A uniform a hair below p_γ (which rounds up to p_γ in float32) passes level γ on
     both of GBV's paths."""
-    from verification import gbv
+    from blockspec.verification import gbv
 
     tokens, q, p = inputs("agree", 32, 2, 4, vocab=50)
     tokens[:, 1], q[:, 1], p[:, 1] = tokens[:, 0], q[:, 0], p[:, 0]  # both paths equal: path 0
@@ -312,7 +311,7 @@ def test_gbv_levels_compare_uniforms_in_the_promoted_dtype():
 def test_rho_solve_gives_the_same_bits_on_every_row_at_once():
     """Solving the rows with several candidates only (CPU) or every row at once (accelerators)
     gives the same ρ* and β, bit for bit: a row's search reads nothing but its own row."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     gen = torch.Generator().manual_seed(3)
     p = (torch.randn(64, 300, generator=gen) * 3).softmax(-1)
@@ -341,7 +340,7 @@ def test_accelerator_paths_read_nothing_back(method, regime, monkeypatch):
 def test_stable_sort_gives_the_packed_sorts_order():
     """Off the CPU ascending_order sorts the float32 key itself (stable): the same (key, id)
     order as the CPU's packed words, ties, zeros and +inf included."""
-    from verification.sorting import ascending_order
+    from blockspec.verification.sorting import ascending_order
 
     gen = torch.Generator().manual_seed(5)
     key = torch.randint(0, 7, (16, 3000), generator=gen).float() / 4  # many ties

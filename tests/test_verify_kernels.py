@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from blockspec.verification import Backend, kernels, verify
+from blockspec.verification.gbv import kernels as gbv_kernels
+from blockspec.verification.top_down import kernels as top_down_kernels
 
 from tests.test_verify_cost import inputs, same_tokens
-from verification import Backend, kernels, verify
-from verification.gbv import kernels as gbv_kernels
-from verification.top_down import kernels as top_down_kernels
 
 DEVICE = None if kernels._triton() is None else "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton")
@@ -102,8 +102,8 @@ def test_row_masses_read_selected_rows_in_place(dtypes):
 def skew_inputs(k, dtype, lead=(6,), vocab=5000):
     """Rows q, p [*lead, V] with ties at +inf in the first (q = 0 on 100 tokens), λ [*lead],
     and GBV's rank order of each row."""
-    from verification.gbv import ranking_key
-    from verification.sorting import ascending_order
+    from blockspec.verification.gbv import ranking_key
+    from blockspec.verification.sorting import ascending_order
 
     gen = torch.Generator().manual_seed(k)
 
@@ -124,7 +124,7 @@ def skew_inputs(k, dtype, lead=(6,), vocab=5000):
 def test_skewed_rows_are_gbvs_skew_by_id(k, dtype):
     """GBV's q̃ from a walk in rank order, written by id: gbv.skewed_probs on the scattered C;
     and the same rows picked out by flat index."""
-    from verification.gbv import mass_ranked_below, skewed_probs
+    from blockspec.verification.gbv import mass_ranked_below, skewed_probs
 
     q, _, lam, order, key = skew_inputs(k, dtype, lead=(2, 3))
     want = skewed_probs(q, mass_ranked_below(key, q.view(-1, 5000)).view(q.shape), lam, k)
@@ -141,7 +141,7 @@ def test_skewed_rows_are_gbvs_skew_by_id(k, dtype):
 def test_skewed_excess_is_the_residual_mass_of_the_skewed_rows(k, dtype):
     """Σ (c p - q̃)_+ summed in rank order against float64 sums over q̃ by id, on strided rows
     (a slice of levels, as GBV passes them)."""
-    from verification.gbv import mass_ranked_below, skewed_probs
+    from blockspec.verification.gbv import mass_ranked_below, skewed_probs
 
     q, p, lam, order, key = skew_inputs(k, dtype, lead=(2, 4))
     c = torch.rand(2, 3, dtype=torch.float64, device=DEVICE)
@@ -181,7 +181,7 @@ def test_kseq_token_is_spectrs_node_rule(dtype, block, programs):
     split into 8 chunks (as on an H100 at up to 33 rows), 4, or none (programs=1). 16 rows
     (9 residual draws, 3 of them at one candidate): the interpreter runs each program's every
     round in Python, the test's whole cost, which grows with the rows."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     gen = torch.Generator().manual_seed(3)
     p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=16)
@@ -209,7 +209,7 @@ def test_mass_ranked_below_token_is_gbvs_c_at_the_path(dtype, monkeypatch):
     """C(x) by (key, id) against drafted_mass_below's torch ops, on keys with ties (a row
     with p = q: every key 1, so only the ids order it) and +inf keys (q = 0), rows split
     over 4 programs."""
-    from verification import gbv
+    from blockspec.verification import gbv
 
     gen = torch.Generator().manual_seed(5)
     p, q, cand, _, _ = kseq_case(dtype, gen, rows=24)
@@ -232,7 +232,7 @@ def test_rrs_token_is_specinfers_node_rule(dtype, block, monkeypatch):
     """The token against specinfer_rule's torch ops (the levels' masses, the tests and, where
     all are rejected, level n_v's residual drawn by inverse CDF) on the same uniforms: the
     same sums up to their order, so the same tokens. Rows split into 4 and 8 chunks, or one."""
-    from verification import top_down
+    from blockspec.verification import top_down
 
     gen = torch.Generator().manual_seed(4)
     p, q, cand, is_cand, u = kseq_case(dtype, gen, rows=32)

@@ -1,6 +1,6 @@
 """Lossless draft-verification algorithms, batched over requests.
 
-    from verification import verify, METHODS
+    from blockspec.verification import verify, METHODS
     out = verify(method, draft_tokens, draft_probs, target_probs, generator=None)
 
 Shapes: ``draft_tokens`` int64 [B, K, γ] (K i.i.d. draft paths per request), ``draft_probs``

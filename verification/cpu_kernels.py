@@ -73,7 +73,9 @@ class _SharedKernelsStamp(caching._CacheLocator):
         return self._inner.get_cache_path()
 
     def get_source_stamp(self):
-        return (self._inner.get_source_stamp(), _STAMP)
+        # The module's name too: a cached function imports its module by the name it was
+        # compiled under, and one under another name loads this file a second time.
+        return (self._inner.get_source_stamp(), _STAMP, __name__)
 
     def get_disambiguator(self):
         return self._inner.get_disambiguator()

@@ -49,10 +49,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from workers.channel import (
+from blockspec.workers.channel import (
     LOOPBACK,
     Link,
     LinkBroken,
@@ -68,17 +65,19 @@ from workers.channel import (
     tensor_from_wire,
     tensor_to_wire,
 )
-from workers.draft import padding_groups
-from workers.feature_draft import split_groups
-from workers.graphs import graphs_available
-from workers.models import DTYPES, LoadedModel, load_model
-from workers.proposers import build_proposer
-from workers.protocols import DraftFeed, DraftPrefill
-from workers.speculation import speculation_cache
-from workers.step import Proposal, Step, StepRunner, Verdict
-from workers.target import path_rows
-from workers.tensor_parallel import TargetShard, join_group, loopback_store
-from workers.tree import DraftTree
+from blockspec.workers.draft import padding_groups
+from blockspec.workers.feature_draft import split_groups
+from blockspec.workers.graphs import graphs_available
+from blockspec.workers.models import DTYPES, LoadedModel, load_model
+from blockspec.workers.proposers import build_proposer
+from blockspec.workers.protocols import DraftFeed, DraftPrefill
+from blockspec.workers.speculation import speculation_cache
+from blockspec.workers.step import Proposal, Step, StepRunner, Verdict
+from blockspec.workers.target import path_rows
+from blockspec.workers.tensor_parallel import TargetShard, join_group, loopback_store
+from blockspec.workers.tree import DraftTree
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 POSTED_OPS = ("prefill", "move")  # what the coordinator posts to the draft, unanswered
 

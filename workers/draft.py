@@ -29,11 +29,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import torch
-
-from workers.graphs import CallGraphs, ForwardGraphs, prefix_window
-from workers.llama import KVCache, Llama
-from workers.protocols import DraftFeed
-from workers.sampling import (
+from blockspec.workers.graphs import CallGraphs, ForwardGraphs, prefix_window
+from blockspec.workers.llama import KVCache, Llama
+from blockspec.workers.protocols import DraftFeed
+from blockspec.workers.sampling import (
     Law,
     SamplingParams,
     apply_law,

@@ -23,10 +23,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-
-from workers.draft import DraftProposer
-from workers.llama import Llama
-from workers.protocols import Draft, DraftPrefill, PrefillBatch, Target
+from blockspec.workers.draft import DraftProposer
+from blockspec.workers.llama import Llama
+from blockspec.workers.protocols import Draft, DraftPrefill, PrefillBatch, Target
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from blockspec.verification.graphs import GraphCache, capture, nbytes, padded_buffers
+from blockspec.workers.llama import KVCache, Llama
 from torch.utils import _pytree as pytree
-
-from verification.graphs import GraphCache, capture, nbytes, padded_buffers
-from workers.llama import KVCache, Llama
 
 log = logging.getLogger(__name__)
 

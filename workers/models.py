@@ -8,8 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from workers.llama import Llama, LlamaSpec
+from blockspec.workers.llama import Llama, LlamaSpec
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models"
 # The tiny pair (5.3M / 1.2M parameters, trained on the CPython stdlib) ships in the repository

@@ -28,11 +28,10 @@ expected hit rate (the law's mass on the outcomes it prepared) without the noise
 from __future__ import annotations
 
 import torch
-
-from verification import Backend
-from verification.block import level_probs, residual_mass, running_products
-from verification.common import positive_part_or, take_rows
-from verification.gbv import select_path, skewed_draft
+from blockspec.verification import Backend
+from blockspec.verification.block import level_probs, residual_mass, running_products
+from blockspec.verification.common import positive_part_or, take_rows
+from blockspec.verification.gbv import select_path, skewed_draft
 
 LAW_METHODS = ("token", "block", "gbv")
 

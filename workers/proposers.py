@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import torch
-
-from workers.feature_draft import FeatureDraft
-from workers.llama import Llama
-from workers.token_draft import TokenDraft
+from blockspec.workers.feature_draft import FeatureDraft
+from blockspec.workers.llama import Llama
+from blockspec.workers.token_draft import TokenDraft
 
 
 def build_proposer(

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from workers.sampling import SamplingParams
-from workers.tree import DraftTree
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.tree import DraftTree
 
 # to_draft(lo, hi, inputs): prefill the draft with what it reads of the target's features for
 # contexts lo..hi (a list of [T_i, E] tensors, or a Ray reference to one from rank 0)

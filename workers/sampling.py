@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from verification.tensors import (
+from blockspec.verification.tensors import (
     counter_uniforms,
     keyed_uniforms,
     sample_from_weights,

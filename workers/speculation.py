@@ -47,13 +47,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from workers.draft import DraftProposer
-from workers.outcomes import predict_outcomes
-from workers.sampling import downweight_top
+from blockspec.workers.draft import DraftProposer
+from blockspec.workers.outcomes import predict_outcomes
+from blockspec.workers.sampling import downweight_top
 
 if TYPE_CHECKING:
-    from workers.step import Step
+    from blockspec.workers.step import Step
 
 
 @dataclass(frozen=True)

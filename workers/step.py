@@ -27,12 +27,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
-
-from verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
-from workers.protocols import Draft, DraftFeed, LocalDraft, LocalTarget, Target
-from workers.sampling import SamplingParams, sample
-from workers.speculation import SpeculationCache
-from workers.tree import DraftTree, build_tree
+from blockspec.verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
+from blockspec.workers.protocols import Draft, DraftFeed, LocalDraft, LocalTarget, Target
+from blockspec.workers.sampling import SamplingParams, sample
+from blockspec.workers.speculation import SpeculationCache
+from blockspec.workers.tree import DraftTree, build_tree
 
 PLAIN = "none"  # plain target decoding, no speculation (γ = 0)
 

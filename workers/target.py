@@ -13,15 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-
-from verification.tensors import gather_rows
-from workers.draft import prefill, prefill_groups
-from workers.feature_draft import feed_draft
-from workers.graphs import ForwardGraphs
-from workers.llama import KVCache, Llama
-from workers.protocols import DraftPrefill
-from workers.sampling import SamplingParams, process
-from workers.tree import DraftTree
+from blockspec.verification.tensors import gather_rows
+from blockspec.workers.draft import prefill, prefill_groups
+from blockspec.workers.feature_draft import feed_draft
+from blockspec.workers.graphs import ForwardGraphs
+from blockspec.workers.llama import KVCache, Llama
+from blockspec.workers.protocols import DraftPrefill
+from blockspec.workers.sampling import SamplingParams, process
+from blockspec.workers.tree import DraftTree
 
 
 class TargetWorker:

@@ -44,16 +44,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from workers.draft import padding_groups
-from workers.feature_draft import feed_draft
-from workers.graphs import graphs_available
-from workers.llama import LlamaSpec
-from workers.models import DTYPES, LoadedModel, load_model
-from workers.protocols import DraftPrefill
-from workers.sampling import SamplingParams
-from workers.target import TargetWorker, path_rows
-from workers.tree import DraftTree
+from blockspec.workers.draft import padding_groups
+from blockspec.workers.feature_draft import feed_draft
+from blockspec.workers.graphs import graphs_available
+from blockspec.workers.llama import LlamaSpec
+from blockspec.workers.models import DTYPES, LoadedModel, load_model
+from blockspec.workers.protocols import DraftPrefill
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.target import TargetWorker, path_rows
+from blockspec.workers.tree import DraftTree
 
 OPS = ("prefill", "move", "score_logits", "commit")  # TargetWorker methods run on every rank
 STOP = "stop"

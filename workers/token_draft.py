@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from workers.draft import DraftProposer
-from workers.llama import Llama
-from workers.protocols import Draft, PrefillBatch, Target
+from blockspec.workers.draft import DraftProposer
+from blockspec.workers.llama import Llama
+from blockspec.workers.protocols import Draft, PrefillBatch, Target
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-
-from verification.graphs import VerifyGraphs
+from blockspec.verification.graphs import VerifyGraphs
 
 # Captured tree builds of this process (any pure batch-first call captures as a verifier's
 # does: verification/graphs.py); idle on the CPU. A tree is read within its step, before the
