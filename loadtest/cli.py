@@ -29,11 +29,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from blockspec.loadtest.driver import OWN_CHOICE, Client, Config, closed_loop, open_loop
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.loadtest.report import parse_slo, summarize, write_outputs
 from blockspec.service.cli import HelpFormatter
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 # Fewer recorded requests than this per point give no interval (1) or a wide one: warned.
 FEW_REQUESTS = 6
@@ -55,8 +56,9 @@ def grid(args, single_path: set[str]) -> list[Config]:
 
 
 def load_prompts(args, max_context: int, configs: list[Config]) -> list[list[int]]:
-    from blockspec.workers.models import DEFAULT_TARGET
     from transformers import AutoTokenizer
+
+    from blockspec.workers.models import DEFAULT_TARGET
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or DEFAULT_TARGET)
     # Each prompt's last tokens, so that it + max_new_tokens + a draft block fit the context.

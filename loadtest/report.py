@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+
 from blockspec.protos import blockspec_pb2 as pb
 
 PHASES = tuple(f.name for f in pb.StepBreakdown.DESCRIPTOR.fields)  # the wire's step phases

@@ -21,6 +21,8 @@ import time
 
 import ray
 import torch
+from transformers import AutoTokenizer
+
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.app import start_ray
 from blockspec.service.config import ReplicaConfig, Settings
@@ -28,7 +30,6 @@ from blockspec.service.replica import build_remote_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.draft import padding_groups
 from blockspec.workers.sampling import SamplingParams
-from transformers import AutoTokenizer
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import forward_ms
+
 from blockspec.service.engine import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import (
@@ -134,11 +135,12 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
     import threading
 
     import ray
+    from ray.dag import InputNode
+
     from blockspec.service.app import start_ray
     from blockspec.service.config import Settings
     from blockspec.workers import channel
     from blockspec.workers.tensor_parallel import loopback_store
-    from ray.dag import InputNode
 
     start_ray(Settings(ray_num_cpus=2))
     args, rows, verdict = _payloads()
@@ -286,6 +288,7 @@ def step_cpu(engine, pids: dict[str, int]) -> tuple[float, float, dict[str, Coun
 
 def cpu_split() -> None:
     import ray
+
     from blockspec.service.app import start_ray
     from blockspec.service.config import ReplicaConfig, Settings
     from blockspec.service.replica import build_remote_engine

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
 from blockspec.service.policy import AUTO
@@ -96,8 +97,9 @@ def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=
 
 
 def run_hf_assisted(draft_dir, target_dir, prompts, temperature, new_tokens, dtype):
-    from blockspec.workers.models import DTYPES
     from transformers import AutoModelForCausalLM
+
+    from blockspec.workers.models import DTYPES
 
     def load(path):
         return AutoModelForCausalLM.from_pretrained(

@@ -84,6 +84,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no progress bars, no
 
 import torch
 from bench_verify import make_inputs
+
 from blockspec.loadtest.prompts import complete_function
 from blockspec.service.engine import build_engine
 from blockspec.service.policy import DEFAULT_ARMS
@@ -923,8 +924,9 @@ def section_tp(args, pair: dict) -> dict:
     heads allow (SmolLM2-135M: 3; all on this device; gloo, since NCCL refuses two ranks on one
     GPU) against the whole target, float32: a prompt's prefill, then a draft tree's logits
     (K = 2 paths of γ = 4)."""
-    from blockspec.workers.tensor_parallel import TensorParallelTarget
     from transformers import AutoConfig
+
+    from blockspec.workers.tensor_parallel import TensorParallelTarget
 
     dev = args.device
     if dev == "cuda":

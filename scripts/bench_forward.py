@@ -27,6 +27,7 @@ import sys
 
 import torch
 from bench_engine import forward_ms, run_engine
+
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from blockspec.service.engine import build_engine
 from blockspec.service.requests import make_request
 from blockspec.service.results import StepTimes
@@ -120,6 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import ray
+
     from blockspec.service.app import start_ray
     from blockspec.service.config import ReplicaConfig, Settings
     from blockspec.service.replica import build_remote_engine

@@ -38,7 +38,6 @@ def measure(settle_s: float, window_s: float) -> None:
     """In a fresh process: start the service, let it settle, print the cores it uses idle."""
     from blockspec.service.app import run
     from blockspec.service.config import Settings
-
     from tests.live_service import MAX_BATCH, MAX_QUEUED, TINY_PAIR
     from tests.redis_server import free_port
 

@@ -18,6 +18,7 @@ import functools
 
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
+
 from blockspec.verification import VerifyGraphs, verify
 from blockspec.verification.top_down import kernels as knobs
 

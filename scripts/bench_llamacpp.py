@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import run_engine
+
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import torch
+
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.config import Settings
 from blockspec.service.engine import build_engine
@@ -148,10 +149,11 @@ PAIRS = {
 def bench_pair(args, name: str) -> dict:
     """Engine and service side by side on one model pair, at every batch size, alternated
     round by round (both warm: the engines stay built, the service up)."""
+    from ray import serve
+
     from blockspec.protos import blockspec_pb2 as pb
     from blockspec.protos import blockspec_pb2_grpc as pb_grpc
     from blockspec.service.app import run
-    from ray import serve
 
     draft, target = PAIRS[name]
     most = max(args.batch)

@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+
 from blockspec.verification import METHODS, VERIFIERS, VerifyGraphs, verify
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import grpc
+
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 from blockspec.service.config import Settings
@@ -331,8 +332,9 @@ def main() -> None:
     ap.add_argument("--records", help="the run with every request's record (JSON)")
     ap.add_argument("--plot", help="RSS over time (PNG, needs matplotlib)")
     args = ap.parse_args()
-    from blockspec.service.app import run as run_service
     from ray import serve
+
+    from blockspec.service.app import run as run_service
 
     with tempfile.TemporaryDirectory() as workdir:
         redis, url = start_redis(workdir)

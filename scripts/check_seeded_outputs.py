@@ -92,12 +92,13 @@ def verifier_runs() -> dict[str, list]:
 
 
 def engine_runs() -> dict[str, list]:
-    from blockspec.service.engine import build_engine
-    from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
-    from blockspec.workers.sampling import SamplingParams
     from fake_device import FakeCuda
     from test_engine import make_engine, tiny_pair
     from test_feature_draft import random_fc
+
+    from blockspec.service.engine import build_engine
+    from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
+    from blockspec.workers.sampling import SamplingParams
 
     METHODS, VERIFIERS, _ = _verify()
 

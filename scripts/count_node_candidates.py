@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_verify import make_inputs  # noqa: E402
+
 from blockspec.verification import top_down, verify  # noqa: E402
 
 

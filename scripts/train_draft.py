@@ -73,6 +73,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import draft_prompts  # noqa: E402
+
 from blockspec.workers.models import (  # noqa: E402
     DEFAULT_TARGET,
     FEATURE_FC,

@@ -45,9 +45,10 @@ def _exact(text: str) -> float:
 
 def demo(trials: int, seed: int) -> None:
     import torch
-    from blockspec.verification import verify
     from rich.console import Console
     from rich.table import Table
+
+    from blockspec.verification import verify
 
     console = Console()
     gamma, gen = 2, torch.Generator().manual_seed(seed)
@@ -71,6 +72,7 @@ def demo(trials: int, seed: int) -> None:
 
 def generate_local(args) -> None:
     import torch
+
     from blockspec.protos import blockspec_pb2 as pb
     from blockspec.service.client import Reply, stats_line
     from blockspec.service.detokenizer import TextStream
@@ -158,9 +160,10 @@ def serve_forever(args) -> None:
     if not (settings.ray_address or os.environ.get("RAY_ADDRESS")):
         check_free(settings.host, listeners(settings))
 
+    from ray import serve
+
     from blockspec.service.app import run
     from blockspec.workers.models import check_pair
-    from ray import serve
 
     # Before any Ray start: a pair that cannot work together is refused here, naming both.
     check_pair(settings.replica.draft_dir, settings.replica.target_dir)

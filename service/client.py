@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 from blockspec.service.auth import bearer, client_channel

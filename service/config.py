@@ -16,8 +16,6 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from blockspec.service.policy import DEFAULT_ARMS, Arm
-from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -26,6 +24,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
+
+from blockspec.service.policy import DEFAULT_ARMS, Arm
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
 

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from blockspec.service.parking import Parked, Parking
 from blockspec.service.policy import AUTO, PLAIN, Arm, AutoPolicy, AutoState, StepShape
 from blockspec.service.requests import GenerationRequest, Limits, context_needed

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from blockspec.verification import VERIFIERS
 from blockspec.workers.step import PLAIN
 

@@ -23,6 +23,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray import serve
+
 from blockspec.service.config import ReplicaConfig, Resources
 from blockspec.service.coordinator import Coordinator, Done, Emitted, Event, Failed
 from blockspec.service.engine import SpeculativeEngine
@@ -37,7 +39,6 @@ from blockspec.service.requests import (
 )
 from blockspec.service.results import StepTimes
 from blockspec.verification import VERIFIERS
-from ray import serve
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
 

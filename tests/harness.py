@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from blockspec.verification.tensors import sample_from_weights
 from scipy import stats
+
+from blockspec.verification.tensors import sample_from_weights
 
 # The reference instances and their exact laws (docs/verification.md §12); they are recomputed
 # by tests/reference_laws.py (tests/test_reference_numbers.py runs its check).

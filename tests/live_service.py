@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 from blockspec.service.config import Settings
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
-
 from tests.redis_server import free_port
 
 TINY_PAIR = dict(draft_dir=str(TINY_DRAFT), target_dir=str(TINY_TARGET))  # fast tests
@@ -21,8 +21,9 @@ MAX_BATCH, MAX_QUEUED = 8, 2
 @pytest.fixture(scope="session")
 def service(redis_url):
     import ray
-    from blockspec.service.app import run
     from ray import serve
+
+    from blockspec.service.app import run
 
     settings = Settings(
         port=0,

@@ -34,8 +34,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from blockspec.verification import METHODS, VERIFIERS, Backend, common, gbv, top_down, verify
-from blockspec.verification import token as token_module
 from harness import (
     ALPHA,
     TableModel,
@@ -49,6 +47,9 @@ from harness import (
     random_rows,
     sequence_codes,
 )
+
+from blockspec.verification import METHODS, VERIFIERS, Backend, common, gbv, top_down, verify
+from blockspec.verification import token as token_module
 
 V = 16
 GAMMA = 3

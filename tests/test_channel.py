@@ -11,6 +11,7 @@ from multiprocessing import AuthenticationError
 
 import pytest
 import torch
+
 from blockspec.workers import channel
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 from blockspec.service.cli import build_parser, main
 from blockspec.service.client import ClientError, Reply, config_ran, stats_line
-
 from tests.cli_process import BLOCKSPEC
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import signal
 import subprocess
 
 import pytest
+
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.service.cli import main
-
 from tests.cli_process import BLOCKSPEC
 from tests.live_service import TINY_PAIR
 from tests.redis_server import free_port

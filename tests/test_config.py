@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
+
 from blockspec.service.config import Settings
 
 pytestmark = pytest.mark.usefixtures("clean_env")

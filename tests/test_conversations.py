@@ -16,6 +16,7 @@ import time
 
 import openai
 import pytest
+
 from blockspec.protos import blockspec_pb2 as pb
 
 pytestmark = pytest.mark.xdist_group("ray")

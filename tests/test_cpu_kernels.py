@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from blockspec.verification import Backend, block, choose_backend, gbv
 from blockspec.verification.gbv import loops as gbv_loops
 from blockspec.verification.top_down import loops as top_down_loops

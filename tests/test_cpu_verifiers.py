@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from blockspec.verification import VERIFIERS, Backend, verify
 from blockspec.verification.modification import apply_records
 

@@ -22,15 +22,16 @@ from typing import Any
 import pytest
 import ray
 import yaml
-from blockspec.service import app as service_app
-from blockspec.service.config import Settings
-from blockspec.service.ports import SERVE_EXCLUSIVE_ENV
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.config import AutoscalingConfig, ProxyLocation
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+from blockspec.service import app as service_app
+from blockspec.service.config import Settings
+from blockspec.service.ports import SERVE_EXCLUSIVE_ENV
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 SERVE_CONFIG = DEPLOY / "serve_config.yaml"

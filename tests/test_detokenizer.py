@@ -8,9 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from transformers import AutoTokenizer
+
 from blockspec.service.detokenizer import TextStream
 from blockspec.workers.models import DEFAULT_TARGET, TINY_TARGET
-from transformers import AutoTokenizer
 
 TEXTS = [
     "emoji 🙂🚀 and a family 👨‍👩‍👧 in one line",

@@ -39,11 +39,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from blockspec.verification import METHODS, VERIFIERS
-from blockspec.workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
 from harness import ALPHA
 from test_engine import engine_law_pvalue, exact_target_law, make_engine, save_tiny, tiny_config
 
+from blockspec.verification import METHODS, VERIFIERS
+from blockspec.workers.models import DRAFT_VOCAB, FEATURE_FC, load_model
 from tests.live_service import stop_remote_engine
 
 KINDS = ("token", "feature", "feature_reduced")

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from blockspec.loadtest.everyday import EVERYDAY, HELD_OUT_TOPICS, everyday_ids
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_prompts.py"
@@ -69,8 +70,9 @@ def test_round_two_continues_round_one_conversations(grid):
 
 
 def test_everyday_prompts_render_in_the_chat_template():
-    from blockspec.workers.models import TINY_TARGET
     from transformers import AutoTokenizer
+
+    from blockspec.workers.models import TINY_TARGET
 
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     rows = everyday_ids(tok, 64)

@@ -16,6 +16,9 @@ from collections import Counter
 
 import pytest
 import torch
+from harness import ALPHA, chi_square
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from blockspec.service.engine import SpeculativeEngine
 from blockspec.service.policy import PLAIN
 from blockspec.service.requests import GenerationRequest, InvalidArgument, make_request
@@ -29,8 +32,6 @@ from blockspec.workers.speculation import SpeculationCache
 from blockspec.workers.step import StepRunner, VerifyPlan, verify_step
 from blockspec.workers.target import TargetWorker
 from blockspec.workers.tree import build_tree
-from harness import ALPHA, chi_square
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_config(vocab: int, **overrides) -> LlamaConfig:

@@ -16,14 +16,6 @@ from collections import Counter
 
 import pytest
 import torch
-from blockspec.verification import (
-    METHODS,
-    ROW_SUM_TOL,
-    VERIFIERS,
-    Backend,
-    TargetModification,
-    verify,
-)
 from harness import (
     ALPHA,
     SPEC_NAMES,
@@ -39,6 +31,15 @@ from harness import (
     random_rows,
     reference_models,
     sample_paths,
+)
+
+from blockspec.verification import (
+    METHODS,
+    ROW_SUM_TOL,
+    VERIFIERS,
+    Backend,
+    TargetModification,
+    verify,
 )
 
 INSTANCES, NUMBERS = load_reference()

@@ -26,10 +26,14 @@ import sys
 import textwrap
 from collections import Counter
 
-import blockspec.workers.actors as actors
-import blockspec.workers.channel as channel
 import pytest
 import torch
+from fake_device import FakeCuda, is_fake, to_fake_model
+from test_engine import make_engine, tiny_pair
+from test_feature_draft import random_fc
+
+import blockspec.workers.actors as actors
+import blockspec.workers.channel as channel
 from blockspec import workers
 from blockspec.service.engine import SpeculativeEngine, build_engine
 from blockspec.service.policy import AUTO, PLAIN
@@ -43,9 +47,6 @@ from blockspec.workers.sampling import SamplingParams
 from blockspec.workers.step import StepRunner
 from blockspec.workers.target import TargetWorker
 from blockspec.workers.token_draft import TokenFeed
-from fake_device import FakeCuda, is_fake, to_fake_model
-from test_engine import make_engine, tiny_pair
-from test_feature_draft import random_fc
 
 MAX_BATCH, MAX_LEN = 4, 96
 

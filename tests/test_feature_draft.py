@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from blockspec.service.requests import GenerationRequest, make_request
-from blockspec.workers.draft import prefill
-from blockspec.workers.llama import KVCache, Llama
-from blockspec.workers.sampling import SamplingParams
 from harness import ALPHA
 from test_engine import (
     greedy_reference,
@@ -24,6 +20,11 @@ from test_engine import (
     sampled_law_pvalue,
     tiny_pair,
 )
+
+from blockspec.service.requests import GenerationRequest, make_request
+from blockspec.workers.draft import prefill
+from blockspec.workers.llama import KVCache, Llama
+from blockspec.workers.sampling import SamplingParams
 
 
 def random_fc(E: int, scale: float, seed: int = 0) -> torch.Tensor:
@@ -134,9 +135,10 @@ def test_sampled_output_law_equals_target_law(method, k):
 
 
 def test_a_feature_draft_loads_from_its_directory(tmp_path):
-    from blockspec.workers.models import FEATURE_FC, load_model
     from safetensors.torch import save_file
     from test_engine import save_tiny
+
+    from blockspec.workers.models import FEATURE_FC, load_model
 
     save_tiny(tmp_path, vocab=16)
     save_file({"weight": torch.randn(32, 64)}, tmp_path / FEATURE_FC)
@@ -152,9 +154,10 @@ def save_feature_draft(target_dir, out, scale: float = 0.3) -> None:
     head, reading the features through `random_fc`."""
     import shutil
 
-    from blockspec.workers.models import FEATURE_FC
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from blockspec.workers.models import FEATURE_FC
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     cfg = target.config

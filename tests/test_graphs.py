@@ -11,16 +11,17 @@ generation crosses several of them.
 
 from __future__ import annotations
 
-import blockspec.workers.graphs as graphs
-import blockspec.workers.llama as llama
 import pytest
 import torch
+from test_engine import MIXED, make_engine, tiny_pair
+
+import blockspec.workers.graphs as graphs
+import blockspec.workers.llama as llama
 from blockspec.service.requests import make_request
 from blockspec.workers.graphs import ForwardGraphs, batch_bucket, window_bucket
 from blockspec.workers.llama import KVCache
 from blockspec.workers.sampling import SamplingParams
 from blockspec.workers.token_draft import TokenDraft
-from test_engine import MIXED, make_engine, tiny_pair
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+
 from blockspec.loadtest.cli import main as loadtest
 from blockspec.loadtest.report import auto_versus_fixed, best_per_method, parse_slo, summarize
 from blockspec.workers.models import TINY_TARGET

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from blockspec.verification import METHODS, VERIFIERS, VerifyOutput, verify
 from harness import (
     ALPHA,
     TableModel,
@@ -37,6 +36,8 @@ from harness import (
     method_step,
     random_rows,
 )
+
+from blockspec.verification import METHODS, VERIFIERS, VerifyOutput, verify
 
 N = 200_000
 SINGLE_PATH = [m for m in METHODS if VERIFIERS[m].single_path]

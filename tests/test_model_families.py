@@ -18,10 +18,6 @@ import threading
 
 import pytest
 import torch
-from blockspec import workers
-from blockspec.workers.draft import prefill
-from blockspec.workers.llama import KVCache, Llama, LlamaSpec
-from blockspec.workers.models import load_model
 from test_engine import greedy_reference
 from transformers import (
     AutoModelForCausalLM,
@@ -32,6 +28,11 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from blockspec import workers
+from blockspec.workers.draft import prefill
+from blockspec.workers.llama import KVCache, Llama, LlamaSpec
+from blockspec.workers.models import load_model
 
 VOCAB, TOL = 256, 1e-4
 # bfloat16 logits (up to ~17 here) of two layouts: equal bit for bit on the AVX-512 BF16 VM;

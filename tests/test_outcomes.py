@@ -6,6 +6,8 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
+from harness import ALPHA, chi_square, load_reference, reference_models, sequences
+
 from blockspec.verification import verify
 from blockspec.workers import outcomes
 from blockspec.workers.outcomes import (
@@ -16,7 +18,6 @@ from blockspec.workers.outcomes import (
     outcome_scores,
     predict_outcomes,
 )
-from harness import ALPHA, chi_square, load_reference, reference_models, sequences
 
 
 def rows(n, k, depth, V, seed=0):

@@ -7,6 +7,9 @@ import random
 from collections import Counter
 
 import pytest
+from harness import ALPHA, chi_square
+from test_engine import exact_target_law, make_engine, tiny_pair
+
 from blockspec.service.config import ReplicaConfig
 from blockspec.service.policy import (
     Acceptance,
@@ -18,8 +21,6 @@ from blockspec.service.policy import (
 )
 from blockspec.service.requests import make_request
 from blockspec.workers.sampling import SamplingParams
-from harness import ALPHA, chi_square
-from test_engine import exact_target_law, make_engine, tiny_pair
 
 
 def test_expected_tokens_counts_the_accepted_prefix_and_stops_at_remaining():

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from blockspec.service.ports import GRPC_EXCLUSIVE, Listener, PortTaken, check_free
 
+from blockspec.service.ports import GRPC_EXCLUSIVE, Listener, PortTaken, check_free
 from tests.cli_process import BLOCKSPEC
 from tests.redis_server import free_port
 

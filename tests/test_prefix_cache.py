@@ -6,6 +6,7 @@ request gives the same tokens with and without a cache hit."""
 from __future__ import annotations
 
 import pytest
+
 from blockspec.service.engine import build_engine
 from blockspec.service.parking import MIN_SHARED_PREFIX
 from blockspec.service.requests import make_request

@@ -17,9 +17,10 @@ from collections import Counter
 
 import pytest
 import torch
+from harness import ALPHA, SPEC_NAMES, chi_square, load_reference, one_iteration, reference_models
+
 from blockspec import verification
 from blockspec.verification import VERIFIERS, Backend, block, top_down
-from harness import ALPHA, SPEC_NAMES, chi_square, load_reference, one_iteration, reference_models
 
 N = 200_000
 INSTANCES, NUMBERS = load_reference()

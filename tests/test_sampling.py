@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from blockspec.verification import CounterDraws
 from blockspec.verification.common import draw_uniforms
 from blockspec.verification.tensors import chunked_cumsum64, sample_from_weights

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+
 from blockspec.service.sessions import (
     MemoryStore,
     RedisStore,
@@ -17,7 +18,6 @@ from blockspec.service.sessions import (
     StoreUnavailableError,
     open_store,
 )
-
 from tests.redis_server import free_port
 
 

@@ -27,13 +27,14 @@ import functools
 
 import pytest
 import torch
+from harness import ALPHA, WindowModel, decode_loop, loop_law_pvalue, method_step
+from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine, tiny_pair
+from test_feature_draft import random_fc
+
 from blockspec.service.requests import GenerationRequest, make_request
 from blockspec.verification.tensors import counter_uniforms
 from blockspec.workers.sampling import SamplingParams, downweight_top, draft_key, draft_uniforms
 from blockspec.workers.speculation import SpeculationCache, speculation_cache
-from harness import ALPHA, WindowModel, decode_loop, loop_law_pvalue, method_step
-from test_engine import MIXED, engine_law_pvalue, exact_target_law, make_engine, tiny_pair
-from test_feature_draft import random_fc
 
 TRIALS = 12_000
 PROMPT, GAMMA, LENGTH = [1, 3, 0], 2, 4
@@ -377,14 +378,14 @@ def test_through_the_actors_the_seeded_output_is_the_one_without_a_cache(service
     write exactly what the in-process engine writes without a cache (a feature draft: with
     every proposal drafted on demand, its own-feature law), whose law the tests above and
     tests/test_engine.py check; and the cache hit."""
-    from blockspec.service.config import ReplicaConfig
-    from blockspec.service.replica import build_remote_engine
-    from blockspec.workers.models import load_model
     from test_draft_kinds import GAMMA as G
     from test_draft_kinds import LENGTH as L
     from test_draft_kinds import PROMPT as P
     from test_draft_kinds import VOCAB, save_pair
 
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.replica import build_remote_engine
+    from blockspec.workers.models import load_model
     from tests.live_service import stop_remote_engine
 
     draft_dir, target_dir = save_pair(tmp_path, kind)

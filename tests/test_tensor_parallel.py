@@ -19,6 +19,7 @@ import subprocess
 
 import pytest
 import torch
+
 from blockspec.service.engine import SpeculativeEngine
 from blockspec.service.requests import make_request
 from blockspec.workers.llama import Llama

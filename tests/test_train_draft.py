@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from blockspec.workers.models import TINY_TARGET
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,8 +19,9 @@ import warnings
 
 import pytest
 import torch
-from blockspec.verification import METHODS, VERIFIERS, Backend, top_down, verify
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from blockspec.verification import METHODS, VERIFIERS, Backend, top_down, verify
 
 # Ops whose result the host must read before it can go on: on an accelerator, a wait.
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}

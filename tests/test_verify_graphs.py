@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from blockspec.verification import METHODS, VERIFIERS, VerifyGraphs, verify
 from blockspec.verification import graphs as verify_graphs
 from blockspec.verification.graphs import batch_bucket
 from blockspec.verification.modification import ResidualRows
-
 from tests.test_verify_cost import inputs, same_tokens
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from blockspec.verification import Backend, kernels, verify
 from blockspec.verification.gbv import kernels as gbv_kernels
 from blockspec.verification.top_down import kernels as top_down_kernels
-
 from tests.test_verify_cost import inputs, same_tokens
 
 DEVICE = None if kernels._triton() is None else "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,14 +10,14 @@ import os
 
 import ray
 import torch
+from ray.cluster_utils import Cluster
+
 from blockspec.service.config import ReplicaConfig
 from blockspec.service.engine import build_engine
 from blockspec.service.replica import build_remote_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
 from blockspec.workers.sampling import SamplingParams
-from ray.cluster_utils import Cluster
-
 from tests.test_engine import MIXED
 
 LOOPBACK = dict(node_ip_address="127.0.0.1", num_cpus=2)

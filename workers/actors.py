@@ -49,6 +49,9 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from blockspec.workers.channel import (
     LOOPBACK,
     Link,
@@ -76,8 +79,6 @@ from blockspec.workers.step import Proposal, Step, StepRunner, Verdict
 from blockspec.workers.target import path_rows
 from blockspec.workers.tensor_parallel import TargetShard, join_group, loopback_store
 from blockspec.workers.tree import DraftTree
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 POSTED_OPS = ("prefill", "move")  # what the coordinator posts to the draft, unanswered
 

@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import torch
+
 from blockspec.workers.graphs import CallGraphs, ForwardGraphs, prefix_window
 from blockspec.workers.llama import KVCache, Llama
 from blockspec.workers.protocols import DraftFeed

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
 from blockspec.workers.draft import DraftProposer
 from blockspec.workers.llama import Llama
 from blockspec.workers.protocols import Draft, DraftPrefill, PrefillBatch, Target

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
+
 from blockspec.verification.graphs import GraphCache, capture, nbytes, padded_buffers
 from blockspec.workers.llama import KVCache, Llama
-from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+
 from blockspec.workers.llama import Llama, LlamaSpec
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models"

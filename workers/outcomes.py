@@ -28,6 +28,7 @@ expected hit rate (the law's mass on the outcomes it prepared) without the noise
 from __future__ import annotations
 
 import torch
+
 from blockspec.verification import Backend
 from blockspec.verification.block import level_probs, residual_mass, running_products
 from blockspec.verification.common import positive_part_or, take_rows

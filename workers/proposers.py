@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from blockspec.workers.feature_draft import FeatureDraft
 from blockspec.workers.llama import Llama
 from blockspec.workers.token_draft import TokenDraft

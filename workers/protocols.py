@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from blockspec.workers.sampling import SamplingParams
 from blockspec.workers.tree import DraftTree
 

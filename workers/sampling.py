@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from blockspec.verification.tensors import (
     counter_uniforms,
     keyed_uniforms,

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
 from blockspec.workers.draft import DraftProposer
 from blockspec.workers.outcomes import predict_outcomes
 from blockspec.workers.sampling import downweight_top

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
+
 from blockspec.verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
 from blockspec.workers.protocols import Draft, DraftFeed, LocalDraft, LocalTarget, Target
 from blockspec.workers.sampling import SamplingParams, sample

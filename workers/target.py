@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
 from blockspec.verification.tensors import gather_rows
 from blockspec.workers.draft import prefill, prefill_groups
 from blockspec.workers.feature_draft import feed_draft

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from blockspec.workers.draft import padding_groups
 from blockspec.workers.feature_draft import feed_draft
 from blockspec.workers.graphs import graphs_available

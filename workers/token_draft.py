@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from blockspec.workers.draft import DraftProposer
 from blockspec.workers.llama import Llama
 from blockspec.workers.protocols import Draft, PrefillBatch, Target

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
 from blockspec.verification.graphs import VerifyGraphs
 
 # Captured tree builds of this process (any pure batch-first call captures as a verifier's
