@@ -22,11 +22,15 @@ mkdir -p "$out"
 exec > >(tee -a "$out/engine_gpu.log") 2>&1
 status=0
 start=$SECONDS
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+# The code as the installed package blockspec (pyproject.toml maps the folders), without
+# installing it: a folder whose blockspec/ links to this checkout's folders.
+view=$(mktemp -d) && mkdir "$view/blockspec"
+for d in service workers verification protos loadtest; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH=$view:$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || status=1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$view:$PWD
 fi
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader

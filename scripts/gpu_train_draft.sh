@@ -26,11 +26,15 @@ device=${DEVICE:-cuda}  # DEVICE=cpu with tiny budgets: the CPU smoke test of th
 mkdir -p "$out"
 exec > >(tee -a "$out/train.log") 2>&1
 start=$SECONDS
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+# The code as the installed package blockspec (pyproject.toml maps the folders), without
+# installing it: a folder whose blockspec/ links to this checkout's folders.
+view=$(mktemp -d) && mkdir "$view/blockspec"
+for d in service workers verification protos loadtest; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH=$view:$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$view:$PWD
 fi
 if [ ! -f "$gguf" ] && compgen -G "$gguf.part*" >/dev/null; then
     ls "$gguf".part* | sort | xargs cat >"$gguf"
