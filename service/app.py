@@ -8,12 +8,13 @@ import os
 from typing import Any
 
 import ray
+from fastapi import Request
+from ray import serve
+
 from blockspec.service.config import Settings
 from blockspec.service.http_api import OpenAIFrontend, http_app
 from blockspec.service.ports import SERVE_EXCLUSIVE_ENV
 from blockspec.service.replica import Replica
-from fastapi import Request
-from ray import serve
 
 # What a local cluster's processes (GCS, raylet, Serve's controller and proxy, the actors) read
 # at start. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: listen on 127.0.0.1 only; a real cluster's pods
@@ -43,7 +44,7 @@ class Gateway:
         self.settings = Settings.model_validate(settings)
         info = await replicas.info.remote()
         self.server = GatewayServer(self.settings, replicas, info)
-        self.http = OpenAIFrontend(self.server.servicer, info.target_model)
+        self.http = OpenAIFrontend(self.server.core, info.target_model)
         await self.server.start()
 
     @http_app.post("/v1/chat/completions")

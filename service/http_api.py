@@ -8,10 +8,11 @@
 
 Both POSTs stream as server-sent events with ``"stream": true`` (ending in ``data: [DONE]``)
 and report ``usage``. A request body is parsed into the validator's input
-(:class:`service.requests.RequestParams`) and runs through the gRPC gateway's own request path
-(:meth:`service.gateway.GenerationService.open`): the same checks, limits, authentication,
-sessions, metrics and replicas, one copy of each. Its status codes become HTTP statuses in
-OpenAI's error schema (:data:`HTTP_STATUS`), the field at fault its ``param``.
+(:class:`service.requests.RequestParams`), its credentials and deadline into a
+:class:`service.core.Caller`, and runs on the application core (service/core.py) that the
+gRPC API runs on too: the same checks, limits, authentication, sessions, metrics and replicas,
+one copy of each. Its refusals' status codes become HTTP statuses in OpenAI's error schema
+(:data:`HTTP_STATUS`), the field at fault its ``param``.
 
 OpenAI fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` (or
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``stop``, ``seed``, ``stream``,
@@ -29,23 +30,23 @@ counted by route and status (``blockspec_http_requests_total``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
 import grpc
-from blockspec.protos import blockspec_pb2 as pb
-from blockspec.service.gateway import Refusal
-from blockspec.service.requests import ChatTurn, RequestParams
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+
+from blockspec.service.core import Call, Caller, Finished, Generation, GenerationCore, Refusal, Text
+from blockspec.service.requests import ChatTurn, RequestParams
 
 # The gateway's status codes as HTTP statuses and OpenAI error types.
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -61,7 +62,6 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 # Wire fields that OpenAI names otherwise: error messages name the field the client sent.
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
-FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
 # OpenAI fields with no meaning here, per endpoint: accepted only at their default (value, or
 # empty), else refused by name. Any other field OpenAI does not have is refused as unknown.
 UNSUPPORTED: dict[str, Any] = {
@@ -328,64 +328,31 @@ def request_timeout(request: Request, stream: bool) -> float | None:
     return None
 
 
-class _Context:
-    """What service.gateway.GenerationService uses of a grpc.aio.ServicerContext, for one
-    HTTP call."""
-
-    def __init__(self, request: Request, timeout: float | None = None):
-        self.metadata = self.metadata_of(request)
-        client = request.client
-        self.address = f"ipv4:{client.host}:{client.port}" if client else "unknown:0"
-        self.callbacks: list[Callable] = []
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-
-    @staticmethod
-    def metadata_of(request: Request) -> list[tuple[str, str]]:
-        """The request's credentials as gRPC call metadata."""
-        header = request.headers.get("authorization")
-        return [("authorization", header)] if header is not None else []
-
-    def invocation_metadata(self):
-        return self.metadata
-
-    def peer(self) -> str:
-        return self.address
-
-    def add_done_callback(self, callback: Callable) -> None:
-        self.callbacks.append(callback)
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
-
-    def done(self) -> None:
-        """The HTTP exchange ended (answered, failed, or the client went away)."""
-        callbacks, self.callbacks = self.callbacks, []
-        for callback in callbacks:
-            callback(self)
+def caller_of(request: Request, timeout: float | None = None) -> Caller:
+    """The core's caller: the request's credentials (its Authorization header), its client's
+    address and its deadline (`request_timeout`)."""
+    header = request.headers.get("authorization")
+    credentials = (("authorization", header),) if header is not None else ()
+    client = request.client
+    peer = f"ipv4:{client.host}:{client.port}" if client else "unknown:0"
+    return Caller(credentials, peer, None if timeout is None else time.monotonic() + timeout)
 
 
-def _stats(chunk: pb.GenerateChunk, call) -> dict:
-    stats = (
-        MessageToDict(
-            chunk.stats,
-            preserving_proto_field_name=True,
-            always_print_fields_with_no_presence=True,
-        )
-        if chunk.HasField("stats")
-        else {}
+def _stats(event: Finished, call: Call) -> dict:
+    return dict(
+        dataclasses.asdict(event.stats), replica=event.replica, session_id=call.session_id or None
     )
-    return dict(stats, replica=chunk.replica, session_id=call.session_id or None)
 
 
 class OpenAIFrontend:
-    """The endpoints over a gateway's GenerationService (service.gateway)."""
+    """The endpoints over a gateway's application core (service/core.py)."""
 
-    def __init__(self, service, model_id: str):
+    def __init__(self, core: GenerationCore, model_id: str):
         global _metrics
-        self.service, self.model_id = service, model_id
+        self.core, self.model_id = core, model_id
         self.created = int(time.time())
         # Counted by this process's HTTP app (CountAnswers), in the gateway's registry.
-        _metrics = getattr(service, "metrics", None)
+        _metrics = getattr(core, "metrics", None)
 
     def model_object(self) -> dict:
         return dict(id=self.model_id, object="model", created=self.created, owned_by="blockspec")
@@ -395,7 +362,7 @@ class OpenAIFrontend:
 
     def authorize(self, request: Request) -> None:
         """The gateway's token check (no token 401, an unknown one 403)."""
-        refused = self.service.auth.refusal(_Context.metadata_of(request))
+        refused = self.core.auth.refusal(caller_of(request).credentials)
         if refused is not None:
             code, message = refused
             status, kind = HTTP_STATUS[code]
@@ -420,16 +387,14 @@ class OpenAIFrontend:
         return self.model_object()
 
     async def info(self, request: Request):
-        """GET /v1/blockspec/info: the gRPC Info (service.gateway), field for field, with the
-        model id this API serves it under and the body fields it takes beside OpenAI's."""
+        """GET /v1/blockspec/info: what gRPC's Info says (the core's facts), field for field,
+        with the model id this API serves it under and the body fields it takes beside
+        OpenAI's."""
         try:
             self.authorize(request)
         except ApiError as err:
             return err.response()
-        reply = await self.service.Info(pb.InfoRequest(), None)
-        facts = MessageToDict(
-            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
+        facts = self.core.facts()
         return dict(facts, model=self.model_id, extra_body_fields=list(EXTENSIONS))
 
     async def complete(self, request: Request, chat: bool):
@@ -439,9 +404,9 @@ class OpenAIFrontend:
             timeout = request_timeout(request, body.stream)
         except ApiError as err:
             return err.response()
-        context = _Context(request, timeout)
-        call, chunks = self.service.open(params, context, unary=not body.stream)
-        answer = _Answer(self.model_id, chat, call)
+        generation = self.core.open(params, caller_of(request, timeout), unary=not body.stream)
+        answer = _Answer(self.model_id, chat, generation.call)
+        chunks = generation.events()
         streaming = False  # once the event stream owns the exchange, it ends it
         try:
             if not body.stream:
@@ -454,20 +419,20 @@ class OpenAIFrontend:
             return ApiError.from_refusal(refusal, chat).response()
         finally:
             if not streaming:
-                context.done()
+                generation.end()
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._events(answer, first, chunks, context, usage, chat),
+            self._events(answer, first, chunks, generation, usage, chat),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
 
     async def _events(
-        self, answer, first, chunks, context, usage: bool, chat: bool
+        self, answer, first, chunks, generation: Generation, usage: bool, chat: bool
     ) -> AsyncIterator[str]:
         async def all_chunks():
             yield first
-            async for chunk in chunks:  # to its end: the gateway then counts the request OK
+            async for chunk in chunks:  # to its end: the core then counts the request OK
                 yield chunk
 
         try:
@@ -481,7 +446,7 @@ class OpenAIFrontend:
         except Refusal as refusal:  # after the first chunk: the status line is long gone
             yield _sse(ApiError.from_refusal(refusal, chat).body())
         finally:
-            context.done()  # a client that went away lands here too: its slot is freed
+            generation.end()  # a client that went away lands here too: its slot is freed
         yield "data: [DONE]\n\n"
 
     async def _parse(self, request: Request, kind: type[_Body]):
@@ -519,13 +484,14 @@ class _Answer:
         self.stats: dict = {}
         self.cached_tokens = 0
 
-    def add(self, chunk: pb.GenerateChunk) -> None:
-        self.text.append(chunk.text)
-        self.completion_tokens += len(chunk.token_ids)
-        if chunk.finish_reason:
-            self.finish = FINISH[chunk.finish_reason]
-            self.stats = _stats(chunk, self.call)
-            self.cached_tokens = chunk.stats.cached_prompt_tokens
+    def add(self, event: Text | Finished) -> None:
+        self.text.append(event.text)
+        if isinstance(event, Text):
+            self.completion_tokens += len(event.token_ids)
+        else:
+            self.finish = event.finish_reason
+            self.stats = _stats(event, self.call)
+            self.cached_tokens = event.stats.cached_prompt_tokens
 
     def usage(self) -> dict:
         """OpenAI's usage; cached_tokens: prompt tokens whose KV a parked session or a cached
@@ -561,12 +527,12 @@ class _Answer:
     def head(self) -> dict:
         return self._chunk(dict(role="assistant", content="") if self.chat else {})
 
-    def delta(self, chunk: pb.GenerateChunk) -> dict | None:
-        self.add(chunk)
-        if chunk.finish_reason:
-            content = dict(content=chunk.text) if chunk.text else {}
+    def delta(self, event: Text | Finished) -> dict | None:
+        self.add(event)
+        if isinstance(event, Finished):
+            content = dict(content=event.text) if event.text else {}
             return dict(self._chunk(content, self.finish), blockspec=self.stats)
-        return self._chunk(dict(content=chunk.text)) if chunk.text else None
+        return self._chunk(dict(content=event.text)) if event.text else None
 
     def usage_event(self) -> dict:
         return dict(self._envelope(self.chunk_kind, None), usage=self.usage())

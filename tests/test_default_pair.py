@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+
 from blockspec.service.engine import build_engine
 from blockspec.service.requests import (
     ChatTurn,
@@ -102,7 +103,7 @@ def test_greedy_chat_answer_equals_hugging_face(tokenizer):
 
 
 def test_messages_render_with_the_chat_template(tokenizer):
-    from blockspec.service.gateway import _default_template
+    from blockspec.service.core import _default_template
 
     # What Info.chat_template sends: the template clients render later session turns with.
     assert "<|im_start|>" in _default_template(tokenizer.chat_template)

@@ -9,15 +9,17 @@ import random
 
 import grpc
 import pytest
+from ray.serve.exceptions import BackPressureError
+from transformers import AutoTokenizer
+
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.service.coordinator import DeadlineExceeded, Overloaded, ReplicaFailed
+from blockspec.service.core import refusal_of
 from blockspec.service.detokenizer import TextStream
-from blockspec.service.gateway import refusal_of, request_params
+from blockspec.service.gateway import request_params
 from blockspec.service.requests import InvalidArgument, Limits, RequestValidator
 from blockspec.service.sessions import StoreUnavailableError
 from blockspec.workers.models import TINY_TARGET
-from ray.serve.exceptions import BackPressureError
-from transformers import AutoTokenizer
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # sum\n",

@@ -12,12 +12,12 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from blockspec.protos import blockspec_pb2 as pb
-from blockspec.service.auth import BearerAuth
-from blockspec.service.gateway import Refusal
-from blockspec.service.http_api import ApiError, OpenAIFrontend, request_timeout
 from starlette.requests import Request
 
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.service.auth import BearerAuth
+from blockspec.service.core import Refusal
+from blockspec.service.http_api import ApiError, OpenAIFrontend, request_timeout
 from tests.test_service import poll_gateway_metrics, scrape, stats, wait_idle
 
 pytestmark = pytest.mark.xdist_group("ray")  # with every test that uses the live service
@@ -335,6 +335,62 @@ def test_a_cancelled_stream_frees_its_slot(service, client, model):
     )
     assert metrics[counted] == before + 3 and metrics["blockspec_in_flight"] == 0, metrics
     assert client.completions.create(model=model, prompt="z", max_tokens=3).usage
+
+
+def test_both_wires_open_their_requests_on_one_core(service):
+    """A gRPC and an HTTP request with the same fields reach the same application core
+    (a gateway's GenerationCore, as both of its APIs do) with equal parameters, temperature
+    included; the HTTP one with no protobuf in them and its X-Request-Timeout as the caller's
+    deadline. The replica then ran the same request: the seeded texts are equal."""
+    import asyncio
+
+    from google.protobuf.message import Message
+    from ray import serve
+
+    from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+    from blockspec.service.gateway import GatewayServer
+    from tests.live_service import APP
+
+    settings = service["settings"].model_copy(update=dict(port=0, metrics_port=0))
+    replicas = serve.get_deployment_handle("Replica", APP)
+    opened = []
+    fields = dict(max_new_tokens=6, temperature=0.37, seed=5, method="token", ignore_eos=True)
+
+    async def scenario():
+        server = GatewayServer(settings, replicas, await replicas.info.remote())
+        core_open = server.core.open
+
+        def open_and_record(params, caller, unary=False):
+            opened.append((params, caller))
+            return core_open(params, caller, unary)
+
+        server.core.open = open_and_record
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = pb_grpc.GeneratorStub(channel)
+                reply = await stub.Generate(pb.GenerateRequest(prompt="a b", **fields))
+            body = dict(
+                model="target", prompt="a b", max_tokens=6, temperature=0.37, seed=5,
+                method="token", ignore_eos=True,
+            )  # fmt: skip
+            frontend = OpenAIFrontend(server.core, "target")
+            request = _request({"X-Request-Timeout": "30"}, body)
+            response = await frontend.complete(request, False)
+        finally:
+            await server.drain()
+        return reply, response.status_code, json.loads(response.body)
+
+    reply, status, answer = asyncio.run(scenario())
+    assert status == 200, answer
+    (by_grpc, grpc_caller), (by_http, http_caller) = opened
+    assert by_http.temperature == pytest.approx(0.37) == by_grpc.temperature  # a float32 there
+    assert by_http.max_new_tokens == by_grpc.max_new_tokens == 6
+    assert (by_http.prompt, by_http.seed, by_http.method) == ("a b", 5, "token")
+    assert (by_grpc.prompt, by_grpc.seed, by_grpc.method) == ("a b", 5, "token")
+    assert not any(isinstance(v, Message) for v in vars(by_http).values())
+    assert grpc_caller.deadline is None and 25 < http_caller.time_remaining() <= 30
+    assert answer["choices"][0]["text"] == reply.text and reply.text
 
 
 # ----------------------------------------------------------------------------- units

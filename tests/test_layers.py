@@ -60,3 +60,17 @@ def test_workers_sources_name_no_service_module():
                 names = [node.module or ""]
             found += [f"{path.name}: {n}" for n in names if n.startswith("blockspec.service")]
     assert found == []
+
+
+def test_the_http_api_reaches_the_core_without_grpc_s_servicer_or_protobuf():
+    """The HTTP adapter maps its wire onto the application core (service/core.py) directly:
+    no protobuf message, stub or servicer on its path (grpc's status codes are the one
+    vocabulary of refusals both adapters map from)."""
+    names = set()
+    for node in ast.walk(ast.parse((REPO / "service" / "http_api.py").read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module or "")
+    assert not {n for n in names if n.startswith(("blockspec.protos", "google.protobuf"))}
+    assert "blockspec.service.gateway" not in names and "blockspec.service.core" in names

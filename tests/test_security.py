@@ -15,16 +15,16 @@ import time
 
 import grpc
 import pytest
-from blockspec.protos import blockspec_pb2 as pb
-from blockspec.protos import blockspec_pb2_grpc as pb_grpc
-from blockspec.service.auth import bearer, client_channel, warn_if_exposed
-from blockspec.service.cli import main as cli_main
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.auth import bearer, client_channel, warn_if_exposed
+from blockspec.service.cli import main as cli_main
 from tests.live_service import APP
 
 pytestmark = pytest.mark.xdist_group("ray")
@@ -78,8 +78,9 @@ class _Gateway:
     """A GatewayServer with `update` applied to the service's settings, on its own loop."""
 
     def __init__(self, service, **update):
-        from blockspec.service.gateway import GatewayServer
         from ray import serve
+
+        from blockspec.service.gateway import GatewayServer
 
         settings = service["settings"].model_copy(update=dict(port=0, metrics_port=0, **update))
         replicas = serve.get_deployment_handle("Replica", APP)
@@ -198,7 +199,7 @@ def test_each_client_has_its_own_concurrency_limit(service):
             long = pb.GenerateRequest(prompt="a", max_new_tokens=300, ignore_eos=True)
             first = stub.Generate.future(long, metadata=bearer(TOKENS["alice"]), timeout=120)
             deadline = time.monotonic() + 30
-            while not gateway.server.servicer.per_client["alice"]:
+            while not gateway.server.core.per_client["alice"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             with pytest.raises(grpc.RpcError) as err:

@@ -16,6 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 from blockspec.service.config import Settings
@@ -26,10 +30,6 @@ from blockspec.service.sessions import RedisStore
 from blockspec.verification import VERIFIERS
 from blockspec.workers.draft import padding_groups
 from blockspec.workers.sampling import SamplingParams
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.cli_process import BLOCKSPEC
 from tests.live_service import APP, MAX_BATCH, MAX_QUEUED, TINY_PAIR, stop_remote_engine
 
@@ -113,6 +113,7 @@ def test_serves_controller_gives_a_slow_proxy_time_to_start(service):
     # and serve.start failed (service.app.LOCAL_CLUSTER_ENV): the controller that runs the
     # check must read the longer one.
     import psutil
+
     from blockspec.service.app import LOCAL_CLUSTER_ENV
 
     key = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
@@ -530,9 +531,9 @@ def test_overload_gets_resource_exhausted_and_the_service_recovers(service):
 
 def test_draining_gateway_answers_unavailable_and_not_serving(service):
     """A second gateway on the same replicas, drained: the first keeps serving."""
-    from blockspec.service.gateway import GatewayServer
     from ray import serve
 
+    from blockspec.service.gateway import GatewayServer
     from tests.test_http_api import post_completion
 
     # drain waits as long as the in-flight request takes, however loaded the machine
@@ -553,15 +554,15 @@ def test_draining_gateway_answers_unavailable_and_not_serving(service):
             stub = pb_grpc.GeneratorStub(channel)
             long = pb.GenerateRequest(prompt="a", max_new_tokens=300, ignore_eos=True)
             in_flight = asyncio.ensure_future(stub.Generate(long))
-            await until(lambda: server.servicer.in_flight == 1)
+            await until(lambda: server.core.in_flight == 1)
             drain = asyncio.create_task(server.drain())  # waits for in_flight
-            await until(lambda: server.servicer.draining)
+            await until(lambda: server.core.draining)
             health = health_pb2_grpc.HealthStub(channel)
             status = (await health.Check(health_pb2.HealthCheckRequest())).status
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=2))
             # The HTTP API over the same gateway: 503 in OpenAI's schema.
-            http = await post_completion(server.servicer, dict(model="target", prompt="a"))
+            http = await post_completion(server.core, dict(model="target", prompt="a"))
             finished = await in_flight
             await drain
         return status, err.value.code(), finished, http
@@ -580,8 +581,9 @@ def test_serve_scales_replicas_from_one_to_two_under_load(service, until):
     load Serve's autoscaler asks for a second replica, and (until="running") it runs. The
     default run stops at the ask: the second start is the first one's again and half the
     test's time (34 s of 62 alone)."""
-    from blockspec.service.app import build
     from ray import serve
+
+    from blockspec.service.app import build
 
     autoscaling = dict(
         min_replicas=1,
@@ -674,7 +676,6 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
 
     from blockspec.service.config import ReplicaConfig
     from blockspec.service.replica import build_remote_engine
-
     from tests.test_engine import MIXED
     from tests.test_feature_draft import save_feature_draft
 
@@ -759,10 +760,10 @@ def test_a_killed_actor_is_restarted_and_requests_finish_with_the_same_tokens(
     can move p and q in the last bits, as in the concurrent-service test above: 8 of 10 must
     match exactly.)"""
     import ray
+
     from blockspec.service.config import ReplicaConfig
     from blockspec.service.coordinator import Coordinator, Done, Emitted
     from blockspec.service.replica import build_remote_engine
-
     from tests.test_engine import MIXED
 
     cfg = ReplicaConfig(
@@ -823,6 +824,7 @@ def test_restarted_actors_load_the_weights_their_first_ones_handed_over(service,
     import shutil
 
     import ray
+
     from blockspec.service.config import ReplicaConfig
     from blockspec.service.replica import build_remote_engine
 
@@ -865,10 +867,10 @@ def test_a_restart_ends_requests_whose_feature_draft_kept_its_own_state(service,
     from pathlib import Path
 
     import ray
+
     from blockspec.service.config import ReplicaConfig
     from blockspec.service.coordinator import Coordinator, Done, Emitted, Failed, RequestLost
     from blockspec.service.replica import build_remote_engine
-
     from tests.test_feature_draft import save_feature_draft
 
     draft = tmp_path / "draft"
