@@ -4,6 +4,7 @@ top-level folders (pyproject.toml maps them), and it runs from where it is insta
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -13,12 +14,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("service", "workers", "verification", "protos", "loadtest")
+CACHES = shutil.ignore_patterns("__pycache__")
 
 
 def test_the_wheel_installs_only_blockspec_and_runs_from_there(tmp_path):
+    source = tmp_path / "source"  # a copy: setuptools builds in the source tree (build/)
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    for name in SUBPACKAGES:
+        shutil.copytree(ROOT / name, source / name, ignore=CACHES)
     wheels = tmp_path / "wheels"
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*build, "-w", str(wheels), str(ROOT)], check=True, timeout=300)
+    subprocess.run([*build, "-w", str(wheels), str(source)], check=True, timeout=300)
     (wheel,) = wheels.glob("blockspec-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"blockspec", wheel.name.split("-py")[0] + ".dist-info"}, tops
