@@ -2,7 +2,7 @@
 
 Ten kinds of request, seven conversations each, written by hand for evaluation only: neither
 these prompts nor their topics (`HELD_OUT_TOPICS`) nor their phrasings appear in the draft's
-training data (`scripts/draft_prompts.py` builds that from a disjoint topic list, and
+training data (`blockspec.models.prompts` builds that from a disjoint topic list, and
 tests/test_draft_prompts.py checks the two stay apart). Each conversation is a list of chat
 turns ending with a user turn; the model's answer to it is what gets measured.
 """

@@ -165,7 +165,7 @@ def package_view(tree: Path) -> Path:
     before the editable install, which maps blockspec to this repository."""
     view = tree / "_package_view"
     (view / "blockspec").mkdir(parents=True, exist_ok=True)
-    for name in ("service", "workers", "verification", "protos", "loadtest"):
+    for name in ("service", "workers", "verification", "protos", "loadtest", "models"):
         link = view / "blockspec" / name
         if (tree / name).is_dir() and not link.exists():
             link.symlink_to(tree / name)

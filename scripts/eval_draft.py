@@ -35,10 +35,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_engine import forward_ms  # noqa: E402
-from train_draft import shifted  # noqa: E402
 
 from blockspec.loadtest.everyday import everyday_ids  # noqa: E402
 from blockspec.loadtest.prompts import prompt_ids  # noqa: E402
+from blockspec.models.train_draft import shifted  # noqa: E402
 from blockspec.service.engine import build_engine  # noqa: E402
 from blockspec.service.requests import make_request  # noqa: E402
 from blockspec.workers.llama import KVCache  # noqa: E402

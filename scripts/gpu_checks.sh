@@ -12,7 +12,7 @@ mkdir -p "$out"
 # The code as the installed package blockspec (pyproject.toml maps the folders), without
 # installing it: a folder whose blockspec/ links to this checkout's folders.
 view=$(mktemp -d) && mkdir "$view/blockspec"
-for d in service workers verification protos loadtest; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
+for d in service workers verification protos loadtest models; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
 export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1 PYTHONPATH=$view:.${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 "$py" -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"

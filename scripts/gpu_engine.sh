@@ -25,7 +25,7 @@ start=$SECONDS
 # The code as the installed package blockspec (pyproject.toml maps the folders), without
 # installing it: a folder whose blockspec/ links to this checkout's folders.
 view=$(mktemp -d) && mkdir "$view/blockspec"
-for d in service workers verification protos loadtest; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
+for d in service workers verification protos loadtest models; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH=$view:$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine with no network: a fresh round of the default draft's training data and a
-# warm-started training run (scripts/train_draft.py, every stage on the GPU) in one call
+# warm-started training run (models/train_draft.py, every stage on the GPU) in one call
 # (~8 min with the defaults; a device call may run 10).
 #   bash scripts/gpu_train_draft.sh                 (PYTHON=... picks python)
 # Expects what scripts/gpu_engine.sh expects: .whl/*.whl (the gguf wheel) and the target's GGUF
@@ -29,7 +29,7 @@ start=$SECONDS
 # The code as the installed package blockspec (pyproject.toml maps the folders), without
 # installing it: a folder whose blockspec/ links to this checkout's folders.
 view=$(mktemp -d) && mkdir "$view/blockspec"
-for d in service workers verification protos loadtest; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
+for d in service workers verification protos loadtest models; do ln -s "$PWD/$d" "$view/blockspec/$d"; done
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH=$view:$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -44,7 +44,7 @@ common=(--device "$device" --target "$models/smollm2-135m-instruct" --work "$wor
     --seed "${SEED:-3}" --batch "${BATCH:-256}" --threads "${THREADS:-8}")
 stage() {  # stage NAME [flags]: one stage of train_draft.py, timed
     echo "== $1 ($((SECONDS - start)) s)"
-    "$py" scripts/train_draft.py --stage "$@" "${common[@]}" || exit 1
+    "$py" -m blockspec.models.train_draft --stage "$@" "${common[@]}" || exit 1
 }
 [ "${UNPACK:-1}" = 0 ] || stage unpack
 stage generate --round 1 --prompts "${PROMPTS:-20000}" --gen-minutes "${GEN_MIN:-3.5}"

@@ -155,7 +155,7 @@ def test_serve_refuses_a_pair_with_another_tokenizer_naming_both(tokenizer):
 
 
 def test_the_draft_head_is_the_target_embedding_times_its_calibrated_scale(tokenizer):
-    """scripts/train_draft.py (`calibration`) chose a logit scale; set-up folded it into an
+    """models/train_draft.py (`calibration`) chose a logit scale; set-up folded it into an
     untied head (the token-only draft keeps the tied one)."""
     from safetensors.torch import load_file
 

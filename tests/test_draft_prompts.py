@@ -1,25 +1,19 @@
-"""The draft's training prompts (scripts/draft_prompts.py) and the held-out everyday set
+"""The draft's training prompts (models/prompts.py) and the held-out everyday set
 (loadtest/everyday.py): the evaluation measures prompts the draft never saw."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from blockspec.loadtest.everyday import EVERYDAY, HELD_OUT_TOPICS, everyday_ids
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_prompts.py"
+from blockspec.models import prompts
 
 
 @pytest.fixture(scope="module")
 def grid():
-    spec = importlib.util.spec_from_file_location("draft_prompts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return prompts
 
 
 def test_the_held_out_set_has_sixty_conversations_over_eight_kinds():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("service", "workers", "verification", "loadtest", "protos")
+PACKAGES = ("service", "workers", "verification", "loadtest", "protos", "models")
 LONGEST_FUNCTION = 80
 
 
@@ -100,6 +100,20 @@ def test_no_function_is_over_80_lines_outside_scripts_and_kernels():
                 if lines > LONGEST_FUNCTION:
                     long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, "\n".join(long)
+
+
+def test_no_test_loads_code_by_its_file_path():
+    """Tests import the package's modules (blockspec.*), never a file by its path: what they
+    test is what installs."""
+    loaders = ("spec_from_file_location", "runpy.run_path", "SourceFileLoader")
+    found = [
+        f"{path.name}: {loader}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        if path.name != Path(__file__).name
+        for loader in loaders
+        if loader in path.read_text()
+    ]
+    assert not found, found
 
 
 @pytest.mark.xdist_group("ray")

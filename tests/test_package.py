@@ -13,8 +13,13 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("service", "workers", "verification", "protos", "loadtest")
-CACHES = shutil.ignore_patterns("__pycache__")
+SUBPACKAGES = ("service", "workers", "verification", "protos", "loadtest", "models")
+
+
+def _code_only(folder: str, names: list[str]) -> list[str]:
+    """copytree's ignore: all but the Python files and folders (models/ holds weights too)."""
+    code = [n for n in names if n.endswith(".py") or (Path(folder) / n).is_dir()]
+    return [n for n in names if n not in code or n == "__pycache__"]
 
 
 def test_the_wheel_installs_only_blockspec_and_runs_from_there(tmp_path):
@@ -23,7 +28,7 @@ def test_the_wheel_installs_only_blockspec_and_runs_from_there(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source)
     for name in SUBPACKAGES:
-        shutil.copytree(ROOT / name, source / name, ignore=CACHES)
+        shutil.copytree(ROOT / name, source / name, ignore=_code_only)
     wheels = tmp_path / "wheels"
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     subprocess.run([*build, "-w", str(wheels), str(source)], check=True, timeout=300)
@@ -53,6 +58,7 @@ def test_the_wheel_installs_only_blockspec_and_runs_from_there(tmp_path):
         import json, sys
         import blockspec.service.cli, blockspec.service.gateway, blockspec.workers.step
         import blockspec.verification, blockspec.protos.blockspec_pb2_grpc, blockspec.loadtest.cli
+        import blockspec.models.prompts
         tops = {{name.split(".")[0] for name in sys.modules}}
         files = {{n: m.__file__ for n, m in sys.modules.items()
                  if n.startswith("blockspec.") and getattr(m, "__file__", None)}}

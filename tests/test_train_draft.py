@@ -1,13 +1,12 @@
-"""scripts/train_draft.py's answers survive the machine that sampled them: `pack` keeps a seed's
+"""models/train_draft.py's answers survive the machine that sampled them: `pack` keeps a seed's
 prompts and answers (no teacher rows), `unpack` restores the shards (of every seed, or of the
 seeds `--seeds` names), and `features` recomputes the teacher's rows from its forward, equal to
-the ones `generate` recorded while sampling. Run as the script runs, on the tiny target. And
+the ones `generate` recorded while sampling. Run as its command runs, on the tiny target. And
 `train` validates only on the seed `--val-seed` names, and `--alpha-weight` adds the
 total-variation loss that raises α."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train_draft(*flags: str) -> None:
-    cmd = [sys.executable, str(REPO / "scripts" / "train_draft.py"), "--target", str(TINY_TARGET)]
+    cmd = [sys.executable, "-m", "blockspec.models.train_draft", "--target", str(TINY_TARGET)]
     subprocess.run([*cmd, "--threads", "1", *flags], check=True, capture_output=True, cwd=REPO)
 
 
@@ -62,10 +61,9 @@ def test_packed_answers_unpack_to_the_sampled_ones_and_their_teacher_rows(tmp_pa
 
 
 def load_module():
-    spec = importlib.util.spec_from_file_location("train_draft", REPO / "scripts/train_draft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from blockspec.models import train_draft
+
+    return train_draft
 
 
 def test_validation_comes_from_the_named_seed_only():

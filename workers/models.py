@@ -26,7 +26,7 @@ SMOLLM2_DRAFT_WEIGHTS = BUNDLED / "smollm2-draft"
 # consumers that cannot feed a draft the target's features, e.g. HF assisted generation.
 TOKEN_ONLY_DRAFT = MODEL_CACHE / "smollm2-135m-draft-token-only"
 SMOLLM2_TOKEN_ONLY_WEIGHTS = BUNDLED / "smollm2-draft-token-only"
-# Set-up only: a committed draft's logit scale s (scripts/train_draft.py: `calibration`),
+# Set-up only: a committed draft's logit scale s (models/train_draft.py: `calibration`),
 # which assembly folds into an untied head: q = softmax(s z / T) sharpens an under-confident
 # draft. Verification reads q as the draft sampled it, so any s stays lossless.
 HEAD_SCALE = "head_scale.json"

@@ -2,7 +2,7 @@
 
 A chat model is asked everything, so the draft is trained on the target's answers to prompts of
 many kinds (`KINDS`), built from the lists below with a seeded generator: no hub, no dataset, no
-model writes them. Two rounds (`scripts/train_draft.py --stage generate`):
+model writes them. Two rounds (`blockspec.models.train_draft --stage generate`):
 
 * round 1, single-turn requests: questions, explanations, how-tos, creative and practical
   writing, lists and comparisons, advice, maths word problems, code in several languages, and

@@ -7,7 +7,7 @@ target's sampled answers (T = 1) to chat prompts, and the loss at each answer po
 cross-entropy to the target's next-token distribution there (its top-k probabilities, recorded
 while sampling: the teacher forward comes for free).
 
-Prompts (scripts/draft_prompts.py): a topic x task grid of everyday requests (questions,
+Prompts (models/prompts.py): a topic x task grid of everyday requests (questions,
 explanations, how-tos, writing, lists, advice, maths, rewrites of prose), code in several
 languages and the standard library's functions, then a second round built on the first's
 answers (follow-up turns, rewrites of the target's own text). The held-out evaluation
@@ -40,11 +40,11 @@ new machine ``unpack`` replaces the ``generate`` stages) is a chain of warm-star
 cross-entropy plus the total-variation loss (``--alpha-weight``); the latest, once seed 8 was
 sampled, trained on the four newest seeds only (an hour of this CPU sees each ~2.7 times):
 
-    .venv/bin/python scripts/train_draft.py --stage unpack --seeds 5,6,7,8
-    .venv/bin/python scripts/train_draft.py --stage features --feature-batch 16   # 20 min
-    .venv/bin/python scripts/train_draft.py --seed 8 --val-seed 8 --stage train --bf16 \
+    .venv/bin/python -m blockspec.models.train_draft --stage unpack --seeds 5,6,7,8
+    .venv/bin/python -m blockspec.models.train_draft --stage features --feature-batch 16   # 20 min
+    .venv/bin/python -m blockspec.models.train_draft --seed 8 --val-seed 8 --stage train --bf16 \
         --train-minutes 60 --lr 5e-4 --alpha-weight 4 --init-draft <previous models/smollm2-draft>
-    .venv/bin/python scripts/train_draft.py --stage export
+    .venv/bin/python -m blockspec.models.train_draft --stage export
     .venv/bin/python scripts/fetch_models.py && .venv/bin/python scripts/eval_draft.py
 
 A new seed's answers: ``--seed N --stage generate --round 1 --batch 128 --gen-minutes 20``,
@@ -66,15 +66,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-import sys  # noqa: E402
-
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import draft_prompts  # noqa: E402
-
-from blockspec.workers.models import (  # noqa: E402
+from blockspec.models import prompts as draft_prompts
+from blockspec.workers.models import (
     DEFAULT_TARGET,
     FEATURE_FC,
     HEAD_SCALE,
@@ -83,6 +76,7 @@ from blockspec.workers.models import (  # noqa: E402
 )
 
 TOPK = 32  # teacher probabilities kept per position (they hold ~all of the mass at T = 1)
+REPO = Path(__file__).resolve().parents[1]  # the checkout (module doc)
 PACKED = REPO / "models" / "smollm2-draft-answers"  # committed answers: xz JSON lines a seed
 
 
@@ -94,7 +88,7 @@ def teacher_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def round_chats(args, tok, rnd: int, count: int) -> list[tuple[str, list[dict]]]:
-    """`count` (kind, chat) prompts of generation round `rnd` (scripts/draft_prompts.py)."""
+    """`count` (kind, chat) prompts of generation round `rnd` (models/prompts.py)."""
     if rnd == 1:
         return draft_prompts.round_one(args.seed, count)
     answered = [
@@ -520,17 +514,10 @@ def split_validation(
     )
 
 
-def train(args) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(args.seed)
-    tok = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-    samples = load_answers(args.work, features=args.arch == "features")
-    rng = random.Random(args.seed)
-    rng.shuffle(samples)
-    val, tr = split_validation(samples, max(8, len(samples) // 40), args.val_seed)
-    vocab = head_vocab(tr, args.head_vocab, target.config.vocab_size, tok.eos_token_id)
+def head_of(tr: list[dict], size: int, target, tok) -> tuple:
+    """The draft head's vocabulary over the training answers: (its ids [Vh], each id's place
+    in it [V] (-1: not kept), the answers' tokens, the teacher's top-k mass the head keeps)."""
+    vocab = head_vocab(tr, size, target.config.vocab_size, tok.eos_token_id)
     vocab_pos = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     vocab_pos[vocab] = torch.arange(len(vocab))
     tokens = sum(len(s["answer"]) for s in tr)
@@ -542,30 +529,75 @@ def train(args) -> None:
         f"{covered / tokens:.3f} of the teacher's top-{TOPK} mass",
         flush=True,
     )
+    return vocab, vocab_pos, tokens, covered
+
+
+def validation_loss(draft, val: list[dict], loss, batch_tokens: int) -> tuple[float, list]:
+    """The mean loss and α (top-k) per position over the validation answers."""
+    draft.eval()
+    total, accs = 0.0, None
+    with torch.no_grad():
+        for batch in batches_of(val, batch_tokens, random.Random(0)):
+            c, a = loss(batch)
+            total += c.item() * len(batch)
+            accs = [x + y * len(batch) for x, y in zip(accs or [0.0] * len(a), a, strict=True)]
+    draft.train()
+    return total / len(val), [round(x / len(val), 4) for x in accs]
+
+
+def new_draft(args, target, tr: list[dict], vocab: torch.Tensor) -> tuple:
+    """(the draft to train, the target's layers it starts from): `--arch`'s kind, its layers
+    copied from the target's `--init-layers`, on `--device`, warm-started from `--init-draft`."""
     layers = [int(x) for x in args.init_layers.split(",")]
     if args.arch == "features":
         feats = torch.cat([s["feat"] for s in tr[:200]]).float()
         draft = FeatureDraft(target, layers, vocab, feats.pow(2).mean(0).sqrt())
     else:
         draft = Draft(target, layers, vocab)
-    del target
     draft = draft.to(args.device)
-    if args.init_draft:  # warm start: an earlier draft's layers and norm (same shapes)
-        from safetensors.torch import load_file
+    if args.init_draft:
+        warm_start(draft, args.init_draft, args.arch)
+    return draft, layers
 
-        state = load_file(args.init_draft / "model.safetensors")
-        mine = {k: v for k, v in state.items() if k.startswith(("model.layers.", "model.norm."))}
-        missing, unexpected = draft.hf.load_state_dict(
-            {k: v.float() for k, v in mine.items()}, strict=False
-        )
-        if unexpected or any(k.startswith("model.layers.") for k in missing):
-            raise SystemExit(f"--init-draft does not fit: {missing=} {unexpected=}")
-        if args.arch == "features" and (args.init_draft / FEATURE_FC).exists():
-            # the committed fc has its feature scale folded in (export); unfold with ours
-            fc = load_file(args.init_draft / FEATURE_FC)["weight"].float()  # [E, 2E]
-            E = fc.shape[0]
-            fc[:, :E] /= draft.feat_scale.cpu()
-            draft.fc.weight.data.copy_(fc)
+
+def warm_start(draft, init_draft: Path, arch: str) -> None:
+    """An earlier draft's layers and norm (same shapes), and a feature draft's fc."""
+    from safetensors.torch import load_file
+
+    state = load_file(init_draft / "model.safetensors")
+    mine = {k: v for k, v in state.items() if k.startswith(("model.layers.", "model.norm."))}
+    missing, unexpected = draft.hf.load_state_dict(
+        {k: v.float() for k, v in mine.items()}, strict=False
+    )
+    if unexpected or any(k.startswith("model.layers.") for k in missing):
+        raise SystemExit(f"--init-draft does not fit: {missing=} {unexpected=}")
+    if arch == "features" and (init_draft / FEATURE_FC).exists():
+        # the committed fc has its feature scale folded in (export); unfold with ours
+        fc = load_file(init_draft / FEATURE_FC)["weight"].float()  # [E, 2E]
+        E = fc.shape[0]
+        fc[:, :E] /= draft.feat_scale.cpu()
+        draft.fc.weight.data.copy_(fc)
+
+
+def learning_rate(peak: float, step: int, progress: float) -> float:
+    """20 steps of warm-up, then a cosine to a tenth of the peak as progress goes to 1."""
+    warm = min(1.0, (step + 1) / 20)
+    return peak * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    samples = load_answers(args.work, features=args.arch == "features")
+    rng = random.Random(args.seed)
+    rng.shuffle(samples)
+    val, tr = split_validation(samples, max(8, len(samples) // 40), args.val_seed)
+    vocab, vocab_pos, tokens, covered = head_of(tr, args.head_vocab, target, tok)
+    draft, layers = new_draft(args, target, tr, vocab)
+    del target
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
@@ -578,15 +610,7 @@ def train(args) -> None:
             )
 
     def evaluate():
-        draft.eval()
-        total, accs = 0.0, None
-        with torch.no_grad():
-            for batch in batches_of(val, args.batch_tokens, random.Random(0)):
-                c, a = loss(batch)
-                total += c.item() * len(batch)
-                accs = [x + y * len(batch) for x, y in zip(accs or [0.0] * len(a), a, strict=True)]
-        draft.train()
-        return total / len(val), [round(x / len(val), 4) for x in accs]
+        return validation_loss(draft, val, loss, args.batch_tokens)
 
     print("init: val loss {:.3f}, val alpha(top-k) {}".format(*evaluate()), flush=True)
     t0, step, total = time.time(), 0, None
@@ -606,11 +630,7 @@ def train(args) -> None:
             done = total is not None and progress >= 1.0
             if done:
                 break
-            lr = (
-                args.lr
-                * min(1.0, (step + 1) / 20)
-                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-            )
+            lr = learning_rate(args.lr, step, progress)
             for g in opt.param_groups:
                 g["lr"] = lr
             ce, acc = loss(batch)
@@ -637,19 +657,11 @@ def train(args) -> None:
     scales = calibration(draft, val, vocab_pos, tok.pad_token_id)
     print(f"calibration: {scales}", flush=True)
     meta = dict(
-        steps=step,
-        minutes=(time.time() - t0) / 60,
-        answers=len(tr),
-        answer_tokens=tokens,
-        head_vocab=len(vocab),
-        head_mass=covered / tokens,
-        init_layers=layers,
-        init_draft=str(args.init_draft or ""),
-        arch=args.arch,
-        calibration=scales,
-        args={k: str(v) for k, v in vars(args).items()},
-        log=log,
-    )
+        steps=step, minutes=(time.time() - t0) / 60, answers=len(tr), answer_tokens=tokens,
+        head_vocab=len(vocab), head_mass=covered / tokens, init_layers=layers,
+        init_draft=str(args.init_draft or ""), arch=args.arch, calibration=scales,
+        args={k: str(v) for k, v in vars(args).items()}, log=log,
+    )  # fmt: skip
     state = {k: v.cpu() for k, v in draft.state_dict().items()}
     torch.save(dict(state=state, meta=meta), args.work / "draft.pt")
 
