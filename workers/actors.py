@@ -1,7 +1,7 @@
 """The models as Ray actors: one draft actor and a group of tensor-parallel target shard actors.
 
 `RemoteDraft` and `RemoteTarget` give the coordinator the worker interface the engine needs
-(workers/protocols.py: a `Draft` and a `Target`: prefill, move, commit) plus one chained
+(workers/protocols.py: a `Draft` and a `Target`: prefill, move) plus one chained
 exchange per decode step, `RemoteTarget.speculate`, which the engine's step executor over Ray
 (`RemoteRunner`) makes. The step (workers/step.py) runs split over the actors, each running its
 half with its own `StepRunner`:
@@ -9,6 +9,7 @@ half with its own `StepRunner`:
     coordinator --(the Step)---------------------------> draft actor: propose
     draft actor --(draft tokens, rows q)---------------> target shards: tree, forward
     coordinator --(the Step, less the draft's features)-> target shards; rank 0 verifies
+    target rank 0 --(accepted paths: path, τ, live)-----> draft actor: commit
     target rank 0 --(emitted tokens, τ, path, carry)----> coordinator
 
 Ray starts, places and restarts the actors and answers the calls made between steps (loading,
@@ -26,7 +27,7 @@ verification.CounterDraws), which travel as [n, 2] tensors.
 With a feature draft, rank 0 sends each prefill padding group's draft inputs to the coordinator,
 which posts them to the draft (it prefills that group while rank 0 runs the next).
 
-Ops that return nothing (prefill, move, commit) are posted without waiting; an actor reports the
+Ops that return nothing (prefill, move) are posted without waiting; an actor reports the
 seconds they computed, and the first error one raised, with its next reply. Each reply carries
 the seconds its actor computed; what the step took beyond that is *transfer* (serialization,
 sockets, waking the processes) in the engine's step-time breakdown.
