@@ -10,11 +10,14 @@ The engine (service/engine.py) builds one `Step` from its batch; a `StepRunner` 
             draft tokens (τ, a prefix of one path), then one target token, *recovered* after
             a rejection or the *bonus* after a full acceptance; the verdict's tokens are these
             τ + 1 (a plain request: the one token sampled from its root row)
-  commit -> the target keeps the root and the accepted path's τ nodes
+  commit -> the target keeps the root and the accepted path's τ nodes; the draft what its
+            feed keeps of the path (`draft_keeps`)
 
 In process the runner is the engine's executor and runs all five. Over Ray (workers/actors.py)
 the same runner runs split: its `propose` in the draft actor, its `run` on the target's rank 0,
-given the proposal that arrived from the draft; Ray carries only the `Step` and the result.
+given the proposal that arrived from the draft, and its `keep` (the draft's commit) in the draft
+actor, on the accepted paths rank 0 sends it; the links carry only the `Step`, the proposal,
+the accepted paths and the result.
 Neither side keeps generator state: every uniform is a hash of a request's key and the step's
 root position (workers/sampling.py, verification.CounterDraws), so seeded output does not
 depend on batch-mates or on where the step ran.
