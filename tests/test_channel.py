@@ -119,7 +119,7 @@ def test_a_closed_peer_breaks_the_link_and_silence_times_out(pair):
         link.recv(timeout_s=0.2)
     link.send("close")
     thread.join(timeout=10)
-    with pytest.raises(channel.LinkBroken):
+    with pytest.raises(channel.LinkBroken, match=r"^receiving: EOFError\('the other end closed"):
         link.recv(timeout_s=10)
 
 

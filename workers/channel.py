@@ -160,7 +160,7 @@ class Link:
         try:
             (size,) = struct.unpack("<Q", self._read(bytearray(8)))
             message = self._read(bytearray(size))
-        except (OSError, ValueError) as exc:
+        except (EOFError, OSError, ValueError) as exc:
             raise LinkBroken(f"receiving: {exc!r}") from None
         return _parse(message)
 
@@ -169,7 +169,7 @@ class Link:
         while got < len(into):
             n = self._socket.recv_into(view[got:])
             if n == 0:
-                raise LinkBroken("receiving: the other end closed the link")
+                raise EOFError("the other end closed the link")
             got += n
         return into
 
