@@ -4,8 +4,9 @@
         --shapes 8x2x49152 1x2x32000 [--gamma 8] [--support 8192] [--carry-steps 3] \\
         [--rounds 5] [--calls 7] [--threads 2]
 
-Checks `--baseline` out into a temporary git worktree and imports its `service` and `workers`
-packages next to this checkout's. Each cell (method, B x K x V) times one `verify` call on
+Checks `--baseline` out into a temporary git worktree and imports its `blockspec` (through a
+folder that links to the worktree's folders: check_seeded_outputs.package_view) next to this
+checkout's. Each cell (method, B x K x V) times one `verify` call on
 the same inputs for both revisions (`bench_verify.make_inputs`; with `--support S` every draft
 row is zero outside one random S of the V tokens, as a reduced draft head makes them; with
 `--carry-steps N` greedy methods carry the modification of N earlier calls, as the engine's

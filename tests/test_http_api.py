@@ -418,8 +418,8 @@ def test_gateway_codes_map_to_http_statuses(code, status):
     assert ApiError.from_refusal(context).param == "prompt"
 
 
-class _GenerationService:
-    """Only what OpenAIFrontend.authorize reads: the gateway's real BearerAuth."""
+class _AuthOnly:
+    """Only what OpenAIFrontend.authorize reads of the core: the gateway's real BearerAuth."""
 
     def __init__(self, auth: BearerAuth):
         self.auth = auth
@@ -438,7 +438,7 @@ def _request(headers: dict[str, str], body: dict | None = None) -> Request:
 
 
 async def post_completion(service, body: dict):
-    """POST /v1/completions on a gateway's GenerationService, without the proxy: (status, JSON)."""
+    """POST /v1/completions on a gateway's GenerationCore, without the proxy: (status, JSON)."""
     response = await OpenAIFrontend(service, "target").complete(_request({}, body), False)
     return response.status_code, json.loads(response.body)
 
@@ -466,13 +466,13 @@ def test_a_bad_request_timeout_is_refused_naming_the_header(value):
 
 
 def test_authorization_mirrors_the_grpc_interceptor():
-    frontend = OpenAIFrontend(_GenerationService(BearerAuth({"alice": "s3cret"})), "target")
+    frontend = OpenAIFrontend(_AuthOnly(BearerAuth({"alice": "s3cret"})), "target")
     frontend.authorize(_request({"Authorization": "Bearer s3cret"}))
     for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 403)):
         with pytest.raises(ApiError) as err:
             frontend.authorize(_request(headers))
         assert err.value.status == status
-    open_frontend = OpenAIFrontend(_GenerationService(BearerAuth({})), "target")
+    open_frontend = OpenAIFrontend(_AuthOnly(BearerAuth({})), "target")
     open_frontend.authorize(_request({}))  # auth off: anyone
 
 
@@ -534,8 +534,8 @@ async def post(frontend: OpenAIFrontend, body, chat: bool = False):
 )  # fmt: skip
 @pytest.mark.asyncio
 async def test_bodies_are_parsed_as_strictly_as_openai_parses_them(body, chat, status, param, code):
-    """The parser's refusals, before any request path: no GenerationService.open here."""
-    frontend = OpenAIFrontend(_GenerationService(BearerAuth({})), "target")
+    """The parser's refusals, before any request path: no GenerationCore.open here."""
+    frontend = OpenAIFrontend(_AuthOnly(BearerAuth({})), "target")
     got_status, error = await post(frontend, body, chat)
     assert (got_status, error["param"], error["code"]) == (status, param, code), error
     assert error["type"] == "invalid_request_error" and error["message"]
