@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from blockspec.service.core import Call, Caller, Finished, Generation, GenerationCore, Refusal, Text
+from blockspec.service.core import Caller, Finished, Generation, GenerationCore, Refusal, Text
 from blockspec.service.requests import ChatTurn, RequestParams
 
 # The gateway's status codes as HTTP statuses and OpenAI error types.
@@ -338,10 +338,10 @@ def caller_of(request: Request, timeout: float | None = None) -> Caller:
     return Caller(credentials, peer, None if timeout is None else time.monotonic() + timeout)
 
 
-def _stats(event: Finished, call: Call) -> dict:
-    return dict(
-        dataclasses.asdict(event.stats), replica=event.replica, session_id=call.session_id or None
-    )
+def _stats(event: Finished) -> dict:
+    """The `blockspec` key of an answer: the request's stats, its replica and session."""
+    stats = dataclasses.asdict(event.stats)
+    return dict(stats, replica=event.replica, session_id=event.session_id or None)
 
 
 class OpenAIFrontend:
@@ -490,7 +490,7 @@ class _Answer:
             self.completion_tokens += len(event.token_ids)
         else:
             self.finish = event.finish_reason
-            self.stats = _stats(event, self.call)
+            self.stats = _stats(event)
             self.cached_tokens = event.stats.cached_prompt_tokens
 
     def usage(self) -> dict:
