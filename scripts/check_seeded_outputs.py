@@ -175,13 +175,14 @@ def package_view(tree: Path) -> Path:
 def record_in(tree: Path, path: Path) -> None:
     """Run this script's recorder on the code of `tree`, in a fresh process (this script's:
     an older tree's own copy may not know the layout of a newer one)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package_view(tree)), str(tree)]))
     text = Path(__file__).read_text().replace("parents[1]", "parents[0]")
-    if '"blockspec.service"' not in (tree / "pyproject.toml").read_text():
-        # A tree from before its folders installed as blockspec.*: its modules import each
-        # other by the folders' names, so the recorder does too (one copy of each module).
-        env["PYTHONPATH"] = str(tree)
+    paths = [str(tree)]
+    if '"blockspec.service"' in (tree / "pyproject.toml").read_text():
+        paths.insert(0, str(package_view(tree)))
+    else:  # a tree from before its folders installed as blockspec.*: its modules import each
+        # other by the folders' names, so the recorder does too (one copy of each module)
         text = text.replace("from blockspec.", "from ")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     script = tree / "_check_seeded_outputs.py"
     script.write_text(text)
     try:
