@@ -366,7 +366,7 @@ class TargetShardActor(_Served):
         address they dial)."""
         listener = self._open(host, key)
         steps = {
-            "speculate": lambda links, args: self._step(*args, links),
+            "step": lambda links, args: self._step(*args, links),
             "prefill_features": lambda links, args: self._prefill_features(
                 links["coordinator"], *args
             ),
@@ -670,8 +670,10 @@ class RemoteTarget(_Remote):
         step's wall time beyond the actors' compute)."""
         start = time.perf_counter()
         try:
-            draft.links[0].send(("step", (step,)))
-            frames = dumps(("speculate", (step.for_target(),)))
+            frames = dumps(("step", (step,)))
+            draft.links[0].send_frames(frames)
+            if step.pending_features is not None:  # the ranks read none: framed again without
+                frames = dumps(("step", (step.for_target(),)))
             for link in self.links:
                 link.send_frames(frames)
             replies = _gather(self.links, self.step_timeout_s)
