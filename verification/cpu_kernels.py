@@ -63,6 +63,8 @@ class _SharedKernelsStamp(caching._CacheLocator):
     """The locator numba would pick for a function of a verifier's loops.py, with this file's
     hash added to its source stamp (see the module's docstring)."""
 
+    wraps_numba_locators = True  # each loaded copy of this module (a revision's) adds one
+
     def __init__(self, inner: caching._CacheLocator):
         self._inner = inner
 
@@ -86,7 +88,9 @@ class _SharedKernelsStamp(caching._CacheLocator):
         if path.name != "loops.py" or path.parent.parent != _PACKAGE:
             return None
         for locator in caching.CacheImpl._locator_classes:
-            inner = None if locator is cls else locator.from_function(py_func, py_file)
+            if getattr(locator, "wraps_numba_locators", False):
+                continue  # this class, or another copy's: wrapping it would recurse
+            inner = locator.from_function(py_func, py_file)
             if inner is not None:
                 return cls(inner)
         return None
