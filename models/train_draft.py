@@ -11,7 +11,7 @@ Prompts (models/prompts.py): a topic x task grid of everyday requests (questions
 explanations, how-tos, writing, lists, advice, maths, rewrites of prose), code in several
 languages and the standard library's functions, then a second round built on the first's
 answers (follow-up turns, rewrites of the target's own text). The held-out evaluation
-(scripts/eval_draft.py: loadtest.everyday and HumanEval) never appears here.
+(blockspec.models.eval_draft: loadtest.everyday and HumanEval) never appears here.
 
 The draft: an EAGLE-style *feature draft*. Each position reads fc([f_{t-1}; e(x_t)]), f the
 target's final-norm hidden state one position back, and its own output stands in for f deeper
@@ -45,7 +45,7 @@ sampled, trained on the four newest seeds only (an hour of this CPU sees each ~2
     .venv/bin/python -m blockspec.models.train_draft --seed 8 --val-seed 8 --stage train --bf16 \
         --train-minutes 60 --lr 5e-4 --alpha-weight 4 --init-draft <previous models/smollm2-draft>
     .venv/bin/python -m blockspec.models.train_draft --stage export
-    .venv/bin/python scripts/fetch_models.py && .venv/bin/python scripts/eval_draft.py
+    .venv/bin/python scripts/fetch_models.py && python -m blockspec.models.eval_draft
 
 A new seed's answers: ``--seed N --stage generate --round 1 --batch 128 --gen-minutes 20``,
 then ``--round 2 --round2-minutes 3``, then ``--seed N --stage pack``.

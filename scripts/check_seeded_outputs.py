@@ -159,22 +159,11 @@ def record(path: Path) -> None:
     path.write_text(json.dumps(runs))
 
 
-def package_view(tree: Path) -> Path:
-    """A folder where `blockspec` is `tree`'s code: its top-level folders as the installed
-    package's subpackages (pyproject.toml maps them so). Put first on PYTHONPATH, it is found
-    before the editable install, which maps blockspec to this repository."""
-    view = tree / "_package_view"
-    (view / "blockspec").mkdir(parents=True, exist_ok=True)
-    for name in ("service", "workers", "verification", "protos", "loadtest", "models"):
-        link = view / "blockspec" / name
-        if (tree / name).is_dir() and not link.exists():
-            link.symlink_to(tree / name)
-    return view
-
-
 def record_in(tree: Path, path: Path) -> None:
     """Run this script's recorder on the code of `tree`, in a fresh process (this script's:
     an older tree's own copy may not know the layout of a newer one)."""
+    from blockspec.loadtest.bench.harness import package_view
+
     text = Path(__file__).read_text().replace("parents[1]", "parents[0]")
     paths = [str(tree)]
     if '"blockspec.service"' in (tree / "pyproject.toml").read_text():
@@ -210,19 +199,10 @@ def main() -> int:
     if args.record:
         record(args.record)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.against],
-            check=True,
-        )
-        try:
-            for name in ("models",):  # untracked models (if any) travel with the tree
-                if not (base / name).exists():
-                    (base / name).symlink_to(ROOT / name)
-            record_in(base, Path(tmp) / "before.json")
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
+    from blockspec.loadtest.bench.harness import worktree
+
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.against) as base:
+        record_in(base, Path(tmp) / "before.json")
         record_in(ROOT, Path(tmp) / "after.json")
         before = json.loads((Path(tmp) / "before.json").read_text())
         after = json.loads((Path(tmp) / "after.json").read_text())

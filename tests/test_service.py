@@ -145,7 +145,7 @@ def test_replica_step_metrics_reach_rays_prometheus_endpoint(service):
     wanted = [f'ray_blockspec_step_phase_seconds_count{{phase="{p}"}}' for p in StepTimes.PHASES]
     wanted += ["ray_blockspec_step_batch_size_count", "ray_blockspec_queue_depth"]
     # Ray's metrics agent publishes every 10 s (its default; at 0.5 s the idle test cluster
-    # costs 0.29 of a core against 0.24: scripts/bench_idle_cluster.py), so allow a few reports.
+    # costs 0.29 of a core against 0.24: blockspec-bench idle), so allow a few reports.
     deadline, metrics = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # each metric shows up at its first report interval
         if busy.done():

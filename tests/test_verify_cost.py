@@ -1,6 +1,6 @@
 """Launch and host-wait budgets of one ``verify`` call per method.
 
-Speed itself is measured by ``scripts/bench_verify.py`` (docs/verification_benchmark.md); these
+Speed itself is measured by ``blockspec-bench verify`` (docs/verification_benchmark.md); these
 tests pin what makes it scale: the number of tensor operations a call dispatches (each one a
 kernel launch on an accelerator, ~5 µs of Python and dispatch on CPU) and the number that need
 the host to wait for the device (``.item()``/``bool()``, ``nonzero``, boolean-mask indexing).

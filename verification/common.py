@@ -97,7 +97,7 @@ def check_inputs(
 # A fresh temporary larger than glibc's mmap threshold (32 MiB at most) arrives as new pages on
 # every call, and zeroing them can cost more than the arithmetic on them. On CPU, row-wise work
 # therefore runs over batch chunks of about this many elements: temporaries are recycled by
-# the heap and stay in cache. The size is the best of a sweep over scripts/bench_verify.py's
+# the heap and stay in cache. The size is the best of a sweep over blockspec-bench verify's
 # shapes (docs/verification_benchmark.md).
 CPU_CHUNK_ELEMS = 1 << 19  # 2 MiB of float32
 

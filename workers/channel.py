@@ -3,7 +3,7 @@
 Ray starts, places, restarts and scales the actors; once they run, each decode step's messages
 (coordinator → draft → target ranks → coordinator) go over links set up once, not as Ray task
 calls: of Ray's calls, a Ray Compiled Graph (whose readers spin while idle) and a gloo group,
-these sockets pass a step's chain fastest (`scripts/bench_bounds.py --floor`; the table and the
+these sockets pass a step's chain fastest (`blockspec-bench bounds --floor`; the table and the
 argument: docs/service_benchmark.md, "Why links and not Ray calls").
 
 A link is a `multiprocessing.connection` socket (HMAC-authenticated with a key the coordinator

@@ -160,7 +160,7 @@ class SpeculationCache:
         xs, qs = x[index.to(x.device)], q[index.to(q.device)]
         _, k, gamma = xs.shape
         # the bonus is left out: ranking it needs the draft's row after the whole path, one
-        # forward more than the step drafts (scripts/bench_outcomes.py measures with it)
+        # forward more than the step drafts (blockspec-bench outcomes measures with it)
         residual = qs if draft.downweight is None else residual_estimate(qs, *draft.downweight)
         # a greedy request's rows are one-hot: its recovered token is ranked by the draft's
         # beliefs instead (the target's argmax is likely among the draft's next choices)

@@ -12,7 +12,8 @@ from .. import kernels as shared
 
 # SpecTr's node sums every probe of a round at once ([probes, KSEQ_BLOCK] float64 a step),
 # each row split over programs: about KSEQ_PROGRAMS_PER_SM a multiprocessor in all. The best
-# of the settings scripts/bench_kseq_knobs.py compares (rerun it on a new GPU).
+# settings of a sweep on an H100 (its script: `git show e2f0d34:scripts/bench_kseq_knobs.py`;
+# rerun it on a new GPU).
 KSEQ_BLOCK = 128
 KSEQ_DRAW_BLOCK = 1024  # the residual's draw: a running sum, wide steps (draw_residual)
 KSEQ_WARPS = 4

@@ -20,30 +20,25 @@ acceptance) and the law's y given τ; each scored by the law's mass on its first
 workers/sampling.downweight_top), another lossless draft law with its own ceiling; the
 predictor then ranks y by the residual the cache estimates (speculation.residual_estimate).
 
-    .venv/bin/python scripts/bench_outcomes.py --per-kind 7 --new-tokens 48 \
+    blockspec-bench outcomes --per-kind 7 --new-tokens 48 \
         --methods token block gbv --json docs/outcomes_t1.0.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import blockspec.workers.step as step_module  # noqa: E402
-from blockspec.loadtest.everyday import everyday_ids  # noqa: E402
-from blockspec.service.engine import build_engine  # noqa: E402
-from blockspec.service.requests import make_request  # noqa: E402
-from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from blockspec.workers.outcomes import (  # noqa: E402
+import blockspec.workers.step as step_module
+from blockspec.loadtest.bench.harness import parser, save_json
+from blockspec.loadtest.everyday import everyday_ids
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from blockspec.workers.outcomes import (
     LAW_METHODS,
     actual_outcomes,
     law_mass,
@@ -51,8 +46,8 @@ from blockspec.workers.outcomes import (  # noqa: E402
     outcome_scores,
     predict_outcomes,
 )
-from blockspec.workers.sampling import SamplingParams  # noqa: E402
-from blockspec.workers.speculation import residual_estimate  # noqa: E402
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.speculation import residual_estimate
 
 PREDICTORS = ("constant", "confidence")
 LAW_ROWS = ("ceiling", "exact tau", "exact y")  # ranked with the law, wholly or in part
@@ -159,10 +154,8 @@ class Recorder:
         self.single_path += len(x)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("outcomes", __doc__)
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--methods", nargs="+", default=["block", "gbv"])
@@ -178,7 +171,7 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine, tok = build_engine(args.draft, args.target, args.batch, 1024)
     room = 1024 - args.new_tokens - 8
@@ -225,10 +218,4 @@ def main() -> None:
         print(key, recorder.outcomes, be, {n: round(v, 3) for n, v in rate.items()}, flush=True)
         print("  expected", {n: round(v, 3) for n, v in expected.items()}, flush=True)
     result["minutes"] = round((time.time() - started) / 60, 1)
-    result["command"] = "python " + " ".join(sys.argv)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    save_json(args.json, "outcomes", argv, result)

@@ -1,7 +1,7 @@
 """blockspec's engine against llama.cpp's plain decoding, the program a CPU user would run
 instead, alternated in one run on the same machine and thread counts.
 
-    .venv/bin/python scripts/bench_llamacpp.py [--threads 1 2] [--rounds 2] [--prompts 4] \\
+    blockspec-bench llamacpp [--threads 1 2] [--rounds 2] [--prompts 4] \\
         [--new-tokens 64] [--configs none:float32 none:bfloat16 gbv:2:4:bfloat16]
 
 Set-up, once, into `--cache` (default ~/.cache/blockspec/llama.cpp; needs cmake, a C++
@@ -19,7 +19,6 @@ against llama.cpp at the same precision and thread count.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -32,8 +31,9 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from bench_engine import run_engine
 
+from blockspec.loadtest.bench.engine import run_engine
+from blockspec.loadtest.bench.harness import alternate, command, machine, parser
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
@@ -113,12 +113,13 @@ def llamacpp_rate(binary: Path, model: Path, threads: int, new_tokens: int) -> f
     return float(row["avg_ts"])
 
 
-def engine_rate(engine, prompts, config, new_tokens: int) -> tuple[float, float]:
+def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[str, float]:
     """The engine's decode tokens/s (prefill excluded) and block efficiency."""
+    torch.set_num_threads(threads)
     method, k, gamma = config
     res = run_engine(engine, prompts, method, k, gamma, 1.0, new_tokens)
     decode = res["wall_s"] - engine.times.prefill
-    return res["tokens"] / decode, res["block_efficiency"]
+    return dict(rate=res["tokens"] / decode, be=res["block_efficiency"])
 
 
 def parse_config(text: str) -> tuple[str, int, int, str]:
@@ -130,10 +131,8 @@ def parse_config(text: str) -> tuple[str, int, int, str]:
     return method, int(k), int(gamma), dtype
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("llamacpp", __doc__)
     ap.add_argument("--cache", type=Path, default=MODEL_CACHE / "llama.cpp")
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
@@ -144,7 +143,7 @@ def main() -> None:
     ap.add_argument(
         "--configs", nargs="+", default=["none:float32", "none:bfloat16", "gbv:2:4:bfloat16"]
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.configs]
     dtypes = sorted({c[3] for c in configs}, reverse=True)  # float32 first
     binary = llama_bench(args.cache)
@@ -157,25 +156,28 @@ def main() -> None:
     prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
     for engine in engines.values():  # warm-up, discarded
         run_engine(engine, prompts[:1], "none", 1, 1, 1.0, 8)
-    rates: dict[tuple, list[float]] = {}
-    efficiency: dict[tuple, list[float]] = {}
-    for round_ in range(args.rounds):
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for dtype in anchors:
-                rate = llamacpp_rate(binary, ggufs[dtype], threads, args.new_tokens)
-                rates.setdefault(("llama.cpp", dtype, threads), []).append(rate)
-                print(f"round {round_} t{threads} llama.cpp {dtype}: {rate:.1f} tok/s", flush=True)
-            for method, k, gamma, dtype in configs:
-                rate, be = engine_rate(engines[dtype], prompts, (method, k, gamma),
-                                       args.new_tokens)  # fmt: skip
-                key = (f"blockspec {method}" + (f" K={k} γ={gamma}" if k * gamma > 1 else ""),
-                       dtype, threads)  # fmt: skip
-                rates.setdefault(key, []).append(rate)
-                efficiency.setdefault(key, []).append(be)
-                print(f"round {round_} t{threads} {key[0]} {dtype}: {rate:.1f} tok/s, BE {be:.2f}",
-                      flush=True)  # fmt: skip
-    print(f"\npython scripts/bench_llamacpp.py {' '.join(sys.argv[1:])}; torch {torch.__version__}")
+    arms = {}
+    for threads in args.threads:
+        for dtype in anchors:
+            arms["llama.cpp", dtype, threads] = lambda d=dtype, t=threads: dict(
+                rate=llamacpp_rate(binary, ggufs[d], t, args.new_tokens)
+            )
+        for method, k, gamma, dtype in configs:
+            name = f"blockspec {method}" + (f" K={k} γ={gamma}" if k * gamma > 1 else "")
+            arms[name, dtype, threads] = lambda c=(method, k, gamma), d=dtype, t=threads: (
+                engine_rate(engines[d], prompts, c, args.new_tokens, t)
+            )
+
+    def show(arm, round_, res) -> None:
+        be = f", BE {res['be']:.2f}" if "be" in res else ""
+        print(
+            f"round {round_} t{arm[2]} {arm[0]} {arm[1]}: {res['rate']:.1f} tok/s{be}", flush=True
+        )
+
+    runs = alternate(arms, args.rounds, warm=False, on_run=show)
+    rates = {arm: [r["rate"] for r in rs] for arm, rs in runs.items()}
+    efficiency = {arm: [r["be"] for r in rs] for arm, rs in runs.items() if "be" in rs[0]}
+    print(f"\n{command('llamacpp', argv)}; {machine()}")
     print(
         "\n| decode tok/s (median) | precision | "
         + " | ".join(f"{t} thread{'s' * (t > 1)} | × llama.cpp" for t in args.threads)
@@ -199,7 +201,3 @@ def main() -> None:
         )  # fmt: skip
         print(f"{threads} thread(s): the fastest blockspec row, {best[1][0]} {best[1][1]}, is "
               f"{best[0] / quantized:.2f}× llama.cpp {QUANTIZED.upper()}")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

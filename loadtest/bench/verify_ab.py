@@ -1,39 +1,33 @@
 """verify() of this checkout against a baseline revision's, alternating in one process.
 
-    .venv/bin/python scripts/bench_verify_ab.py --baseline HEAD~1 --methods gbv spectr \\
+    blockspec-bench verify-ab --baseline HEAD~1 --methods gbv spectr \\
         --shapes 8x2x49152 1x2x32000 [--gamma 8] [--support 8192] [--carry-steps 3] \\
         [--rounds 5] [--calls 7] [--threads 2]
 
 Checks `--baseline` out into a temporary git worktree and imports its `blockspec` (through a
-folder that links to the worktree's folders: check_seeded_outputs.package_view) next to this
-checkout's. Each cell (method, B x K x V) times one `verify` call on
-the same inputs for both revisions (`bench_verify.make_inputs`; with `--support S` every draft
-row is zero outside one random S of the V tokens, as a reduced draft head makes them; with
-`--carry-steps N` greedy methods carry the modification of N earlier calls, as the engine's
-steady state does), alternating revisions round by round so that this VM's drift falls on
-both. Prints the median over rounds of each round's median call, every round, the ratio,
-whether the two revisions' seeded outputs (tokens, path, a greedy method's carried windows)
-are identical, and the largest difference between their carried log-joints: a check of the
-output, not of every intermediate value.
+folder that links to the worktree's folders: harness.package_view) next to this checkout's.
+Each cell (method, B x K x V) times one `verify` call on the same inputs for both revisions
+(`verify.make_inputs`; with `--support S` every draft row is zero outside one random S of
+the V tokens, as a reduced draft head makes them; with `--carry-steps N` greedy methods carry
+the modification of N earlier calls, as the engine's steady state does), alternating revisions
+round by round so that this VM's drift falls on both. Prints the median over rounds of each
+round's median call, every round, the ratio, whether the two revisions' seeded outputs (tokens,
+path, a greedy method's carried windows) are identical, and the largest difference between
+their carried log-joints: a check of the output, not of every intermediate value.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_verify import make_inputs  # noqa: E402
-from check_seeded_outputs import package_view  # noqa: E402
+from blockspec.loadtest.bench.harness import REPO, alternate, package_view, parser, worktree
+from blockspec.loadtest.bench.verify import make_inputs
 
 
 def load_verification(root: Path):
@@ -61,8 +55,8 @@ def inputs(b: int, k: int, gamma: int, vocab: int, support: int | None):
     return tokens, q, p
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("verify-ab", __doc__)
     ap.add_argument("--baseline", default="HEAD~1", help="git revision to compare against")
     ap.add_argument("--methods", nargs="+", default=["token", "gbv"])
     ap.add_argument("--shapes", nargs="+", default=["8x2x49152"], help="BxKxV")
@@ -72,20 +66,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-            check=True,
-            capture_output=True,
-        )
-        try:
-            revisions = {"baseline": load_verification(base), "now": load_verification(ROOT)}
-            run(revisions, args)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
+    with worktree(args.baseline) as base:
+        revisions = {"baseline": load_verification(base), "now": load_verification(REPO)}
+        run(revisions, args)
 
 
 def run(revisions: dict, args) -> None:
@@ -108,19 +93,23 @@ def run(revisions: dict, args) -> None:
         out = verification.verify(method, *data, generator=gen, carry=carry, validate=False)
         return time.perf_counter() - start, out
 
-    rounds = {}  # (cell, revision) -> per-round medians (ms)
-    outputs = {}
-    for _ in range(args.rounds):
-        for name, verification in revisions.items():
-            for i, (method, _, _, _, data) in enumerate(cells):
-                call(verification, method, data)  # warm-up
-                times = []
-                for _ in range(args.calls):
-                    seconds, out = call(verification, method, data)
-                    times.append(seconds * 1e3)
-                rounds.setdefault((i, name), []).append(statistics.median(times))
-                carry = () if out.carry is None else (out.carry.rows_left, out.carry.log_p)
-                outputs[(i, name)] = (out.tokens, out.path, *carry)
+    def one_round(verification) -> list[tuple[float, tuple]]:
+        """Every cell's median call (ms) and its output."""
+        row = []
+        for method, _, _, _, data in cells:
+            call(verification, method, data)  # warm-up
+            timed = [call(verification, method, data) for _ in range(args.calls)]
+            out = timed[-1][1]
+            carry = () if out.carry is None else (out.carry.rows_left, out.carry.log_p)
+            ms = statistics.median(1e3 * seconds for seconds, _ in timed)
+            row.append((ms, (out.tokens, out.path, *carry)))
+        return row
+
+    runs = alternate(
+        {name: lambda v=v: one_round(v) for name, v in revisions.items()}, args.rounds, warm=False
+    )
+    rounds = {(i, n): [r[i][0] for r in rs] for n, rs in runs.items() for i in range(len(cells))}
+    outputs = {(i, n): rs[-1][i][1] for n, rs in runs.items() for i in range(len(cells))}
     print(
         f"# baseline {args.baseline}; γ={args.gamma}, support={args.support or 'V'}, "
         f"carry steps={args.carry_steps}, {args.threads} thread(s), torch {torch.__version__}"
@@ -135,11 +124,11 @@ def run(revisions: dict, args) -> None:
         (*exact, log_p), (*exact_now, log_p_now) = (outputs[(i, n)] for n in ("baseline", "now"))
         same = all(torch.equal(x, y) for x, y in zip(exact, exact_now, strict=True))
         gap = "–" if len(exact) < 3 else f"{largest_difference(log_p, log_p_now):.1e}"
-        spread = " / ".join(
+        each = " / ".join(
             ", ".join(f"{t:.1f}" for t in rounds[(i, n)]) for n in ("baseline", "now")
         )
         print(f"| {method} | {b} | {k} | {vocab} | {before:.2f} | {after:.2f} | "
-              f"{after / before:.2f} | {same} | {gap} | {spread} |")  # fmt: skip
+              f"{after / before:.2f} | {same} | {gap} | {each} |")  # fmt: skip
 
 
 def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,7 +140,3 @@ def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     finite = a.isfinite()
     return float((a[finite] - b[finite]).abs().max()) if bool(finite.any()) else 0.0
-
-
-if __name__ == "__main__":
-    main()

@@ -1,21 +1,19 @@
 """Requests joining at once through the Ray actors: the admission (target prefill, and for a
 feature draft the draft's prefill as it streams) and the first step after it.
 
-    .venv/bin/python scripts/bench_admission.py [--joining 8] [--rounds 5] [--threads 1]
+    blockspec-bench admission [--joining 8] [--rounds 5] [--threads 1]
 
 Each round admits `--joining` HumanEval chat prompts (as the load test sends them: 100-400
 tokens, so several padding groups) to an engine over a local draft actor and target shard
 (`service.replica.build_remote_engine`, the default pair), times `engine._admit()` and the
 first `engine.step()` (which waits for whatever of the draft's prefill is still running),
 then cancels the requests. Prints each round, then medians over rounds 1.. (round 0 warms
-up). To compare two revisions, run it from each checkout in turn (the actors import the code
-of the driver's tree): `cd <worktree> && PYTHONPATH=. <repo>/.venv/bin/python
-<repo>/scripts/bench_admission.py`.
+up). The actors import the driver's blockspec: to compare two revisions, run it with each
+revision's package view (loadtest/bench/harness.py, `package_view`) first on PYTHONPATH.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -23,6 +21,7 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
+from blockspec.loadtest.bench.harness import parser
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.app import start_ray
 from blockspec.service.config import ReplicaConfig, Settings
@@ -32,12 +31,12 @@ from blockspec.workers.draft import padding_groups
 from blockspec.workers.sampling import SamplingParams
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("admission", __doc__)
     ap.add_argument("--joining", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per actor")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = args.joining
     start_ray(Settings())  # as `blockspec serve` starts it: 127.0.0.1 only
     torch.set_num_threads(args.threads)
@@ -74,7 +73,3 @@ def main() -> None:
         f"{1e3 * statistics.median(first):.0f} ms, sum {1e3 * statistics.median(total):.0f} ms"
     )
     ray.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -16,7 +16,7 @@ warm-up); the steps actually run are recorded in ``train_meta.json`` next to the
 
 Example::
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python scripts/train_pair.py --stage all \
+    OMP_NUM_THREADS=1 nice -n 19 python -m blockspec.models.train_pair --stage all \
         --target-steps 1014 --draft-steps 300
 """
 
@@ -279,10 +279,63 @@ def export(model, tokenizer, out: Path, meta: dict) -> None:
     (out / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def run_stage(name: str, cfg: TrainConfig, cache: Path, out_dir: Path, args) -> None:
-    """Train `name` ('target' or 'draft'); resumable from cache/<name>/ckpt.pt."""
+def train_step(model, teacher, opt, x: torch.Tensor, grad_clip: float) -> torch.Tensor:
+    """One optimiser step on the batch x [B, T+1]: next-token cross-entropy for the target, the
+    forward KL to the teacher for the draft. Returns the loss."""
+    logits = model(input_ids=x[:, :-1]).logits
+    if teacher is None:
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    else:
+        with torch.no_grad():
+            log_p = F.log_softmax(teacher(input_ids=x[:, :-1]).logits, dim=-1).flatten(0, 1)
+        log_q = F.log_softmax(logits, dim=-1).flatten(0, 1)
+        # Forward KL(p || q) per token: the draft must cover the target's mass, which is
+        # what acceptance sum_x min(p, q) rewards.
+        loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss
+
+
+def stage_meta(name: str, cfg: TrainConfig, model, step: int, elapsed: float, val: float) -> dict:
+    """What train_meta.json records of a finished stage (and how to reproduce it)."""
+    is_draft = name == "draft"
+    return {
+        "role": name,
+        "seed": cfg.seed,
+        "steps": step,
+        "train_minutes": round(elapsed / 60, 2),
+        "params": n_params(model),
+        "spec": asdict(cfg.draft if is_draft else cfg.target),
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "lr": cfg.draft_lr if is_draft else cfg.target_lr,
+        "objective": "KL(target || draft)" if is_draft else "next-token cross-entropy",
+        "heldout_loss_fp32": round(val, 4),
+        "train_tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "reproduce": f"--{name}-steps {step} --seed {cfg.seed}",
+    }
+
+
+def stage_models(name: str, cfg: TrainConfig, out_dir: Path, eos_id: int, salt: int):
+    """(the model a stage trains, freshly seeded; the draft's teacher or None)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    teacher = None
+    if name == "draft":
+        # Distil from the *exported* target, i.e. exactly the model that ships.
+        teacher = AutoModelForCausalLM.from_pretrained(out_dir / "target", dtype=torch.float32)
+        teacher.eval().requires_grad_(False)
+    torch.manual_seed(cfg.seed + salt)
+    model = LlamaForCausalLM(llama_config(cfg.draft if teacher else cfg.target, cfg, eos_id))
+    model.train()
+    return model, teacher
+
+
+def run_stage(name: str, cfg: TrainConfig, cache: Path, out_dir: Path, args) -> None:
+    """Train `name` ('target' or 'draft'); resumable from cache/<name>/ckpt.pt."""
     tokenizer = load_tokenizer(cache / "tokenizer")
     data = torch.load(cache / "tokens.pt")
     train, held = data["train"], data["heldout"]
@@ -290,33 +343,27 @@ def run_stage(name: str, cfg: TrainConfig, cache: Path, out_dir: Path, args) -> 
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
 
     is_draft = name == "draft"
-    spec = cfg.draft if is_draft else cfg.target
     base_lr = cfg.draft_lr if is_draft else cfg.target_lr
     steps = args.draft_steps if is_draft else args.target_steps
     minutes = args.draft_minutes if is_draft else args.target_minutes
     salt = 2 if is_draft else 1  # the draft sees a different batch order than the target
 
-    teacher = None
-    if is_draft:
-        # Distil from the *exported* target, i.e. exactly the model that ships.
-        teacher = AutoModelForCausalLM.from_pretrained(out_dir / "target", dtype=torch.float32)
-        teacher.eval().requires_grad_(False)
-
-    torch.manual_seed(cfg.seed + salt)
-    model = LlamaForCausalLM(llama_config(spec, cfg, eos_id))
-    model.train()
+    model, teacher = stage_models(name, cfg, out_dir, eos_id, salt)
     opt = make_optimizer(model, base_lr, cfg)
 
-    ckpt_dir = cache / name
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = ckpt_dir / "ckpt.pt"
+    (cache / name).mkdir(parents=True, exist_ok=True)
+    ckpt_path = cache / name / "ckpt.pt"
     step, total, elapsed, history = 0, steps, 0.0, []
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        step, elapsed, history = ck["step"], ck["elapsed"], ck["history"]
-        total = total or ck["total"]
+        step, elapsed, history, total = (
+            ck["step"],
+            ck["elapsed"],
+            ck["history"],
+            total or ck["total"],
+        )
         print(f"{name}: resumed at step {step} ({elapsed / 60:.1f} min done)", flush=True)
     if total is None and minutes is None:
         raise SystemExit(f"{name}: give --{name}-steps or --{name}-minutes")
@@ -327,7 +374,8 @@ def run_stage(name: str, cfg: TrainConfig, cache: Path, out_dir: Path, args) -> 
         torch.save(state, ckpt_path.with_suffix(".tmp"))
         ckpt_path.with_suffix(".tmp").replace(ckpt_path)  # atomic: a kill never corrupts it
 
-    print(f"{name}: {n_params(model) / 1e6:.2f}M params, spec {asdict(spec)}", flush=True)
+    spec = asdict(cfg.draft if is_draft else cfg.target)
+    print(f"{name}: {n_params(model) / 1e6:.2f}M params, spec {spec}", flush=True)
     calib_t0 = None
     t_last = time.time()
     while total is None or step < total:
@@ -344,21 +392,7 @@ def run_stage(name: str, cfg: TrainConfig, cache: Path, out_dir: Path, args) -> 
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total or 10**9, base_lr, cfg)
-        x = batch_at(train, step, cfg, salt)
-        logits = model(input_ids=x[:, :-1]).logits
-        if teacher is None:
-            loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        else:
-            with torch.no_grad():
-                log_p = F.log_softmax(teacher(input_ids=x[:, :-1]).logits, dim=-1).flatten(0, 1)
-            log_q = F.log_softmax(logits, dim=-1).flatten(0, 1)
-            # Forward KL(p || q) per token: the draft must cover the target's mass, which is
-            # what acceptance sum_x min(p, q) rewards.
-            loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        loss = train_step(model, teacher, opt, batch_at(train, step, cfg, salt), cfg.grad_clip)
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -377,21 +411,7 @@ def run_stage(name: str, cfg: TrainConfig, cache: Path, out_dir: Path, args) -> 
     save()
 
     full_val = heldout_loss(model, heldout_windows(held, cfg.seq_len, 10**9))
-    meta = {
-        "role": name,
-        "seed": cfg.seed,
-        "steps": step,
-        "train_minutes": round(elapsed / 60, 2),
-        "params": n_params(model),
-        "spec": asdict(spec),
-        "seq_len": cfg.seq_len,
-        "batch_size": cfg.batch_size,
-        "lr": base_lr,
-        "objective": "KL(target || draft)" if is_draft else "next-token cross-entropy",
-        "heldout_loss_fp32": round(full_val, 4),
-        "train_tokens_seen": step * cfg.batch_size * cfg.seq_len,
-        "reproduce": f"--{name}-steps {step} --seed {cfg.seed}",
-    }
+    meta = stage_meta(name, cfg, model, step, elapsed, full_val)
     export(model, tokenizer, out_dir / name, meta)
     print(f"{name}: done, {step} steps, {elapsed / 60:.1f} min, held-out {full_val:.3f}")
 

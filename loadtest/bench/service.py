@@ -1,7 +1,7 @@
 """What the distributed path costs: the service (gRPC → gateway → Serve → coordinator → Ray
 actors) against the in-process engine, on the same requests, in one run, the two alternated.
 
-    .venv/bin/python scripts/bench_service.py [--pairs tiny default] [--batch 1 8] \
+    blockspec-bench service [--pairs tiny default] [--batch 1 8] \
         [--requests 16] [--rounds 3] \
         [--new-tokens 64] [--method block] [--gamma 4] [--dtype float32] \
         [--threads 1] [--json docs/service_benchmark.json]    # prints the table
@@ -16,18 +16,22 @@ on its warm KV cache versus the same context prefilled cold.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import torch
 
+from blockspec.loadtest.bench.harness import (
+    alternate,
+    command,
+    median_run,
+    parser,
+    ratios,
+    save_json,
+    spread,
+)
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.config import Settings
 from blockspec.service.engine import build_engine
@@ -64,11 +68,6 @@ def in_process(args, engine, ids) -> dict:
             add_next()
     wall = time.perf_counter() - start
     return _summary(wall, latencies, len(ids) * args.new_tokens, engine.steps, engine.times)
-
-
-def _median_run(runs: list[dict]) -> dict:
-    """The round with the median tokens/s (its latency and phases with it)."""
-    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
 
 
 def _summary(wall, latencies, tokens, steps, times: StepTimes) -> dict:
@@ -174,23 +173,19 @@ def bench_pair(args, name: str) -> dict:
     replica = serve.get_deployment_handle("Replica", "bench")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.GeneratorStub(channel)
-    runs: dict[str, list[dict]] = {}
-    for round_ in range(args.rounds):  # the two paths alternate: the machine drifts
-        for batch in args.batch:
-            for path in ("engine", "service"):
-                if path == "engine":
-                    row = in_process(args, engines[batch], ids)
-                else:
-                    row = through_service(args, ids, stub, replica, batch)
-                runs.setdefault(f"{path}_b{batch}", []).append(row)
-                print(f"{name} {path} batch {batch} round {round_}: {row}", flush=True)
-    rows = {key: _median_run(rs) for key, rs in runs.items()}
+    arms = {}
+    for batch in args.batch:  # the two paths alternate: the machine drifts
+        arms[f"engine_b{batch}"] = lambda b=batch: in_process(args, engines[b], ids)
+        arms[f"service_b{batch}"] = lambda b=batch: through_service(args, ids, stub, replica, b)
+    runs = alternate(
+        arms, args.rounds, on_run=lambda arm, r, row: print(f"{name} {arm} round {r}: {row}")
+    )
+    rows = {key: median_run(rs, "tokens_per_s") for key, rs in runs.items()}
     for batch in args.batch:
         engine, service = runs[f"engine_b{batch}"], runs[f"service_b{batch}"]
-        ratios = [
-            s["tokens_per_s"] / e["tokens_per_s"] for e, s in zip(engine, service, strict=True)
-        ]
-        rows[f"service_b{batch}"]["ratios"] = ratios
+        rows[f"service_b{batch}"]["ratios"] = ratios(
+            [s["tokens_per_s"] for s in service], [e["tokens_per_s"] for e in engine]
+        )
 
     info_ms = []
     for _ in range(50):
@@ -208,8 +203,8 @@ def bench_pair(args, name: str) -> dict:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("service", __doc__)
     ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["tiny", "default"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=16)
@@ -224,7 +219,7 @@ def main() -> None:
         default="docs/service_benchmark.json",
         help="the raw result (docs/service_benchmark.md's)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     pairs = {name: bench_pair(args, name) for name in args.pairs}
     meta = dict(
@@ -235,12 +230,10 @@ def main() -> None:
         gamma=args.gamma,
         dtype=args.dtype,
         threads=args.threads,
-        torch=torch.__version__,
-        machine=platform.machine(),
     )
-    Path(args.json).write_text(json.dumps(dict(meta, pairs=pairs), indent=1))
+    save_json(args.json, "service", argv, dict(meta, pairs=pairs))
     lines = [
-        f"Command: `python scripts/bench_service.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `{command('service', argv)}`  ",
         f"{args.requests} HumanEval prompts (last 200 tokens) × {args.new_tokens} new tokens, "
         f"method {args.method}, γ = {args.gamma}, T = 1, {args.dtype}; torch "
         f"{torch.__version__}, {args.threads} torch thread(s) for the engine and each actor; "
@@ -256,10 +249,7 @@ def main() -> None:
         for batch in args.batch:
             for path in ("engine", "service"):
                 r = result["rows"][f"{path}_b{batch}"]
-                ratio = "1.00×"
-                if path == "service":
-                    ratios = sorted(r["ratios"])
-                    ratio = f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+                ratio = spread(r["ratios"], "×") if path == "service" else "1.00×"
                 lines.append(
                     f"| {name} | {path} | {batch} | {r['tokens_per_s']:.1f} | {ratio} | "
                     f"{r['latency_s']:.2f} | {r['step_ms']:.1f} | "
@@ -277,7 +267,3 @@ def main() -> None:
             f"cached) vs the same context cold {session['cold_ms']:.0f} ms (median of 5)."
         )
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Time to first token of a stateless chat, with and without automatic prefix caching.
 
-    .venv/bin/python scripts/bench_conversation.py [--conversations 5] [--turns 5]
+    blockspec-bench conversation [--conversations 5] [--turns 5]
 
 A stateless client sends the whole conversation every turn (as every OpenAI client does). Two
 engines on the default pair run the same conversations side by side in one process, turn by
@@ -13,14 +13,10 @@ and their ratio, and the cached prompt tokens; docs/conversations.md holds the c
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from blockspec.loadtest.bench.harness import parser
 from blockspec.service.engine import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat
@@ -51,11 +47,11 @@ def first_token_s(engine, req) -> tuple[float, list[int], int]:
                 return first[0], result.token_ids, result.cached_tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--conversations", type=int, default=5)
-    parser.add_argument("--turns", type=int, default=len(QUESTIONS))
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("conversation", __doc__)
+    ap.add_argument("--conversations", type=int, default=5)
+    ap.add_argument("--turns", type=int, default=len(QUESTIONS))
+    args = ap.parse_args(argv)
     common = dict(max_batch=1, max_len=2048, max_sessions=4)
     cache, tokenizer = build_engine(str(DEFAULT_DRAFT), str(DEFAULT_TARGET), **common)
     no_cache, _ = build_engine(
@@ -94,7 +90,3 @@ def main() -> None:
             f"| {turn + 1} | {statistics.median(prompts[turn]):.0f} "
             f"| {statistics.median(cached[turn]):.0f} | {on:.3f} | {off:.3f} | {on / off:.2f} |"
         )
-
-
-if __name__ == "__main__":
-    main()

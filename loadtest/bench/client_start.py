@@ -1,38 +1,33 @@
 """How fast the `blockspec` client starts: median wall seconds over N fresh processes of
 
 - `blockspec --help` and `blockspec generate --help`,
-- importing the command line (`import service.cli`),
+- importing the command line (`import blockspec.service.cli`),
 - `blockspec generate x --address ...` up to the moment the server receives the request (time
   to first byte sent) and to its exit, against a fake Generator in this process that answers
   at once (so the numbers are the client's own: interpreter, imports, channel, one call).
 
-Each process runs `from service.cli import main; main()` as the `blockspec` console script does,
-with the checkout under test first on PYTHONPATH (--root: compare another checkout).
+Each process runs `from blockspec.service.cli import main; main()` as the `blockspec` console
+script does, with the interpreter given (`--python`, default this one) and the blockspec it
+imports.
 
-    python scripts/bench_client_start.py --runs 10 [--root /path/to/other/checkout]
+    blockspec-bench client-start --runs 10 [--python /other/venv/bin/python]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from blockspec.loadtest.bench.harness import parser, spread
+from blockspec.protos import blockspec_pb2 as pb
+from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 
-from blockspec.protos import blockspec_pb2 as pb  # noqa: E402
-from blockspec.protos import blockspec_pb2_grpc as pb_grpc  # noqa: E402
-
-CONSOLE_SCRIPT = "from service.cli import main; main()"
+CONSOLE_SCRIPT = "from blockspec.service.cli import main; main()"
 
 
 class Fake(pb_grpc.GeneratorServicer):
@@ -51,20 +46,17 @@ class Fake(pb_grpc.GeneratorServicer):
         yield pb.GenerateChunk(finish_reason=pb.FINISH_REASON_LENGTH, stats=stats)
 
 
-def run(python: str, args: list[str], env: dict, cwd: Path) -> float:
+def run(python: str, args: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run([python, *args], env=env, cwd=cwd, check=True, capture_output=True)
+    subprocess.run([python, *args], check=True, capture_output=True)
     return time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("client-start", __doc__)
     ap.add_argument("--runs", type=int, default=10, help="processes per measurement")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose client to time")
     ap.add_argument("--python", default=sys.executable, help="interpreter")
-    args = ap.parse_args()
-    root = args.root.resolve()  # `python -c` puts the working directory first on sys.path
-    env = dict(os.environ, PYTHONPATH=str(root))
+    args = ap.parse_args(argv)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     fake = Fake()
@@ -78,8 +70,6 @@ def main() -> None:
         start = time.perf_counter()
         proc = subprocess.Popen(
             [args.python, *argv],
-            env=env,
-            cwd=root,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
@@ -91,26 +81,18 @@ def main() -> None:
 
     cases = {
         "python -c pass (interpreter alone)": ["-c", "pass"],
-        "import service.cli": ["-c", "import service.cli"],
+        "import blockspec.service.cli": ["-c", "import blockspec.service.cli"],
         "blockspec --help": ["-c", CONSOLE_SCRIPT, "--help"],
         "blockspec generate --help": ["-c", CONSOLE_SCRIPT, "generate", "--help"],
     }
     results = {
-        name: [run(args.python, argv, env, root) for _ in range(args.runs)]
-        for name, argv in cases.items()
+        name: [run(args.python, argv) for _ in range(args.runs)] for name, argv in cases.items()
     }
     calls = [first_byte() for _ in range(args.runs)]
     results["blockspec generate: first byte at the server"] = [c[0] for c in calls]
     results["blockspec generate: whole call (exit)"] = [c[1] for c in calls]
     server.stop(None)
 
-    print(f"checkout {root}, {args.runs} runs each, median (min-max) seconds")
+    print(f"{args.python}, {args.runs} runs each, median (range) seconds")
     for name, seconds in results.items():
-        print(
-            f"  {name:46s} {statistics.median(seconds):6.3f} "
-            f"({min(seconds):.3f}-{max(seconds):.3f})"
-        )
-
-
-if __name__ == "__main__":
-    main()
+        print(f"  {name:46s} {spread(seconds, digits=3)}")

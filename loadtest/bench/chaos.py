@@ -1,6 +1,6 @@
 """Chaos and soak run: mixed streaming load on a live service while faults are injected.
 
-    .venv/bin/python scripts/chaos.py [--streams 64] [--soak-s 600] [--storm-size 1000]
+    blockspec-bench chaos [--streams 64] [--soak-s 600] [--storm-size 1000]
         [--json docs/reliability.json] [--records FILE] [--plot FILE.png]
 
 Starts a redis-server and the service (tiny pair by default, Ray on 127.0.0.1), then keeps
@@ -21,24 +21,22 @@ every request) and `--plot` (RSS of the service's processes over time, faults ma
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
 
+from blockspec.loadtest.bench.harness import free_port, parser, save_json
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
 from blockspec.service.config import Settings
@@ -179,12 +177,6 @@ def gateway_in_flight(port: int) -> float:
     raise RuntimeError("no blockspec_in_flight gauge")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def main_async(
     args, replica, redis: subprocess.Popen, address: str, metrics_port: int
 ) -> dict:
@@ -320,8 +312,8 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("chaos", __doc__)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--soak-s", type=float, default=600.0)
     ap.add_argument("--warmup-s", type=float, default=60.0)
@@ -331,7 +323,7 @@ def main() -> None:
     ap.add_argument("--json", default="docs/reliability.json", help="docs/reliability.md's")
     ap.add_argument("--records", help="the run with every request's record (JSON)")
     ap.add_argument("--plot", help="RSS over time (PNG, needs matplotlib)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from ray import serve
 
     from blockspec.service.app import run as run_service
@@ -358,20 +350,9 @@ def main() -> None:
     lines = summarize(result, args)
     print("\n".join(lines))
     if args.records:
-        Path(args.records).write_text(json.dumps(result, default=_plain))
+        save_json(args.records, "chaos", argv, result)
     if args.plot:
         plot(result, args.plot)
     kept = {k: v for k, v in result.items() if k != "records"}
     kept.update(requests=len(result["records"]), summary=lines)
-    Path(args.json).write_text(json.dumps(kept, default=_plain))
-
-
-def _plain(obj):
-    """JSON for what the replica reports (its stats are a dataclass)."""
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return asdict(obj)
-    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
-
-
-if __name__ == "__main__":
-    main()
+    save_json(args.json, "chaos", argv, kept)

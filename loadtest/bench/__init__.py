@@ -1,0 +1,1 @@
+"""The benchmarks docs pages cite, as subcommands of `blockspec-bench` (loadtest/bench/cli.py)."""

@@ -1,0 +1,113 @@
+"""`blockspec-bench`: every benchmark a docs page cites is a subcommand, and the harness they
+share runs paths in turn and writes what the docs pages read."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockspec.loadtest.bench import cli
+from blockspec.loadtest.bench.harness import alternate, median_run, ratios, save_json, spread
+from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
+
+BENCH = Path(cli.__file__).parent
+
+
+def test_every_benchmark_module_is_a_subcommand_with_its_own_help(capsys):
+    modules = {p.stem for p in BENCH.glob("*.py")} - {"__init__", "__main__", "cli", "harness"}
+    assert modules == {module for module, _, _ in cli.BENCHMARKS.values()}
+    for name in cli.BENCHMARKS:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0, name
+        assert f"usage: blockspec-bench {name}" in capsys.readouterr().out
+
+
+def test_the_list_names_each_benchmark_and_an_unknown_one_is_an_error(capsys):
+    cli.main([])
+    listing = capsys.readouterr().out
+    assert all(f"  {name} " in listing for name in cli.BENCHMARKS), listing
+    with pytest.raises(SystemExit) as done:
+        cli.main(["nope"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no benchmark 'nope'; one of: engine,"), err
+
+
+def test_alternate_warms_each_path_then_rotates_which_goes_first():
+    calls: list[str] = []
+
+    def arm(name: str):
+        return lambda: calls.append(name) or len(calls)
+
+    seen = []
+    runs = alternate({n: arm(n) for n in "abc"}, 3, on_run=lambda *run: seen.append(run))
+    assert "".join(calls) == "abc" + "abc" + "bca" + "cab"
+    assert runs == {"a": [4, 9, 11], "b": [5, 7, 12], "c": [6, 8, 10]}
+    assert seen[:4] == [("a", 0, 4), ("b", 0, 5), ("c", 0, 6), ("b", 1, 7)]
+    calls.clear()
+    alternate({n: arm(n) for n in "ab"}, 1, warm=False)
+    assert calls == ["a", "b"]
+
+
+def test_ratios_pair_rounds_and_spread_shows_median_and_range():
+    assert ratios([2.0, 3.0], [4.0, 3.0]) == [0.5, 1.0]
+    with pytest.raises(ValueError):
+        ratios([1.0], [1.0, 2.0])
+    assert spread([0.92, 0.86, 0.9], "×") == "0.90× (0.86–0.92)"
+    assert spread([1.0], "×") == "1.00×"
+    assert spread([0.1234, 0.2], " s", 3) == "0.162 s (0.123–0.200)"
+    assert spread([]) == "-"
+
+
+def test_median_run_keeps_one_runs_numbers_together():
+    runs = [dict(tps=3, ms=1), dict(tps=1, ms=9), dict(tps=2, ms=4)]
+    assert median_run(runs, "tps") == dict(tps=2, ms=4)
+
+
+def test_save_json_records_the_command_and_the_machine(tmp_path):
+    path = tmp_path / "out.json"
+    save_json(path, "engine", ["--prompts", "2"], dict(rows=[1], machine="stale"))
+    out = json.loads(path.read_text())
+    assert out["command"] == "blockspec-bench engine --prompts 2"
+    assert out["rows"] == [1] and out["machine"]["cores"] == os.cpu_count()
+    assert set(out["machine"]) == {"cpu", "cores", "torch", "torch_threads", "revision"}
+    save_json(None, "engine", [], dict(rows=[]))  # no path: nothing written, no error
+
+
+def test_the_engine_benchmark_runs_on_the_tiny_pair(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    cli.main(
+        ["engine", "--draft", str(TINY_DRAFT), "--target", str(TINY_TARGET), "--prompts", "2",
+         "--new-tokens", "6", "--methods", "block", "auto", "--k", "1", "--gamma", "3",
+         "--temperature", "1.0", "--batch", "1", "--no-hf", "--json", str(out)]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [(r["method"], r["k"], r["gamma"]) for r in result["rows"]] == [
+        ("none", 1, 0),
+        ("block", 1, 3),
+        ("auto", 0, 0),
+    ]
+    assert all(r["tokens"] == 2 * 6 and r["block_efficiency"] >= 1 for r in result["rows"])
+    assert result["command"].startswith("blockspec-bench engine --draft")
+    table = capsys.readouterr().out
+    assert "| block | 1 | 3 | 1.0 | 1 |" in table and "| auto | 0 | 0 | 1.0 | 1 |" in table
+
+
+def test_verify_ab_times_this_checkout_against_a_revision_in_one_process():
+    """Two copies of the verifiers (a git worktree's and this checkout's) load side by side,
+    their numba loops included, and give the same seeded outputs."""
+    done = subprocess.run(
+        [sys.executable, "-m", "blockspec.loadtest.bench", "verify-ab", "--baseline", "HEAD",
+         "--methods", "block", "gbv", "--shapes", "2x2x500", "--rounds", "2", "--calls", "2",
+         "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| gbv")]
+    assert len(rows) == 1 and "| True |" in rows[0], done.stdout
