@@ -98,6 +98,24 @@ def test_a_replayed_tree_pass_equals_the_eager_one_call_after_call(pair, narrow)
     assert len(forward) == 2
 
 
+def test_batches_of_one_bucket_replay_one_graph_and_a_shrink_blanks_the_rows_left(pair, narrow):
+    """3 and 4 requests (bucket 4) share a graph: under continuous batching the batch moves
+    within a bucket every step, and a graph per size would capture (a device sync) each time."""
+    _, target, _ = pair
+    cache = committed_cache(target, [5, 9, 2, 7])
+    forward = ForwardGraphs(target, cache, emulate=True)
+    for n in (3, 4, 3):
+        inputs = tree_inputs(n, 7, cache, n)
+        assert_same(forward(*inputs[:2], cache, inputs[2]), target(*inputs[:2], cache, inputs[2]))
+    assert len(forward) == 1 and forward.replays == 3
+    (entry,) = forward._graphs.values()
+    tokens, positions, mask = entry.inputs
+    # the 4th request's row of the second call is a pad row again: token 0 at position 0,
+    # seeing every new token
+    assert not tokens[3:].any() and not positions[3:].any() and mask[3:].all()
+    assert torch.equal(tokens[:3], tree_inputs(3, 7, cache, 3)[0])
+
+
 def test_graphs_beyond_the_memory_bound_are_dropped_least_recent_first(pair, narrow):
     _, target, _ = pair
     cache = committed_cache(target, [5, 9, 2])
@@ -111,7 +129,7 @@ def test_graphs_beyond_the_memory_bound_are_dropped_least_recent_first(pair, nar
     replayed = forward(*inputs[:2], cache, inputs[2])
     assert len(forward) == 1  # both older graphs dropped: each alone fits, not two
     assert_same(replayed, target(*inputs[:2], cache, inputs[2]))
-    assert [key[-1][0][0][2] for key in forward._graphs] == [5]  # the newest stays
+    assert [key[-1][0][0][1] for key in forward._graphs] == [5]  # the newest stays
 
 
 def test_a_replayed_draft_depth_with_suffix_and_features_equals_the_eager_one(narrow):

@@ -76,10 +76,20 @@ class _Graph:
     inputs: list[torch.Tensor]  # static, batch-first
     outputs: list | tuple  # what a replay writes (None: no output there)
     spec: pytree.TreeSpec | None = None  # CallGraphs: the call's output structure
+    rows: int = 0  # ForwardGraphs: the inputs' rows holding a call's data (the rest: pad rows)
 
     @property
     def nbytes(self) -> int:
         return nbytes([*self.inputs, *self.outputs])
+
+
+def _blank(rows: torch.Tensor) -> None:
+    """Pad rows of a forward's input: token 0 at position 0, seeing every new token (a finite
+    softmax), zero suffix and features."""
+    if rows.dtype == torch.bool:
+        rows.fill_(True)
+    else:
+        rows.zero_()
 
 
 class ForwardGraphs(GraphCache):
@@ -123,7 +133,8 @@ class ForwardGraphs(GraphCache):
             batch.append(features)
         bucket = batch_bucket(n, cache.k.shape[1])
         window = prefix_window(cache, n)
-        shapes = tuple((t.shape, t.dtype) for t in batch)
+        # by bucket: 3 and 4 requests replay bucket 4's one graph
+        shapes = tuple((t.shape[1:], t.dtype) for t in batch)
         key = (bucket, window, head, suffix is not None, features is not None, shapes)
         entry = self._entry(
             key, lambda: self._capture(batch, bucket, window, suffix, features, head)
@@ -132,6 +143,9 @@ class ForwardGraphs(GraphCache):
             return self.model(tokens, positions, cache, mask, suffix, 0, features, head)
         for static, t in zip(entry.inputs, batch, strict=True):
             static[:n].copy_(t)
+            if n < entry.rows:  # a larger batch's rows left there become pad rows again
+                _blank(static[n : entry.rows])
+        entry.rows = n
         entry.replay()
         self.replays += 1
         logits, k, v, hidden = entry.outputs
@@ -142,10 +156,9 @@ class ForwardGraphs(GraphCache):
         n = batch[0].shape[0]
         static = []
         for t in batch:
-            shape = (bucket, *t.shape[1:])
-            # pad rows: token 0 at position 0, seeing every new token, empty suffix features
-            buf = t.new_ones(shape) if t.dtype == torch.bool else t.new_zeros(shape)
+            buf = t.new_empty((bucket, *t.shape[1:]))
             buf[:n].copy_(t)
+            _blank(buf[n:])
             static.append(buf)
 
         def call():
@@ -162,14 +175,14 @@ class ForwardGraphs(GraphCache):
                     if mine is not None:
                         mine.copy_(fresh)
 
-            return _Graph(recompute, static, outputs)
+            return _Graph(recompute, static, outputs, rows=n)
         try:
             graph, outputs = capture(call, batch[0].device, self._pool)
         except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
             log.warning("forward stays eager at batch %d, window %d: %s", bucket, window, err)
             return None
         self._pool = graph.pool()
-        return _Graph(graph.replay, static, outputs)
+        return _Graph(graph.replay, static, outputs, rows=n)
 
 
 class CallGraphs(GraphCache):
