@@ -178,6 +178,7 @@ def verify(
     *,
     carry: TargetModification | None = None,
     validate: bool = True,
+    check_tokens: bool = True,
     graphs: VerifyGraphs | None = None,
     backend: Backend | str | None = None,
 ) -> VerifyOutput:
@@ -189,7 +190,10 @@ def verify(
     carry: for ``greedy_block`` / ``spectr_gbv``, the ``out.carry`` of the previous call on the
     same requests (None on a request's first step). Other methods reject a carry.
     validate: check values (NaN, negatives, row sums within ROW_SUM_TOL, q(drafted) > 0) at
-    the cost of ~2 passes over the inputs; shapes, dtypes and token ranges are always checked.
+    the cost of ~2 passes over the inputs; shapes and dtypes are always checked.
+    check_tokens: raise when a draft token lies outside [0, V) (on an accelerator a host read);
+    False: the caller has made sure, as the engine does without reading the device
+    (workers/step.py: the verdict's `out_of_vocab` flags).
     graphs: on CUDA, replay the method's kernels from a graph captured per shape bucket
     (verification/graphs.py): the same tokens without the launch cost. None: eager.
     backend: which code runs (backends.py); None: :func:`choose_backend`'s choice for the
@@ -201,7 +205,9 @@ def verify(
         raise ValueError(
             f"unknown verification method {method!r}; expected one of {', '.join(METHODS)}"
         )
-    check_inputs(method, spec.single_path, draft_tokens, draft_probs, target_probs, validate)
+    check_inputs(
+        method, spec.single_path, draft_tokens, draft_probs, target_probs, validate, check_tokens
+    )
     B, K, gamma = draft_tokens.shape
     if carry is not None and not spec.modifies_target:
         raise ValueError(f"method {method!r} does not modify the target; carry must be None")

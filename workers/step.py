@@ -172,12 +172,14 @@ class StepRunner:
             self.prepare()
             laps.lap("draft")
         x = x.to(dev, non_blocking=True)  # a proposal arrives on the host (over the wire)
+        x, out_of_vocab = clamp_to_vocab(x, q)
         tree = step.tree(x, dev)
         laps.lap("tree")
         p = self.target.score(tree, step.params)  # [n, K, γ+1, V]
         laps.lap("target")
         verdict = verify_step(step.verification, x, q, p)
-        x, verdict = verdict_on_host(x, verdict)  # the commits and the engine read it there
+        # the commits and the engine read it on the host; it raises on out-of-vocabulary tokens
+        x, verdict = verdict_on_host(x, verdict, out_of_vocab)
         laps.lap("verify")
         verdict.features = self.target.commit(verdict.path, verdict.num_accepted)
         laps.lap("target")  # the commit is the target's work too
@@ -316,27 +318,58 @@ def _verify_group(
         CounterDraws(draws[idx]),
         carry=carry,
         validate=False,  # rows come from our own processing
+        check_tokens=False,  # StepRunner.run clamped them; the verdict brings the flags back
         graphs=VERIFY_GRAPHS,
     )
 
 
-def verdict_on_host(x: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, Verdict]:
+def clamp_to_vocab(
+    x: torch.Tensor,  # [n, K, γ] int64: draft tokens
+    q: torch.Tensor | None,  # [n, K, γ, V]: the rows they were drawn from; None: none drafted
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x with ids outside [0, V) clamped in, so that no table lookup or gather of the step
+    reads past its end (on a GPU, a device-side assert), and [n] bool: the rows that had one.
+    Nothing is read back here: the flags return with the verdict (`verdict_on_host`), which
+    fails the step."""
+    if q is None:
+        return x, None
+    vocab = q.shape[-1]
+    return x.clamp(0, vocab - 1), ((x < 0) | (x >= vocab)).flatten(1).any(1)
+
+
+def verdict_on_host(
+    x: torch.Tensor,  # [n, K, γ] int64: the draft tokens
+    verdict: Verdict,
+    out_of_vocab: torch.Tensor | None = None,  # [n] bool: rows whose draft tokens were clamped
+) -> tuple[torch.Tensor, Verdict]:
     """The draft tokens x and the verdict's tokens, τ and path on the host, by one copy (off the
     CPU, the step's one wait for the device): what the commits and the engine read. Carries
-    and features stay on the device, where the next step reads them. On the CPU: as they are."""
+    and features stay on the device, where the next step reads them. On the CPU: as they are.
+    Raises ValueError when a row drew a token outside the vocabulary (the step is void)."""
     if x.device.type == "cpu" and verdict.tokens.device.type == "cpu":
+        _check_vocab(out_of_vocab)
         return x, verdict
-    width = verdict.tokens.shape[1]
+    width, n = verdict.tokens.shape[1], x.shape[0]
+    if out_of_vocab is None:
+        out_of_vocab = torch.zeros(n, dtype=torch.bool, device=verdict.tokens.device)
     columns = [
         verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None],
-        verdict.live[:, None].long(), x.flatten(1),
+        verdict.live[:, None], out_of_vocab[:, None], x.flatten(1),
     ]  # fmt: skip
-    packed = torch.cat([c.to(verdict.tokens.device) for c in columns], dim=1).cpu()
-    tokens, tau, path, live, drafted = packed.split([width, 1, 1, 1, x[0].numel()], dim=1)
+    packed = torch.cat([c.to(verdict.tokens.device, torch.int64) for c in columns], dim=1).cpu()
+    sizes = [width, 1, 1, 1, 1, x[0].numel()]
+    tokens, tau, path, live, outside, drafted = packed.split(sizes, dim=1)
+    _check_vocab(outside[:, 0].bool())
     host = replace(
         verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0], live=live[:, 0].bool()
     )
     return drafted.view(x.shape), host
+
+
+def _check_vocab(out_of_vocab: torch.Tensor | None) -> None:  # [n] on the host
+    if out_of_vocab is not None and bool(out_of_vocab.any()):
+        rows = out_of_vocab.nonzero()[:, 0].tolist()
+        raise ValueError(f"the draft proposed tokens outside the vocabulary (rows {rows})")
 
 
 def group_rows(idx: list[int], device: torch.device | None = None) -> slice | torch.Tensor:
