@@ -1,5 +1,7 @@
 """Processed distributions (spec §0.1): the rows both the draft samples from and verifiers see."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -145,6 +147,22 @@ def test_a_row_is_processed_alike_whatever_its_batch_mates_ask():
     assert torch.equal(logits, before)
     for i, params in enumerate(settings):
         assert torch.equal(batch[i], process(logits[i : i + 1], [params])[0]), params
+
+
+def test_top_k_widths_share_a_power_of_two_and_give_each_row_its_own_k():
+    """A law's topk width is the batch's largest top-k rounded up to a power of two (at most
+    V): the draft's proposal graph is keyed by it, so top-k 40 and 50 replay one graph, and a
+    row's probabilities are the same bits as with the exact width."""
+    gen = torch.Generator().manual_seed(3)
+    logits = 2 * torch.randn(3, 2, 100, generator=gen)
+    logits[0, 0, :10] = logits[0, 0, 40]  # ties with the 40th value: every tie stays
+    params = [SamplingParams(1.0, 40), SamplingParams(0.7, 50), SamplingParams(1.0, 3)]
+    law = law_of(params, 100, logits.device)
+    forty, fifty = (law_of([SamplingParams(1.0, k)], 100, logits.device) for k in (40, 50))
+    assert law.max_k == 64 and forty.steps == fifty.steps
+    assert law_of([SamplingParams(1.0, 90)], 100, logits.device).max_k == 100  # at most V
+    exact = dataclasses.replace(law, max_k=50)
+    assert torch.equal(apply_law(logits, law), apply_law(logits, exact))
 
 
 @pytest.mark.parametrize("vocab", [256, 1000, 49152])

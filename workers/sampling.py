@@ -71,7 +71,10 @@ class Law:
     top_k: torch.Tensor | None  # [n] int64 in [1, V]
     top_p: torch.Tensor | None  # [n] float64
     greedy: torch.Tensor | None  # [n] bool: one-hot on the argmax
-    max_k: int = 0  # the largest top-k (the width of topk's output)
+    # topk's width: the largest top-k rounded up to a power of two (at most V), so that a graph
+    # of the law (keyed by `steps`) serves every top-k up to it; a row's own k picks its k-th
+    # value from the sorted top, the same whatever the width
+    max_k: int = 0
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -108,7 +111,8 @@ def law_of(params: list[SamplingParams], vocab: int, device: torch.device) -> La
     if min(p.top_p for p in params) < 1:
         top_p = on_dev([p.top_p for p in params], torch.float64)
     greedy = on_dev([t == 0 for t in temps]) if 0.0 in temps else None
-    return Law(divisor, top_k, top_p, greedy, max(ks) if top_k is not None else 0)
+    max_k = min(vocab, 1 << (max(ks) - 1).bit_length()) if top_k is not None else 0
+    return Law(divisor, top_k, top_p, greedy, max_k)
 
 
 def process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
