@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from blockspec.verification import METHODS, VERIFIERS, Backend, top_down, verify
+from blockspec.verification import METHODS, VERIFIERS, Backend, VerifyGraphs, top_down, verify
 
 # Ops whose result the host must read before it can go on: on an accelerator, a wait.
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
@@ -349,3 +349,29 @@ def test_stable_sort_gives_the_packed_sorts_order():
     key[3] = 0.0
     key[5] = torch.rand(3000, generator=gen) * 1e-30  # tiny and denormal ratios
     assert torch.equal(ascending_order(key), torch.sort(key, dim=-1, stable=True).indices)
+
+
+@pytest.mark.parametrize(("method", "k"), [("greedy_block", 1), ("spectr_gbv", 2)])
+def test_an_accelerators_carry_keeps_one_width_from_the_first_step(method, k, monkeypatch):
+    """Verified from graphs off the CPU, a carry has its bound's width, γK columns, from the
+    first step (dead ones first), so a verify graph keyed by its shape is captured once, not
+    once a step while records accumulate; the tokens stay the CPU's, step after step."""
+    gamma, steps = 4, 6
+    draws = [inputs("realistic", 16, k, gamma, vocab=12) for _ in range(steps)]
+    gens = [torch.Generator().manual_seed(s) for s in range(steps)]
+
+    def chain() -> list:
+        carry, outs = None, []
+        for (tokens, q, p), gen in zip(draws, gens, strict=True):
+            seeded = gen.manual_seed(gen.initial_seed())
+            out = verify(method, tokens, q, p, seeded, carry=carry, graphs=VerifyGraphs())
+            outs.append(out)
+            carry = out.carry
+        return outs
+
+    cpu = chain()
+    take_accelerator_paths(monkeypatch)
+    device = chain()
+    assert [out.carry.rows_left.shape[1] for out in device] == [gamma * k] * steps
+    for ref, out in zip(cpu, device, strict=True):
+        assert same_tokens(ref, out)

@@ -227,6 +227,8 @@ def verify(
         return VerifyOutput(tokens, tau + 1, tau, path)
 
     carry = carry if carry is not None else TargetModification.empty(B, draft_tokens.device)
+    if graphs is not None and not backend.reads_host:  # the width records reach in γ steps (K
+        carry = carry.widened(gamma * K)  # a step) from the first: one graph, not one a width
     records = (carry.log_p, carry.log_q, carry.rows_left)
     call = functools.partial(_carrying, fn, backend)
     if graphs is not None and not backend.reads_host:  # the records too: one graph a call

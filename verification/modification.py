@@ -95,6 +95,20 @@ class TargetModification:
             torch.cat([pad(m.rows_left, 0) for m in mods]),
         )
 
+    def widened(self, width: int) -> TargetModification:
+        """At least `width` columns: dead ones (rows_left 0) added as the oldest, which no step
+        applies. Carries verified from graphs on an accelerator take their bound's width
+        (`_bounded`) from the first step, so the graph's shape does not change as records
+        accumulate (eagerly, each column costs its ops: there they grow to it)."""
+        missing = width - self.rows_left.shape[1]
+        if missing <= 0:
+            return self
+        return TargetModification(
+            torch.nn.functional.pad(self.log_p, (missing, 0)),
+            torch.nn.functional.pad(self.log_q, (missing, 0)),
+            torch.nn.functional.pad(self.rows_left, (missing, 0)),
+        )
+
     def _bounded(self, generations: int, per_generation: int) -> TargetModification:
         """Keep the newest generations x per_generation columns, with no host read: a record
         modifies at most L rows and every iteration emits at least one token, so records of
