@@ -55,17 +55,9 @@ def forward_ms(
 
 
 def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=0):
+    sampling = SamplingParams(temperature)
     reqs = [
-        make_request(
-            engine.limits,
-            p,
-            new_tokens,
-            method,
-            k,
-            gamma,
-            SamplingParams(temperature),
-            seed=seed + i,
-        )
+        make_request(engine.limits, p, new_tokens, method, k, gamma, sampling, seed=seed + i)
         for i, p in enumerate(prompts)
     ]
     engine.reset_stats()
