@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+Arm = TypeVar("Arm")  # a path's name: a string, or a tuple (layout, configuration, ...)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,12 +48,12 @@ def command(name: str, argv: Sequence[str] | None) -> str:
 
 
 def alternate(
-    arms: Mapping[str, Callable[[], T]],
+    arms: Mapping[Arm, Callable[[], T]],
     rounds: int,
     *,
     warm: bool = True,
-    on_run: Callable[[str, int, T], None] | None = None,
-) -> dict[str, list[T]]:
+    on_run: Callable[[Arm, int, T], None] | None = None,
+) -> dict[Arm, list[T]]:
     """Each arm once per round, the order rotating by one each round (round r starts with
     arm r mod n); with `warm`, one discarded call of each first. `on_run(arm, round, result)`
     sees every recorded run as it ends."""
@@ -60,7 +61,7 @@ def alternate(
     if warm:
         for name in names:
             arms[name]()
-    runs: dict[str, list[T]] = {name: [] for name in names}
+    runs: dict[Arm, list[T]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             result = arms[name]()
