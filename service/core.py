@@ -19,7 +19,7 @@ import collections
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -405,6 +405,8 @@ class GenerationCore:
         if most and self.per_client[call.client] > most:
             raise Overloaded(f"client {call.client!r} holds {most} requests (its limit)")
         request, session = await self._request(params, caller, call)
+        if call.unary and not request.stop:  # no stop string to cut at: the tokens can wait
+            request = replace(request, read_at_end=True)
         for attempt in (1, 2):
             text = TextStream(self.tokenizer, list(request.stop))
             output: list[int] = []

@@ -3,7 +3,8 @@ Ray Serve deployment (autoscaled by Serve on the number of ongoing requests).
 
 The gateway calls `generate` with a checked `GenerationRequest` (token ids; a session's history
 already prepended) and `stream=True`; it yields a `TokensEvent` per decode step that produced
-tokens and a final `FinishedEvent` with the finish reason and the request's speculation stats
+tokens (for a request `read_at_end`, the first step's and then the rest at once) and a final
+`FinishedEvent` with the finish reason and the request's speculation stats
 (service/requests.py); `info` and `stats` describe the replica (`ReplicaInfo`,
 `ReplicaStats`). Requests of a session are routed with the session id as Serve's *multiplexed
 model id*: Serve then prefers the replica that last "loaded" that id, i.e. the one whose engine
@@ -154,20 +155,25 @@ class Replica:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         self.coordinator.submit(request_id, request, deliver)
-        finished = False
+        finished, sent, held = False, False, []  # held: read_at_end's tokens after the first
         try:
             while True:
                 match await events.get():
-                    case Emitted(progress):
-                        if progress.token_ids:
-                            yield TokensEvent(
-                                progress.token_ids, progress.stats, progress.cached_tokens, self.id
-                            )
+                    case Emitted(progress) if progress.token_ids:
+                        if request.read_at_end and sent:
+                            held += progress.token_ids
+                            continue
+                        sent = True  # the first step's tokens go at once: time to first token
+                        yield TokensEvent(
+                            progress.token_ids, progress.stats, progress.cached_tokens, self.id
+                        )
                     case Failed(error):
                         finished = True
                         raise error
                     case Done(result):
                         finished = True
+                        if held:
+                            yield TokensEvent(held, None, result.cached_tokens, self.id)
                         yield FinishedEvent(
                             result.finish_reason, result.stats, result.cached_tokens, self.id
                         )

@@ -116,6 +116,10 @@ class GenerationRequest:
     # (the caller's principal; automatic prefix caching); None: neither.
     cache_scope: str | None = None
     deadline: float | None = None  # time.time() seconds; None: none
+    # The caller reads the tokens only when the request finishes (a unary call without stop
+    # strings): the replica sends the first step's tokens, then the rest with the finish,
+    # rather than an event a step (each is a message between processes, and CPU on both ends)
+    read_at_end: bool = False
 
 
 @dataclass

@@ -267,6 +267,29 @@ def test_auto_requests_say_what_ran_and_share_steps_with_fixed_methods(service):
     assert max(r.stats.mean_batch_size for r in replies) > 1
 
 
+def test_a_request_read_at_its_end_takes_two_token_events_from_the_replica(service):
+    """A unary call without stop strings reads its tokens only at the end (the gateway sets
+    read_at_end): the replica sends the first step's tokens at once (time to first token) and
+    the rest with the finish, not an event a step (each a message from the replica's process
+    to the gateway's, and CPU in both); the tokens are the same."""
+    from blockspec.service.requests import FinishedEvent, GenerationRequest, TokensEvent
+    from blockspec.workers.sampling import SamplingParams
+
+    def events(read_at_end: bool) -> list:
+        request = GenerationRequest(
+            (5, 6, 7), 30, "block", 1, 3, SamplingParams(1.0), seed=11, read_at_end=read_at_end
+        )
+        return list(service["replica"].options(stream=True).generate.remote(request))
+
+    each_step, at_end = events(False), events(True)
+    assert isinstance(each_step[-1], FinishedEvent) and isinstance(at_end[-1], FinishedEvent)
+    assert all(isinstance(e, TokensEvent) for e in each_step[:-1] + at_end[:-1])
+    assert len(each_step) > 4 and len(at_end) == 3
+    tokens = [[t for e in run[:-1] for t in e.token_ids] for run in (each_step, at_end)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 30
+    assert at_end[0].token_ids == each_step[0].token_ids  # the first step's, at once
+
+
 def test_streaming_chunks_add_up_and_stop_strings_cut_the_text(service):
     req = pb.GenerateRequest(prompt="def f(x):", max_new_tokens=40, seed=7, method="gbv", k=3)
     chunks = list(service["stub"].GenerateStream(req))
