@@ -162,9 +162,20 @@ class Coordinator:
 
     # ------------------------------------------------------------ loop (own thread)
     @staticmethod
-    def _streamer(deliver: Deliver) -> Callable[[Progress], None]:
-        """The engine's on_tokens callback for a request: each step's progress as Emitted."""
-        return lambda progress: deliver(Emitted(progress))
+    def _streamer(deliver: Deliver, read_at_end: bool) -> Callable[[Progress], None]:
+        """The engine's on_tokens callback for a request: each step's progress as Emitted; for
+        a request read at its end, only the first step's (its tokens come with Done: nothing
+        crosses to the requester's thread in between)."""
+        if not read_at_end:
+            return lambda progress: deliver(Emitted(progress))
+        first = []
+
+        def first_only(progress: Progress) -> None:
+            if progress.token_ids and not first:
+                first.append(True)
+                deliver(Emitted(progress))
+
+        return first_only
 
     def _finish(self, request_id: str, event: Done | Failed) -> None:
         with self._lock:
@@ -186,7 +197,8 @@ class Coordinator:
                 case _Add(request_id):
                     job = self._jobs.get(request_id)
                     if job is not None:  # None: cancelled or expired before it was added
-                        self.engine.add(job.request, request_id, self._streamer(job.deliver))
+                        on_tokens = self._streamer(job.deliver, job.request.read_at_end)
+                        self.engine.add(job.request, request_id, on_tokens)
                 case _Cancel(request_id):  # the requester has gone: nobody to deliver to
                     if self.engine.cancel(request_id):
                         self.stats.cancelled += 1

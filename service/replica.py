@@ -155,15 +155,12 @@ class Replica:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         self.coordinator.submit(request_id, request, deliver)
-        finished, sent, held = False, False, []  # held: read_at_end's tokens after the first
+        finished, sent = False, 0  # sent: output tokens yielded so far
         try:
             while True:
                 match await events.get():
                     case Emitted(progress) if progress.token_ids:
-                        if request.read_at_end and sent:
-                            held += progress.token_ids
-                            continue
-                        sent = True  # the first step's tokens go at once: time to first token
+                        sent += len(progress.token_ids)
                         yield TokensEvent(
                             progress.token_ids, progress.stats, progress.cached_tokens, self.id
                         )
@@ -172,8 +169,8 @@ class Replica:
                         raise error
                     case Done(result):
                         finished = True
-                        if held:
-                            yield TokensEvent(held, None, result.cached_tokens, self.id)
+                        if rest := result.token_ids[sent:]:  # read_at_end's, past the first step
+                            yield TokensEvent(list(rest), None, result.cached_tokens, self.id)
                         yield FinishedEvent(
                             result.finish_reason, result.stats, result.cached_tokens, self.id
                         )
