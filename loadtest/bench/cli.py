@@ -1,8 +1,9 @@
 """`blockspec-bench NAME [options]`: the benchmarks that docs pages cite, one subcommand each.
 
-`blockspec-bench NAME --help` shows what a benchmark measures and its options. Each runs its
-paths alternated and reports medians (loadtest/bench/harness.py); those with `--json` write
-the file a docs page reads, with the command and the machine.
+`blockspec-bench NAME --help` shows what a benchmark measures and its options. Those that
+compare paths (the engine and the service, two layouts, two revisions) run them alternated
+round by round and report medians (loadtest/bench/harness.py); those with `--json` write the
+file a docs page reads, with the command and the machine.
 """
 
 from __future__ import annotations
