@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from blockspec.loadtest.bench import cli
-from blockspec.loadtest.bench.harness import alternate, median_run, ratios, save_json, spread
+from blockspec.loadtest.bench.harness import (
+    alternate,
+    cpu_by_process,
+    cpu_ms_per_step,
+    median_run,
+    ratios,
+    save_json,
+    spread,
+)
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
 
 BENCH = Path(cli.__file__).parent
@@ -111,3 +119,14 @@ def test_verify_ab_times_this_checkout_against_a_revision_in_one_process():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| gbv")]
     assert len(rows) == 1 and "| True |" in rows[0], done.stdout
+
+
+def test_cpu_a_step_sums_each_names_processes_alive_at_both_snapshots():
+    before = {1: ("ray::DraftActor", 1.0), 2: ("ray::IDLE", 0.5), 3: ("ray::IDLE", 0.2)}
+    before[9] = ("gone since", 5.0)
+    after = {1: ("ray::DraftActor", 1.6), 2: ("ray::IDLE", 0.6), 3: ("ray::IDLE", 0.3)}
+    after[4] = ("started since", 9.0)
+    ms = cpu_ms_per_step(before, after, steps=100)
+    assert list(ms) == ["ray::DraftActor", "ray::IDLE"]  # the busiest first
+    assert ms == pytest.approx({"ray::DraftActor": 6.0, "ray::IDLE": 2.0})
+    assert os.getpid() in cpu_by_process()

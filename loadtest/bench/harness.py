@@ -190,3 +190,32 @@ def worktree(revision: str) -> Iterator[Path]:
             yield tree
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)])
+
+
+def cpu_by_process() -> dict[int, tuple[str, float]]:
+    """Every process's CPU seconds so far (user + system), by pid, with its name: a Ray
+    worker's title (ray::DraftActor, ray::ServeReplica:app:Gateway, ...) or its command. Read
+    from each process (psutil), not from /proc/stat: on a VM that one counts the hypervisor's
+    steal as busy."""
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            command_line = proc.info["cmdline"] or [proc.info["name"] or "?"]
+            out[proc.pid] = (command_line[0][:60], times.user + times.system)
+    return out
+
+
+def cpu_ms_per_step(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int
+) -> dict[str, float]:
+    """CPU ms a step by process name between two `cpu_by_process` snapshots (processes alive
+    at both), the busiest first."""
+    by_name: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        if pid in before:
+            by_name[name] = by_name.get(name, 0.0) + seconds - before[pid][1]
+    ms = {name: 1e3 * s / max(steps, 1) for name, s in by_name.items()}
+    return dict(sorted(ms.items(), key=lambda item: -item[1]))

@@ -12,24 +12,22 @@ busy time counts the hypervisor's steal, which is noise here.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
 import time
 
-import psutil
+from blockspec.loadtest.bench.harness import (
+    alternate,
+    cpu_by_process,
+    free_port,
+    parser,
+    spread,
+)
 
-from blockspec.loadtest.bench.harness import alternate, free_port, parser, spread
 
-
-def cpu_seconds() -> float:
-    total = 0.0
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
+def _busy_seconds() -> float:
+    return sum(seconds for _, seconds in cpu_by_process().values())
 
 
 def measure(settle_s: float, window_s: float) -> None:
@@ -45,9 +43,9 @@ def measure(settle_s: float, window_s: float) -> None:
     )
     run(settings, name="idle")
     time.sleep(settle_s)
-    before, start = cpu_seconds(), time.monotonic()
+    before, start = _busy_seconds(), time.monotonic()
     time.sleep(window_s)
-    print((cpu_seconds() - before) / (time.monotonic() - start))
+    print((_busy_seconds() - before) / (time.monotonic() - start))
 
 
 def main(argv: list[str] | None = None) -> None:

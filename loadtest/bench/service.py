@@ -8,10 +8,11 @@ actors) against the in-process engine, on the same requests, in one run, the two
 
 Reports, per model pair and batch size (concurrent clients, closed loop): per-request latency,
 tokens/s, the service / engine ratio, per-step time and its breakdown (draft / tree / target /
-transfer / verify / overhead). `--threads`: torch threads of the in-process engine and of each
-actor (the replica's torch_threads); the actors of a step run one after the other, so each may
-use every core. Also the bare gRPC round trip (Info) and a session's second turn
-on its warm KV cache versus the same context prefilled cold.
+transfer / verify / overhead), and through the service every process's CPU a step (the gateway,
+the replica, the actors, Ray's own: where the step's CPU goes). `--threads`: torch threads of
+the in-process engine and of each actor (the replica's torch_threads); the actors of a step run
+one after the other, so each may use every core. Also the bare gRPC round trip (Info) and a
+session's second turn on its warm KV cache versus the same context prefilled cold.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 from blockspec.loadtest.bench.harness import (
     alternate,
     command,
+    cpu_by_process,
+    cpu_ms_per_step,
     median_run,
     parser,
     ratios,
@@ -99,15 +102,18 @@ def through_service(args, ids, stub, replica, batch: int) -> dict:
         return time.perf_counter() - t
 
     call((0, ids[0]))  # warm up
-    before = replica.stats.remote().result()
+    before, cpu_before = replica.stats.remote().result(), cpu_by_process()
     start = time.perf_counter()
     with ThreadPoolExecutor(batch) as pool:
         latencies = list(pool.map(call, enumerate(ids)))
     wall = time.perf_counter() - start
-    after = replica.stats.remote().result()
+    after, cpu_after = replica.stats.remote().result(), cpu_by_process()
     times = StepTimes(**{p: after.step_seconds[p] - before.step_seconds[p] for p in PHASES})
     steps = after.steps - before.steps
-    return _summary(wall, latencies, len(ids) * args.new_tokens, steps, times)
+    summary = _summary(wall, latencies, len(ids) * args.new_tokens, steps, times)
+    # every process's CPU, this one's too (the clients): where a step's CPU goes, beside it
+    summary["cpu_ms"] = cpu_ms_per_step(cpu_before, cpu_after, steps)
+    return summary
 
 
 def session_reuse(stub, tokenizer, ids) -> dict:
@@ -266,4 +272,8 @@ def main(argv: list[str] | None = None) -> None:
             f"({session['cached_prompt_tokens']} of {session['context_tokens']} context tokens "
             f"cached) vs the same context cold {session['cold_ms']:.0f} ms (median of 5)."
         )
+        for batch in args.batch:
+            row = result["rows"][f"service_b{batch}"]  # the median round's
+            busiest = ", ".join(f"{n} {ms:.2f}" for n, ms in list(row["cpu_ms"].items())[:6])
+            lines.append(f"  - {name}, batch {batch}, service: CPU ms a step by process: {busiest}")
     print("\n".join(lines))
