@@ -349,17 +349,15 @@ def verdict_on_host(
     if x.device.type == "cpu" and verdict.tokens.device.type == "cpu":
         _check_vocab(out_of_vocab)
         return x, verdict
-    width, n = verdict.tokens.shape[1], x.shape[0]
-    if out_of_vocab is None:
-        out_of_vocab = torch.zeros(n, dtype=torch.bool, device=verdict.tokens.device)
+    flags = [] if out_of_vocab is None else [out_of_vocab[:, None]]  # none for a plain batch
     columns = [
         verdict.tokens, verdict.num_accepted[:, None], verdict.path[:, None],
-        verdict.live[:, None], out_of_vocab[:, None], x.flatten(1),
+        verdict.live[:, None], x.flatten(1), *flags,
     ]  # fmt: skip
     packed = torch.cat([c.to(verdict.tokens.device, torch.int64) for c in columns], dim=1).cpu()
-    sizes = [width, 1, 1, 1, 1, x[0].numel()]
-    tokens, tau, path, live, outside, drafted = packed.split(sizes, dim=1)
-    _check_vocab(outside[:, 0].bool())
+    sizes = [verdict.tokens.shape[1], 1, 1, 1, x[0].numel(), len(flags)]
+    tokens, tau, path, live, drafted, outside = packed.split(sizes, dim=1)
+    _check_vocab(outside[:, 0].bool() if flags else None)
     host = replace(
         verdict, tokens=tokens, num_accepted=tau[:, 0], path=path[:, 0], live=live[:, 0].bool()
     )
