@@ -51,6 +51,7 @@ from blockspec.service.results import (
     StepTimes,
 )
 from blockspec.verification import TargetModification
+from blockspec.workers.compiled import compiles_on
 from blockspec.workers.graphs import graphs_available
 from blockspec.workers.proposers import build_proposer
 from blockspec.workers.protocols import Draft, PrefillBatch, Target
@@ -462,6 +463,7 @@ def build_engine(
     speculation_downweight: float = 1.0,
     speculation_max_batch: int | None = None,
     cuda_graphs: bool = True,
+    compiled: bool = False,
 ):
     """Engine over a draft/target pair in this process (a `StepRunner`); the target split
     over `tensor_parallel` ranks (spawned processes, gloo on CPU) when > 1. `max_len` is capped
@@ -471,8 +473,9 @@ def build_engine(
     `speculation_downweight` < 1 Saguaro sampling, preparing at batches of at most
     `speculation_max_batch` drafted requests (None: any; `speculation_cache`). On a CUDA
     device `cuda_graphs` replays the decode step's forwards from CUDA graphs (workers/graphs.py;
-    the in-process target only: tensor-parallel ranks run eagerly).
-    Returns (engine, tokenizer)."""
+    the in-process target only: tensor-parallel ranks run eagerly). On a CPU `compiled` runs
+    them through torch.compile instead (workers/compiled.py; dense weights, whatever `packed`
+    says; the in-process target only). Returns (engine, tokenizer)."""
     from blockspec.workers.models import DTYPES, load_pair
     from blockspec.workers.tensor_parallel import TensorParallelTarget
 
@@ -480,13 +483,21 @@ def build_engine(
     # Positions past either model's trained context are refused, not silently extrapolated.
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
+    if compiled and not compiles_on(device):
+        raise ValueError(f"compiled forwards run on a CPU, not {device}")
+    if compiled:
+        packed = False  # inductor packs the weights itself (workers/compiled.py)
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     cache = speculation_cache(draft, speculation, speculation_downweight, speculation_max_batch)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
-    if cuda_graphs and graphs_available(device):
+    if compiled:
+        draft.use_compiled()
+        if isinstance(target, TargetWorker):
+            target.use_compiled()
+    elif cuda_graphs and graphs_available(device):
         draft.use_graphs()
         if isinstance(target, TargetWorker):
             target.use_graphs()

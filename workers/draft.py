@@ -30,8 +30,9 @@ from collections.abc import Iterator
 
 import torch
 
+from blockspec.workers.compiled import CompiledForward
 from blockspec.workers.graphs import CallGraphs, ForwardGraphs, prefix_window
-from blockspec.workers.llama import KVCache, Llama
+from blockspec.workers.llama import KVCache, Linear, Llama, packs_weights
 from blockspec.workers.protocols import DraftFeed
 from blockspec.workers.sampling import (
     Law,
@@ -54,7 +55,8 @@ class DraftProposer(ABC):
     ):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
-        self.forward: Llama | ForwardGraphs = model  # the decode step's (see use_graphs)
+        # the decode step's forwards (see use_graphs, use_compiled)
+        self.forward: Llama | ForwardGraphs | CompiledForward = model
         self.proposals: CallGraphs | None = None  # the paths past the root (see use_graphs)
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
         # [n, K, γ, E]: a feature draft's own feature after each depth of the step's paths
@@ -83,6 +85,16 @@ class DraftProposer(ABC):
         # root; the proposal's into the tree and the verify call's buffers, and `commit`).
         self.forward = ForwardGraphs(self.model, self.cache, emulate, copies=False)
         self.proposals = CallGraphs(self.cache.k.shape[1], emulate, copies=False)
+
+    def use_compiled(self) -> None:
+        """Run the pending run's and every depth's forward through torch.compile
+        (workers/compiled.py; a fork's, over its own cache, stay eager). The head, which
+        every depth multiplies by eagerly (the draft's forwards read no logits), is packed
+        again where Llama would pack it: the compiled graphs never read it."""
+        self.forward = CompiledForward(self.model, self.cache)
+        head = self.model.lm_head
+        if not head.packed and packs_weights(head.weight):
+            self.model.lm_head = Linear(head.weight, head.bias, packed=True)
 
     def prefill(
         self,

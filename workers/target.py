@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from blockspec.verification.tensors import gather_rows
+from blockspec.workers.compiled import CompiledForward
 from blockspec.workers.draft import prefill, prefill_groups
 from blockspec.workers.feature_draft import feed_draft
 from blockspec.workers.graphs import ForwardGraphs
@@ -32,7 +33,8 @@ class TargetWorker:
     ):
         self.model = model
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
-        self.forward: Llama | ForwardGraphs = model  # the decode step's (see use_graphs)
+        # the decode step's forwards (see use_graphs, use_compiled)
+        self.forward: Llama | ForwardGraphs | CompiledForward = model
         self._new: tuple[torch.Tensor, ...] | None = None  # k, v, node_of, features
 
     @property
@@ -45,6 +47,10 @@ class TargetWorker:
         the graph's own (no copy, a launch each): the rows are processed into new ones, and
         `commit` reads the nodes' keys, values and features before the next tree pass."""
         self.forward = ForwardGraphs(self.model, self.cache, emulate, copies=False)
+
+    def use_compiled(self) -> None:
+        """Run the tree pass through torch.compile (workers/compiled.py)."""
+        self.forward = CompiledForward(self.model, self.cache)
 
     def prefill(
         self, slot0: int, contexts: list[torch.Tensor], keep: list[int] | None = None

@@ -1,0 +1,85 @@
+"""The decode step's forwards through torch.compile on the CPU (workers/compiled.py): inductor's
+C++ backend with freezing, the weights packed by inductor. Each compile of the tiny pair takes
+seconds; the module shares one compiled engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import make_engine, tiny_pair
+from torch._dynamo.utils import counters
+
+from blockspec.service.requests import make_request
+from blockspec.workers.compiled import CompiledForward
+from blockspec.workers.llama import KVCache, Llama, LlamaSpec
+from blockspec.workers.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines():
+    _, target, draft = tiny_pair(vocab=48)
+    eager = make_engine(target, draft, max_batch=16)
+    compiled = make_engine(target, draft, max_batch=16)
+    compiled.draft.use_compiled()
+    compiled.target.use_compiled()
+    return eager, compiled
+
+
+# Chains and multi-path trees together: each kind of call compiles once (about 10 s each here).
+METHODS = [("block", 1, 3), ("gbv", 3, 2), ("token", 1, 2), ("spectr", 2, 3)]
+
+
+def requests(engine, seed: int, sampling: SamplingParams, methods=METHODS) -> list:
+    return [
+        make_request(engine.limits, [5, 1 + i, 7, 3], 30, m, k, g, sampling, seed=seed + i)
+        for i, (m, k, g) in enumerate(methods)
+    ]
+
+
+def test_a_request_alone_gets_the_eager_tokens(engines):
+    """Seeded at T = 1, a multi-path request alone: the same tokens as the eager engine, in
+    float32 (the compiled forwards sum in another order: their logits move in the last bits).
+    Its six kinds of call (the tree pass; the draft's pending run of one token or more; its
+    depths without a suffix, with one entry, with more) compile once each."""
+    eager, compiled = engines
+    alone = requests(eager, 9, SamplingParams(1.0), [("gbv", 2, 3)])
+    graphs = counters["stats"]["unique_graphs"]
+    assert compiled.generate(alone)[0].token_ids == eager.generate(alone)[0].token_ids
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled, not eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_batch_of_every_kind_gets_the_eager_tokens(engines, temperature):
+    """Seeded, chains and multi-path trees in one batch as it shrinks from 8 to 1: the same
+    tokens as the eager engine (~3 minutes of compiles)."""
+    eager, compiled = engines
+    sampling = SamplingParams(temperature)
+    want = [r.token_ids for r in eager.generate(requests(eager, 3, sampling, METHODS * 2))]
+    got = compiled.generate(requests(eager, 3, sampling, METHODS * 2))
+    assert [r.token_ids for r in got] == want
+
+
+def test_the_step_calls_the_compiled_forward_and_another_cache_runs_eagerly(engines, monkeypatch):
+    _, compiled = engines
+    forward = compiled.target.forward
+    assert isinstance(forward, CompiledForward)
+    assert isinstance(compiled.draft.forward, CompiledForward)
+    model = forward.model
+    other = KVCache(model.spec, model.kv_heads, 2, 16, torch.float32, "cpu")
+    tokens = torch.zeros(2, 1, 1, dtype=torch.int64)
+    mask = torch.ones(2, 1, 1, 1, dtype=torch.bool)
+    calls = []
+    monkeypatch.setattr(forward, "_compiled", lambda *args: calls.append(args))
+    logits = forward(tokens, tokens, other, mask)[0]
+    assert not calls and logits.shape == (2, 1, 1, 48)
+    forward(tokens, tokens, forward.cache, mask)
+    assert len(calls) == 1
+
+
+def test_compiled_forwards_refuse_packed_weights():
+    hf, _, _ = tiny_pair(vocab=48)
+    model = Llama(LlamaSpec.from_hf_config(hf.config), hf.state_dict(), packed=True)
+    cache = KVCache(model.spec, model.kv_heads, 1, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="dense weights"):
+        CompiledForward(model, cache)

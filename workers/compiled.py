@@ -1,0 +1,97 @@
+"""The decode step's forwards compiled by torch.compile on a CPU: inductor's C++ backend with
+freezing.
+
+Why: eagerly, a CPU decode forward of SmolLM2-135M spends about as long outside its weights'
+products as in them: ~25 small ops a layer (norms, RoPE, attention's pieces, residuals), each a
+dispatch from Python. Compiled, those fuse into a few generated C++ loops called from a C++
+wrapper (`cpp_wrapper`), and freezing hands inductor the weights as constants, which it packs
+for oneDNN itself and multiplies from the generated code. docs/benchmarks.md ("Compiled decode
+forwards") has the numbers.
+
+What is compiled: ``Llama``'s forward for calls over the worker's own cache at slot 0 (the
+target's tree pass, the draft's pending run and its proposal's depths), reading a bucketed
+prefix window (graphs.prefix_window), with dynamic shapes. Dynamo still specializes sizes 0 and
+1, so each worker compiles once per kind of call it meets (one request or more, one new token
+or more, a suffix or none) and per torch thread count: about a minute each for the default
+target on 2 cores, seconds for its draft, paid in the first steps that meet them (a
+warm-up's). Prefill, forks and calls over other caches stay eager. Freezing bypasses inductor's
+on-disk cache: each process compiles again.
+
+The weights must be dense (``Llama(..., packed=False)``): inductor cannot multiply by a weight
+packed outside it. Its packed copies sit beside the dense ones, which eager calls still read.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch._inductor import config as inductor_config
+
+from blockspec.workers.graphs import prefix_window
+from blockspec.workers.llama import KVCache, Linear, Llama
+
+# Dynamo compiles a code object at most this many times (each worker's model calls the same
+# forward: the draft's and the target's kinds of call share the count); past it, eager.
+RECOMPILE_LIMIT = 64
+# Set around each call (a compile happens inside one): torch.compile's `options` do not reach
+# freezing, which inductor reads outside them.
+INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+
+
+def compiles_on(device: str | torch.device) -> bool:
+    """Whether decode forwards on `device` can be compiled here (inductor's C++ backend)."""
+    return torch.device(device).type == "cpu"
+
+
+def compile_forward(model: Llama) -> Callable:
+    """``model``'s forward (same arguments, `window` included) through torch.compile, compiling
+    on first use of each kind of call. Raises ValueError for packed weights."""
+    packed = [name for name, m in model.named_modules() if isinstance(m, Linear) and m.packed]
+    if packed:
+        raise ValueError(
+            f"compiled forwards need dense weights (Llama(packed=False)); packed: {packed[0]}"
+        )
+    if not compiles_on(model.embed.device):
+        raise ValueError(f"compiled forwards run on a CPU, not {model.embed.device}")
+    torch._dynamo.config.recompile_limit = max(
+        torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+    )
+    # undecorated: dynamo cannot trace views of inference tensors (inference_mode), so the
+    # compiled call runs under no_grad instead
+    forward = inspect.unwrap(type(model).forward)
+    compiled = torch.compile(lambda *a, **kw: forward(model, *a, **kw), dynamic=True)
+
+    def call(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad(), inductor_config.patch(INDUCTOR):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+class CompiledForward:
+    """``model(...)`` over `cache` for decode calls, through ``compile_forward``; a call over
+    another cache or slot runs eagerly. Same signature and outputs as ``Llama.forward``."""
+
+    def __init__(self, model: Llama, cache: KVCache):
+        self.model, self.cache = model, cache
+        self._compiled = compile_forward(model)
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [n, R, T] int64
+        positions: torch.Tensor,  # [n, R, T] int64
+        cache: KVCache,
+        mask: torch.Tensor,  # [n, R or 1, T or 1, S + T or 1] bool
+        suffix: tuple[torch.Tensor, torch.Tensor] | None = None,  # [L, n, R, H_kv, S, D] k, v
+        slot0: int = 0,
+        features: torch.Tensor | None = None,  # [n, R, T, E]
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = tokens.shape[0]
+        if cache is not self.cache or slot0 != 0 or n == 0:
+            return self.model(tokens, positions, cache, mask, suffix, slot0, features, head)
+        # a bucketed window: the prefix length never specializes (0, 1) nor recompiles
+        window = prefix_window(cache, n)
+        return self._compiled(tokens, positions, cache, mask, suffix, 0, features, head, window)
