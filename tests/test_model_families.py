@@ -12,6 +12,7 @@ ids and -inf elsewhere; unsupported configs are refused with the field named.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 import threading
@@ -30,6 +31,7 @@ from transformers import (
 )
 
 from blockspec import workers
+from blockspec.workers.compiled import compile_forward
 from blockspec.workers.draft import prefill
 from blockspec.workers.llama import KVCache, Llama, LlamaSpec
 from blockspec.workers.models import load_model
@@ -99,9 +101,10 @@ def hf_last_logits(hf, seq: list[int]) -> torch.Tensor:
         return hf(torch.tensor([seq])).logits[0, -1]
 
 
-def tree_logits(model: Llama, seed: int = 1):
+def tree_logits(model: Llama, seed: int = 1, score=None):
     """Two requests (ragged contexts) x two rows, each row a flattened 5-node tree, scored in
-    one forward over the prefilled cache. Yields (logits [V], full token sequence) per node."""
+    one forward over the prefilled cache (by `score`, model.forward's stand-in, if given).
+    Yields (logits [V], full token sequence) per node."""
     parents = [[-1, 0, 1, 0, 3], [-1, 0, 0, 2, 2]]  # row r: node t's parent (-1: the root)
     g = torch.Generator().manual_seed(seed)
     contexts = [torch.randint(0, VOCAB, (t,), generator=g) for t in (5, 9)]
@@ -121,7 +124,7 @@ def tree_logits(model: Llama, seed: int = 1):
     cache = KVCache(model.spec, model.kv_heads, n, 32, model.embed.dtype, "cpu")
     prefill(model, cache, 0, contexts)
     positions = cache.lengths[:n, None, None] + depth  # [n, R, T]
-    logits, *_ = model(tokens, positions, cache, mask.expand(n, R, T, T))  # [n, R, T, V]
+    logits, *_ = (score or model)(tokens, positions, cache, mask.expand(n, R, T, T))  # [n, R, T, V]
     assert logits.dtype == torch.float32 and logits.shape == (n, R, T, VOCAB)
     for b in range(n):
         for r in range(R):
@@ -198,16 +201,16 @@ def test_bfloat16_packed_weights_give_dense_logits(family):
         torch.testing.assert_close(got, want, rtol=0, atol=BF16_TOL)
 
 
-def test_a_compiled_forward_keeps_the_packed_products_and_the_logits(tmp_path):
-    """torch.compile of the forward (blockspec-bench forward's compiled layouts) calls the
-    packed products as one opaque op (workers.llama.packed_linear: inductor cannot lower
-    oneDNN's own) and gives the eager logits, biases included, up to the rounding of the
-    fused elementwise work (3e-5 here; without the biases they move by 9)."""
+def test_a_compiled_forward_gives_the_eager_logits(tmp_path):
+    """compile_forward (the engine's compiled decode forwards: inductor with freezing, which
+    packs the dense weights itself) gives the eager logits, biases included, up to the
+    rounding of the fused work, reading a wider window than the longest prefix (9)."""
     save_family("llama_biases", tmp_path)
-    eager = load_model(tmp_path).build(packed=True)
-    compiled = load_model(tmp_path).build(packed=True)
-    compiled.forward = torch.compile(compiled.forward, dynamic=True)
-    for (got, _), (want, _) in zip(tree_logits(compiled), tree_logits(eager), strict=True):
+    model = load_model(tmp_path).build(packed=False)
+    forward = compile_forward(model)
+    score = functools.partial(forward, window=16)
+    pairs = zip(tree_logits(model, score=score), tree_logits(model), strict=True)
+    for (got, _), (want, _) in pairs:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 

@@ -402,28 +402,9 @@ class Linear(nn.Module):
         return self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        # Eager calls oneDNN directly: the custom op's dispatch costs ~17 µs a call here (55
-        # vs 38 µs for a [576, 576] weight), ~2 ms a forward of the default target.
-        if self.packed and torch.compiler.is_compiling():
-            return packed_linear(x, self.weight, self.bias, self.shape[0])
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-@torch.library.custom_op("blockspec::packed_linear", mutates_args=())
-def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """oneDNN's product with a packed weight as one opaque op, for torch.compile: inductor
-    cannot lower mkldnn._linear_pointwise on a weight it packed itself, so a compiled forward
-    calls it as is and fuses what lies between the products."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@packed_linear.register_fake
-def _(x, weight, bias, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
 
 
 # oneDNN's fixed cost per call is more than a weight under 1 MiB takes to stream from memory,

@@ -8,8 +8,9 @@ in float32 and bfloat16.
 A layout is a dtype and a packing: `f32-packed` and `bf16-packed` (every weight that
 workers.llama.packs_weights would pick on a CPU that packs that dtype; bfloat16 is packed by
 default only where the CPU has AVX-512 BF16 or AMX), `f32-plain` and `bf16-plain` (F.linear on
-dense weights), and `f32-compiled` and `bf16-compiled` (a packed layout's forward through
-torch.compile; forwards only, its first call compiles). Each model of the pair is built once
+dense weights), and `f32-compiled` and `bf16-compiled` (a dense layout's forward through
+workers.compiled.compile_forward, as the engine's `compiled` forwards; forwards only, the first
+call of each shape compiles, about a minute for the target). Each model of the pair is built once
 per layout, then:
 1. forwards: for every thread count × batch × new-token count, the target's and the draft's
    median forward (200-token cache), the layouts alternating cell by cell, each against the
@@ -29,6 +30,8 @@ from blockspec.loadtest.bench.engine import forward_ms, run_engine
 from blockspec.loadtest.bench.harness import alternate, command, machine, parser
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.engine import build_engine
+from blockspec.workers.compiled import compile_forward
+from blockspec.workers.graphs import prefix_window
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
 # name: (dtype, Llama's `packed` argument: None packs what packs_weights picks)
@@ -38,10 +41,20 @@ LAYOUTS = {
     "bf16-packed": ("bfloat16", None),
     "bf16-plain": ("bfloat16", False),
 }
-# The packed layouts' forward compiled whole by torch.compile (inductor's C++ backend, dynamic
-# shapes; the packed products stay oneDNN's: workers.llama.packed_linear). Forwards only: the
-# engine runs eagerly.
-COMPILED = {"f32-compiled": "f32-packed", "bf16-compiled": "bf16-packed"}
+# The dense layouts' forward through workers.compiled.compile_forward (inductor's C++ backend
+# with freezing: inductor packs the weights itself), reading the bucketed prefix window the
+# engine's compiled forwards read. Forwards only here (the engine's: blockspec-bench llamacpp).
+COMPILED = {"f32-compiled": "f32-plain", "bf16-compiled": "bf16-plain"}
+
+
+def windowed(forward):
+    """forward(tokens, positions, cache, mask, ...) reading the engine's prefix window."""
+
+    def call(tokens, positions, cache, mask, *args, **kwargs):
+        window = prefix_window(cache, tokens.shape[0])
+        return forward(tokens, positions, cache, mask, *args, **kwargs, window=window)
+
+    return call
 
 
 def forwards(args) -> None:
@@ -53,7 +66,7 @@ def forwards(args) -> None:
             dtype, packed = LAYOUTS[COMPILED.get(name, name)]
             models[role, name] = model = loaded[dtype].build(packed=packed)
             if name in COMPILED:
-                model.forward = torch.compile(model.forward, dynamic=True)
+                model.forward = windowed(compile_forward(model))
     first, *others = args.layouts
     head = ["threads", "batch", "new"]
     for role in ("target", "draft"):
