@@ -51,7 +51,6 @@ from blockspec.service.results import (
     StepTimes,
 )
 from blockspec.verification import TargetModification
-from blockspec.workers.compiled import compiles_on
 from blockspec.workers.graphs import graphs_available
 from blockspec.workers.proposers import build_proposer
 from blockspec.workers.protocols import Draft, PrefillBatch, Target
@@ -483,8 +482,6 @@ def build_engine(
     # Positions past either model's trained context are refused, not silently extrapolated.
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
-    if compiled and not compiles_on(device):
-        raise ValueError(f"compiled forwards run on a CPU, not {device}")
     if compiled:
         packed = False  # inductor packs the weights itself (workers/compiled.py)
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
