@@ -39,7 +39,8 @@ verifiers do their fixed-shape work, ``cumsum64`` scans in chunks), except two t
 real GPU and are switched off while the context is active: the verifiers' Triton kernels
 (``verification.kernels.available`` returns False, so ``choose_backend`` picks the
 ``torch-device`` backend, the torch ops of an accelerator) and CUDA graphs
-(``VerifyGraphs.run`` calls the verifier eagerly).
+(``VerifyGraphs.run`` calls the verifier eagerly), unless ``FakeCuda(graphs=True)``: then
+graphs capture and replay on the fake device with CUDA's semantics (tests/fake_graphs.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import fake_graphs
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -120,6 +122,7 @@ def _wrap(t):
 def _count(kind: str) -> None:
     if not _ACTIVE:
         return
+    fake_graphs.refuse(kind)
     harness = _ACTIVE[-1]
     harness.syncs[kind] += 1
     harness.sites[_site()] += 1
@@ -128,6 +131,7 @@ def _count(kind: str) -> None:
 def _count_h2d(blocking: bool) -> None:
     """A copy from the host. A blocking one (PyTorch's default) synchronizes the stream before it
     returns: the host waits for all queued device work, a host sync like a read."""
+    fake_graphs.refuse("a copy from the host")
     if _ACTIVE:
         _ACTIVE[-1].h2d += 1
         if blocking:
@@ -242,6 +246,7 @@ class FakeCudaTensor(torch.Tensor):
             requires_grad=False,
         )
         r.elem = elem
+        fake_graphs.hold(elem, r)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -282,6 +287,8 @@ def _dispatch(func, args, kwargs):
             raise IndexError(_INDEX_ERROR)
         if is_fake(args[0]) and any(is_fake(i) and i.dtype in _MASKS for i in indices):
             _count("mask index")
+        if any(not is_fake(i) and i.dim() > 0 for i in indices):
+            fake_graphs.refuse("a host index tensor")
         checked = [args[0], *args[2:3]]  # self and values: one device (values may be 0-dim)
         if _mixes([t for t in checked if isinstance(t, torch.Tensor)]):
             raise RuntimeError(_SAME_DEVICE_ERROR.format(op=func))
@@ -311,6 +318,9 @@ def _dispatch(func, args, kwargs):
         else:
             u_args = tuple(_CPU if a is device else a for a in u_args)
     out = func(*u_args, **u_kwargs)
+    out = fake_graphs.record(
+        func, u_args, u_kwargs, out, func._schema.is_mutable, fills=func not in _NO_KERNEL
+    )
     wrap = to_device or not to_host
     originals = {id(_unwrap(a)): a for a in tensors}
 
@@ -357,9 +367,11 @@ class FakeCudaMode(TorchFunctionMode):
             _check_generators(tree_flatten((args, kwargs))[0], True)
             host = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
             host = [t for t in host if not is_fake(t)]
-            out = func(
-                *tree_map(_unwrap, args),
-                **{**tree_map(_unwrap, kwargs), "device": torch.device("cpu")},
+            u_args = tree_map(_unwrap, args)
+            u_kwargs = {**tree_map(_unwrap, kwargs), "device": torch.device("cpu")}
+            out = func(*u_args, **u_kwargs)
+            out = fake_graphs.record(
+                func, u_args, u_kwargs, out, False, fills=func not in _ALLOCATIONS
             )
 
             def own(t):  # a fresh device tensor never aliases host memory
@@ -395,7 +407,9 @@ class FakeCudaMode(TorchFunctionMode):
         if is_fake(self_):
             if dtype == elem.dtype and not copied:
                 return self_
-            return FakeCudaTensor(elem.to(dtype=dtype, copy=copied))
+            kwargs = {"dtype": dtype, "copy": copied}
+            out = fake_graphs.record(torch.Tensor.to, (elem,), kwargs, elem.to(**kwargs), False)
+            return FakeCudaTensor(out)
         _count_h2d(not non_blocking)
         _count_kernel("to")
         return FakeCudaTensor(elem.to(dtype=dtype, copy=True))
@@ -409,7 +423,8 @@ class FakeCudaMode(TorchFunctionMode):
         if func.__name__ in ("nonzero", "argwhere", "masked_select", "unique"):
             _count(func.__name__)
         _count_kernel(func.__name__)
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        u_args, u_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
+        out = fake_graphs.record(func, u_args, u_kwargs, func(*u_args, **u_kwargs), True)
         return tree_map(_wrap, out)
 
     def _getitem(self, self_, index):
@@ -420,9 +435,13 @@ class FakeCudaMode(TorchFunctionMode):
             return torch.Tensor.__getitem__(self_, index)
         if any(is_fake(i) and i.dtype in _MASKS for i in indices):
             _count("mask index")
+        if any(not is_fake(i) and i.dim() > 0 for i in indices):
+            fake_graphs.refuse("a host index tensor")
         if indices:  # advanced indexing gathers; a basic index is a view
             _count_kernel("index")
-        return _wrap(torch.Tensor.__getitem__(self_.elem, tree_map(_unwrap, index)))
+        args = (self_.elem, tree_map(_unwrap, index))
+        out = torch.Tensor.__getitem__(*args)
+        return _wrap(fake_graphs.record(torch.Tensor.__getitem__, args, {}, out, False))
 
     def _setitem(self, self_, index, value):
         indices = [i for i in tree_flatten(index)[0] if isinstance(i, torch.Tensor)]
@@ -441,8 +460,12 @@ class FakeCudaMode(TorchFunctionMode):
             if advanced:  # index_put_ takes its values on self's device only
                 raise RuntimeError(_SAME_DEVICE_ERROR.format(op="index_put_"))
             _count_h2d(True)  # a slice's copy_ from the host: legal, and blocking
+        if any(not is_fake(i) and i.dim() > 0 for i in indices):
+            fake_graphs.refuse("a host index tensor")
         _count_kernel("index_put_" if advanced else "copy_")
-        return torch.Tensor.__setitem__(self_.elem, tree_map(_unwrap, index), _unwrap(value))
+        args = (self_.elem, tree_map(_unwrap, index), _unwrap(value))
+        torch.Tensor.__setitem__(*args)
+        fake_graphs.record(torch.Tensor.__setitem__, args, {}, None, True)
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -459,10 +482,15 @@ class FakeCuda:
         dev.syncs   # Counter: host syncs by kind
         dev.sites   # Counter: host syncs by where in service/, workers/ or verification/
 
-    While active, the verifiers' Triton kernels and CUDA graphs are off (they need a GPU):
-    the verifiers run the torch-ops path a GPU runs where no kernel applies."""
+    While active, the verifiers' Triton kernels are off (they need a GPU): the verifiers run
+    the torch-ops path a GPU runs where no kernel applies. CUDA graphs are off too (verify
+    calls run eagerly; the decode step's emulated graphs count a replay as one launch), or
+    with ``graphs=True`` they capture and replay on the fake device as on a GPU
+    (tests/fake_graphs.py: ``torch.cuda.is_available()`` is True, ``captures`` counts them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: bool = False) -> None:
+        self.graphs = graphs
+        self.captures = 0  # graphs captured (graphs=True)
         self.syncs: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()
         self.h2d = 0
@@ -514,11 +542,19 @@ class FakeCuda:
         from blockspec.workers.graphs import CallGraphs, ForwardGraphs
 
         self._patch(kernels, "available", lambda: False)  # Triton kernels need a GPU
+        if self.graphs:
+            self._patch(torch.cuda, "is_available", lambda: True)
+            for name in ("CUDAGraph", "graph", "Stream", "current_stream", "stream"):
+                self._patch(torch.cuda, name, getattr(fake_graphs, name))
+            return self._activate()
         self._patch(
             graphs.VerifyGraphs, "run", lambda cache, _method, fn, *a: self._verify(cache, fn, *a)
         )
         for owner in (ForwardGraphs, CallGraphs):  # emulated graphs: a replay counts once
             self._patch(owner, "_capture", _capture_as_graph(owner._capture))
+        return self._activate()
+
+    def _activate(self) -> FakeCuda:
         _ACTIVE.append(self)
         for mode in self._modes:
             mode.__enter__()

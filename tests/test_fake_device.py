@@ -15,8 +15,8 @@ enforces CUDA's same-device rule), so:
   buffer on the host fails the bound.
 
 The verifiers' Triton kernels and CUDA graphs are off under the harness (they need a GPU), so
-the verifiers take their torch-ops accelerator paths; tests/test_verify_kernels.py and
-tests/test_verify_graphs.py cover the kernels and graphs.
+the verifiers take their torch-ops accelerator paths; tests/test_verify_kernels.py covers the
+kernels, tests/test_fake_graphs.py the engine with every graph captured on the fake device.
 """
 
 from __future__ import annotations
@@ -92,10 +92,13 @@ def run_cpu(engine, reqs: list[GenerationRequest]) -> list[tuple[list[int], int]
     return [(r.token_ids, r.cached_tokens) for r in engine.generate(reqs)]
 
 
-def run_fake(engine, reqs: list[GenerationRequest]) -> tuple[list[tuple], list[int], Counter]:
-    """run_cpu's outputs, host syncs of each step, and where they came from (all steps)."""
+def run_fake(
+    engine, reqs: list[GenerationRequest], dev: FakeCuda | None = None
+) -> tuple[list[tuple], list[int], Counter]:
+    """run_cpu's outputs, host syncs of each step, and where they came from (all steps), under
+    `dev` (default: a FakeCuda of its own)."""
     results, per_step, sites = {}, [], Counter()
-    with FakeCuda() as dev:
+    with dev or FakeCuda() as dev:
         ids = [engine.add(r) for r in reqs]
         while engine.active or engine.waiting:
             dev.reset()

@@ -1,13 +1,17 @@
 """CUDA graphs for verification (verification/graphs.py): replays give eager's tokens.
 
-The CUDA tests run where a device is present (scripts/gpu_checks.sh); on CPU graphs never
-apply, which the first tests check.
+The graphed tests run on a CUDA device where one is present (scripts/gpu_checks.sh), else on
+the fake device that captures and replays as CUDA does (tests/fake_graphs.py); on the CPU
+graphs never apply, which the first tests check.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from fake_device import FakeCuda
 
 from blockspec.verification import METHODS, VERIFIERS, VerifyGraphs, verify
 from blockspec.verification import graphs as verify_graphs
@@ -15,7 +19,20 @@ from blockspec.verification.graphs import batch_bucket
 from blockspec.verification.modification import ResidualRows
 from tests.test_verify_cost import inputs, same_tokens
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+@pytest.fixture
+def cuda():
+    """A CUDA device: the machine's, or the fake one that captures graphs."""
+    with contextlib.nullcontext() if torch.cuda.is_available() else FakeCuda(graphs=True):
+        yield
+
+
+def on_cuda(regime: str, b: int, k: int, gamma: int, vocab: int) -> list[torch.Tensor]:
+    return [t.to("cuda") for t in inputs(regime, b, k, gamma, vocab)]
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)  # drawn on the host, copied once
 
 
 def test_batch_bucket_is_the_next_power_of_two():
@@ -49,51 +66,52 @@ def test_graphs_leave_cpu_calls_eager(method):
     assert len(graphs) == 0  # nothing captured
 
 
-@cuda
 @pytest.mark.parametrize("method", METHODS)
-def test_replays_give_the_eager_tokens_at_every_batch_size(method):
+def test_replays_give_the_eager_tokens_at_every_batch_size(cuda, method):
     """Batches 5, 3, 8 and 5 again: buckets 8, 4 and 8 (replayed); pad rows never leak."""
     k = 1 if VERIFIERS[method].single_path else 3
     graphs = VerifyGraphs()
     for step, (b, regime) in enumerate(
         [(5, "realistic"), (3, "agree"), (8, "disjoint"), (5, "agree")]
     ):
-        tokens, q, p = inputs(regime, b, k, 6, vocab=500, device="cuda")
-        gen = torch.Generator("cuda")
-        eager = verify(method, tokens, q, p, gen.manual_seed(step), validate=False)
-        graphed = verify(method, tokens, q, p, gen.manual_seed(step), validate=False, graphs=graphs)
+        tokens, q, p = on_cuda(regime, b, k, 6, vocab=500)
+        eager = verify(method, tokens, q, p, seeded(step), validate=False)
+        graphed = verify(method, tokens, q, p, seeded(step), validate=False, graphs=graphs)
         assert same_tokens(eager, graphed), (step, b)
     assert len(graphs) == 2 and graphs.eager_shapes == 0  # one graph per bucket
 
 
-@cuda
 @pytest.mark.parametrize("method", [m for m in METHODS if VERIFIERS[m].modifies_target])
-def test_replays_thread_the_same_carry(method):
+def test_replays_thread_the_same_carry(cuda, method):
     """Three steps of the same requests: the records each step leaves modify the next one."""
     k = 1 if VERIFIERS[method].single_path else 3
     graphs = VerifyGraphs()
     carry_eager = carry_graphed = None
     for step, regime in enumerate(["disjoint", "realistic", "disjoint"]):
-        tokens, q, p = inputs(regime, 6, k, 5, vocab=300, device="cuda")
-        gen = torch.Generator("cuda")
-        eager = verify(method, tokens, q, p, gen.manual_seed(step), carry=carry_eager)
-        graphed = verify(
-            method, tokens, q, p, gen.manual_seed(step), carry=carry_graphed, graphs=graphs
-        )
+        tokens, q, p = on_cuda(regime, 6, k, 5, vocab=300)
+        eager = verify(method, tokens, q, p, seeded(step), carry=carry_eager)
+        graphed = verify(method, tokens, q, p, seeded(step), carry=carry_graphed, graphs=graphs)
         assert same_tokens(eager, graphed), step
         carry_eager, carry_graphed = eager.carry, graphed.carry
-        for field in ("log_p", "log_q", "rows_left"):
-            assert torch.equal(getattr(carry_eager, field), getattr(carry_graphed, field))
+        assert live_records(carry_eager) == live_records(carry_graphed), step
 
 
-@cuda
-def test_buffers_beyond_the_byte_budget_evict_the_least_recently_used():
-    tokens, q, p = inputs("realistic", 8, 1, 6, vocab=500, device="cuda")
+def live_records(carry) -> list[list[tuple]]:
+    """Each request's live records (log p, log q, rows left), oldest first: a graphed call
+    carries them among dead columns, at the bound's width from the first step."""
+    fields = [t.cpu() for t in (carry.log_p, carry.log_q, carry.rows_left)]
+    return [
+        [record for record in zip(*(f[i].tolist() for f in fields), strict=True) if record[2] > 0]
+        for i in range(len(fields[0]))
+    ]
+
+
+def test_buffers_beyond_the_byte_budget_evict_the_least_recently_used(cuda):
+    tokens, q, p = on_cuda("realistic", 8, 1, 6, vocab=500)
     one_bucket = sum(t.numel() * t.element_size() for t in (tokens, q, p)) + 8 * 8 * 8
     graphs = VerifyGraphs(max_buffer_bytes=int(1.5 * one_bucket))
     for method in ("token", "block", "token"):  # the third call captures token again
-        gen = torch.Generator("cuda")
-        eager = verify(method, tokens, q, p, gen.manual_seed(0), validate=False)
-        graphed = verify(method, tokens, q, p, gen.manual_seed(0), validate=False, graphs=graphs)
+        eager = verify(method, tokens, q, p, seeded(0), validate=False)
+        graphed = verify(method, tokens, q, p, seeded(0), validate=False, graphs=graphs)
         assert same_tokens(eager, graphed), method
         assert len(graphs) == 1 and graphs.buffer_bytes <= 1.5 * one_bucket
