@@ -7,6 +7,9 @@ pool's free blocks to the next capture into it, and refuses what a capture refus
 
 - the harness itself does what CUDA does (replays rewrite the same storage, Python does not
   re-run, host reads and copies from the host refuse, a pool's memory is reused);
+- a later graph's outputs held across an earlier graph's replay keep their values, with the
+  pool shared, after an eviction and recapture too; a mutant whose outputs stay in the pool
+  (the code before) fails both;
 - 3 and 4 requests replay one graph, so nothing captures after warm-up; a mutant that keys the
   forward's graphs by batch size captures again;
 - the engine decodes with every graph on (the forwards, the proposal, the tree, the verify
@@ -36,6 +39,7 @@ from blockspec.service.engine import SpeculativeEngine, build_engine
 from blockspec.service.policy import PLAIN
 from blockspec.service.requests import make_request
 from blockspec.verification import METHODS
+from blockspec.verification import graphs as verify_graphs
 from blockspec.verification.graphs import capture
 from blockspec.workers.feature_draft import FeatureDraft
 from blockspec.workers.graphs import CallGraphs, ForwardGraphs
@@ -44,6 +48,12 @@ from blockspec.workers.speculation import SpeculationCache, speculation_cache
 from blockspec.workers.step import StepRunner
 from blockspec.workers.target import TargetWorker
 
+# The code before its outputs had memory of their own: a graph's outputs in the shared pool.
+OUTPUTS_IN_THE_POOL = (
+    """        for mine, scratch in zip(_leaves(own), _leaves(call()), strict=True):
+            mine.copy_(scratch)""",
+    """        own = call()""",
+)
 # Graphs keyed by the inputs' whole shapes, batch size included: 3 and 4 requests, two graphs.
 KEYED_BY_BATCH_SIZE = (
     "shapes = tuple((t.shape[1:], t.dtype) for t in batch)",
@@ -102,9 +112,10 @@ def test_a_fake_capture_refuses_what_a_capture_refuses(what, call):
 def test_a_pool_hands_freed_memory_to_the_next_capture_into_it():
     with FakeCuda(graphs=True), torch.inference_mode():
         x = torch.arange(256.0, device="cuda")
-        first, _ = capture(lambda: (x * 2 + 1,), x.device)  # x * 2 in the pool: freed
+        first, (out,) = capture(lambda: (x * 2 + 1,), x.device)  # x * 2 + 1 in the pool: freed
         pool = first.pool()
-        scratch = {b.storage.data_ptr() for b in pool.blocks if b.free}
+        scratch = {b.storage.data_ptr() for b in pool.blocks}
+        assert address(out) not in scratch  # outputs: memory of their own
 
         def held_after_capture(pool_) -> int:
             with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool_):
@@ -113,6 +124,49 @@ def test_a_pool_hands_freed_memory_to_the_next_capture_into_it():
 
         assert held_after_capture(pool) in scratch  # the shared pool's freed block, reused
         assert held_after_capture(None) not in scratch  # a graph's own pool: fresh memory
+
+
+def later_outputs_across_an_earlier_replay(graphs: CallGraphs) -> tuple[list, list]:
+    """A graph captured after another, its outputs held (views) while the other replays."""
+    x = torch.arange(64.0, device="cuda").view(1, 64)
+    graphs.run(("earlier",), lambda t: (t * 2 + 1,), x)  # its t * 2 is scratch
+    (held,) = graphs.run(("later",), lambda t: (t - 3,), x)
+    graphs.run(("earlier",), lambda t: (t * 2 + 1,), x)
+    return held.tolist(), (x - 3).tolist()
+
+
+def test_a_later_graphs_outputs_survive_an_earlier_graphs_replay(monkeypatch):
+    with FakeCuda(graphs=True), torch.inference_mode():
+        held, expected = later_outputs_across_an_earlier_replay(CallGraphs(4, copies=False))
+        assert held == expected
+        mutate(monkeypatch, verify_graphs, "capture", *OUTPUTS_IN_THE_POOL, worker_graphs)
+        held, expected = later_outputs_across_an_earlier_replay(CallGraphs(4, copies=False))
+        assert held != expected  # the earlier graph's scratch ran over them
+
+
+def steps_around_an_eviction(graphs: CallGraphs) -> list[bool]:
+    """Steps that replay a then b and read both outputs at their end (views), before and after
+    a is evicted and captured again into the pool the two share: each step's outputs right?"""
+    x = torch.arange(64.0, device="cuda").view(1, 64)
+    a = lambda t: (t + 1,)  # noqa: E731
+    b = lambda t: (t * 3 - 1,)  # noqa: E731  (t * 3: scratch)
+
+    def step() -> bool:
+        (out_a,), (out_b,) = graphs.run(("a",), a, x), graphs.run(("b",), b, x)
+        return out_a.tolist() == (x + 1).tolist() and out_b.tolist() == (x * 3 - 1).tolist()
+
+    right = [step(), step()]
+    graphs._graphs.popitem(last=False)  # a, the least recently used
+    return [*right, step(), step()]
+
+
+def test_outputs_survive_eviction_and_recapture_into_a_shared_pool(monkeypatch):
+    with FakeCuda(graphs=True), torch.inference_mode():
+        assert steps_around_an_eviction(CallGraphs(4, copies=False)) == [True] * 4
+        mutate(monkeypatch, verify_graphs, "capture", *OUTPUTS_IN_THE_POOL, worker_graphs)
+        # in the pool, safe while the graphs replay in their capture's order; a again is
+        # captured after b, into b's scratch, which b's replay then runs over
+        assert steps_around_an_eviction(CallGraphs(4, copies=False)) == [True, True, False, False]
 
 
 def captures_after_warm_up(tiny_target) -> int:

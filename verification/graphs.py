@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 # Static inputs per graph at most: above this a call is bound by memory rather than launches,
 # and every bucket's buffers would hold that much of the GPU's memory.
 MAX_INPUT_BYTES = 512 << 20
-# All graphs' input buffers together at most (least recently used graphs go first): they sit
-# beside the target's weights and KV cache. Intermediates live in one shared pool, reused
-# from graph to graph, so they take about one graph's worth.
+# All graphs' input and output buffers together at most (least recently used graphs go first):
+# they sit beside the target's weights and KV cache. Intermediates live in one shared pool,
+# reused from graph to graph, so they take about one graph's worth.
 MAX_BUFFER_BYTES = 2 << 30
 
 
@@ -45,8 +45,9 @@ def batch_bucket(batch: int) -> int:
 class GraphCache:
     """Captured graphs by key, the least recently used dropped beyond ``max_graphs`` graphs or
     ``max_buffer_bytes`` of their static buffers (an entry's ``nbytes``); a key whose capture
-    failed holds None (its calls run eagerly). Its graphs share one memory pool (``_pool``) and
-    replay one at a time on the current stream. The verifiers' (`VerifyGraphs`) and the decode
+    failed holds None (its calls run eagerly). Its graphs share one memory pool (``_pool``) for
+    their scratch, each graph's outputs in memory of its own (`capture`), and replay one at a
+    time on the current stream. The verifiers' (`VerifyGraphs`) and the decode
     step's (workers/graphs.py) caches."""
 
     def __init__(self, max_graphs: int, max_buffer_bytes: int):
@@ -117,8 +118,8 @@ class _Graph:
     spec: pytree.TreeSpec  # the verifier's output structure
 
     @property
-    def nbytes(self) -> int:  # the inputs: the pool holds the outputs and intermediates
-        return nbytes(self.inputs)
+    def nbytes(self) -> int:  # the pool holds the intermediates, about one graph's worth
+        return nbytes([*self.inputs, *self.outputs])
 
 
 class VerifyGraphs(GraphCache):
@@ -187,20 +188,35 @@ class VerifyGraphs(GraphCache):
 
 
 def capture(call: Callable, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """A CUDA graph of `call()` on `device` (its memory from `pool`, when given) and the outputs
-    its replays write. `call` runs once before, on a side stream: first calls initialise lazily
-    (kernel loads, handles), which a capture may not. Raises RuntimeError when `call` does what
-    a capture refuses (a host read, say). Also the decode forwards' (workers/graphs.py)."""
+    """A CUDA graph of `call()` on `device` (its scratch memory from `pool`, when given) and the
+    outputs its replays write. `call` runs once before, on a side stream: first calls
+    initialise lazily (kernel loads, handles), which a capture may not. Raises RuntimeError
+    when `call` does what a capture refuses (a host read, say). Also the decode forwards'
+    (workers/graphs.py).
+
+    The outputs live outside the pool, in memory of their own that the graph copies into as
+    its last kernels: graphs sharing a pool reuse each other's scratch, so an output left in
+    the pool could sit where an earlier-captured graph writes at every replay, and a caller
+    holding it (a view, ``copies=False``) across that replay would read garbage. Scratch is
+    only read within its own replay, so shared, it is safe in any replay order, eviction and
+    recapture included (tests/test_fake_graphs.py)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        call()
+        warm = call()
     torch.cuda.current_stream(device).wait_stream(side)
+    own = pytree.tree_map(lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, warm)
+    del warm
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread's CUDA work (a worker's) does not break the capture
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = call()
-    return graph, out
+        for mine, scratch in zip(_leaves(own), _leaves(call()), strict=True):
+            mine.copy_(scratch)
+    return graph, own
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def _flatten(inputs: tuple) -> list[torch.Tensor]:

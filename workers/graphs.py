@@ -97,8 +97,9 @@ class ForwardGraphs(GraphCache):
     with another cache, a slot other than 0 or a failed capture runs eagerly. Same signature
     and outputs as ``Llama.forward``; the outputs are copies (the next replay overwrites the
     graph's own), or with ``copies=False`` views of the graph's own, valid until its next
-    replay (a copy is a launch: for a caller done with them by then). Graphs share one memory
-    pool and replay one at a time on the current stream."""
+    replay (a copy is a launch: for a caller done with them by then; another graph's replay
+    leaves them be: `capture`). Graphs share one memory pool for their scratch and replay one
+    at a time on the current stream."""
 
     def __init__(
         self,
