@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_engine import MIXED, make_engine, tiny_pair
 
+import blockspec.workers.draft as draft_module
 import blockspec.workers.graphs as graphs
 import blockspec.workers.llama as llama
 from blockspec.service.requests import make_request
@@ -174,14 +175,16 @@ def test_the_engine_writes_the_same_tokens_with_replayed_forwards(
     8 to 64 positions) as eagerly.
 
     Why the feature draft at T = 1 replays exact shapes (the batch unpadded, the window the
-    longest length): there a carried record (greedy_block, spectr_gbv) meets residuals of
-    nearly no mass (the tiny feature draft is close to its target), whose normalised rows the
-    last bits of p and q decide, so a wider window's summation order changes which token a
-    seed draws (the law is the same). Exact shapes then compute bit for bit what the eager
-    forwards do, which checks the replays' features and buffers exactly."""
+    longest length, the pending run as wide as its tokens): there a carried record
+    (greedy_block, spectr_gbv) meets residuals of nearly no mass (the tiny feature draft is
+    close to its target), whose normalised rows the last bits of p and q decide, so a wider
+    window's summation order changes which token a seed draws (the law is the same). Exact
+    shapes then compute bit for bit what the eager forwards do, which checks the replays'
+    features and buffers exactly."""
     if not buckets:
         monkeypatch.setattr(graphs, "batch_bucket", lambda batch, slots: batch)
         monkeypatch.setattr(graphs, "window_bucket", lambda length, max_len: max(length, 1))
+        monkeypatch.setattr(draft_module, "GRAPHED_PENDING", 1)
     fc = torch.randn(64, 128) * 0.1 if feature else None
     _, target, draft = tiny_pair(vocab=48, draft_fc=fc)
     sampling = SamplingParams(temperature)

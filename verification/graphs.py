@@ -28,6 +28,10 @@ from .modification import ResidualRows
 
 log = logging.getLogger(__name__)
 
+# Graphs per cache at most (least recently used dropped): a deployment's warm-up captures a
+# graph per method, batch bucket and shape it serves (service/warm_up.py); the byte bound below
+# is what holds their memory.
+MAX_GRAPHS = 256
 # Static inputs per graph at most: above this a call is bound by memory rather than launches,
 # and every bucket's buffers would hold that much of the GPU's memory.
 MAX_INPUT_BYTES = 512 << 20
@@ -45,9 +49,13 @@ def batch_bucket(batch: int) -> int:
 class GraphCache:
     """Captured graphs by key, the least recently used dropped beyond ``max_graphs`` graphs or
     ``max_buffer_bytes`` of their static buffers (an entry's ``nbytes``); a key whose capture
-    failed holds None (its calls run eagerly). Its graphs share one memory pool (``_pool``) for
-    their scratch, each graph's outputs in memory of its own (`capture`), and replay one at a
-    time on the current stream. The verifiers' (`VerifyGraphs`) and the decode
+    failed holds None (its calls run eagerly, after a warning), or with ``strict`` the failure
+    raises: while a deployment warms up (service/warm_up.py), a capture that fails is an error
+    at start, not a slow path found mid-stream. ``sealed`` (after warm-up) captures nothing
+    more: a key not met then runs eagerly (``eager_calls``), since a capture while serving
+    stalls the whole batch (a device sync, then the capture). Its graphs share one memory pool
+    (``_pool``) for their scratch, each graph's outputs in memory of its own (`capture`), and
+    replay one at a time on the current stream. The verifiers' (`VerifyGraphs`) and the decode
     step's (workers/graphs.py) caches."""
 
     def __init__(self, max_graphs: int, max_buffer_bytes: int):
@@ -55,6 +63,10 @@ class GraphCache:
         self._graphs: OrderedDict[tuple, object | None] = OrderedDict()  # None: stays eager
         self._pool = None
         self.replays = 0  # calls served by a graph (for tests and benchmarks)
+        self.captures = 0  # graphs captured, evicted ones included
+        self.strict = False  # a failed capture raises
+        self.sealed = False  # no capture: a new key runs eagerly
+        self.eager_calls = 0  # calls a sealed cache ran eagerly
 
     def __len__(self) -> int:
         """Keys seen: graphs held, and shapes whose capture failed."""
@@ -70,10 +82,22 @@ class GraphCache:
         """Keys whose capture failed (they run eagerly; a warning says why)."""
         return sum(entry is None for entry in self._graphs.values())
 
-    def _entry(self, key: tuple, capture: Callable[[], object | None]):
-        """The graph of `key`, captured by `capture()` on first use (None: eager)."""
+    def _entry(self, key: tuple, capture: Callable[[], object]):
+        """The graph of `key`, captured by `capture()` on first use (None: eager). `capture`
+        raises RuntimeError when the call does what a capture refuses (a host read, say)."""
         if key not in self._graphs:
-            self._graphs[key] = capture()
+            if self.sealed:
+                self.eager_calls += 1
+                return None
+            try:
+                entry = capture()
+                self.captures += 1
+            except RuntimeError as err:
+                if self.strict:
+                    raise RuntimeError(f"{type(self).__name__}: capture failed: {err}") from err
+                log.warning("%s: %s stays eager: %s", type(self).__name__, key, err)
+                entry = None
+            self._graphs[key] = entry
             while len(self._graphs) > 1 and (
                 len(self._graphs) > self.max_graphs or self.buffer_bytes > self.max_buffer_bytes
             ):
@@ -130,7 +154,10 @@ class VerifyGraphs(GraphCache):
     until its next replay (a copy is a launch: for a caller done with them by then)."""
 
     def __init__(
-        self, max_graphs: int = 32, max_buffer_bytes: int = MAX_BUFFER_BYTES, copies: bool = True
+        self,
+        max_graphs: int = MAX_GRAPHS,
+        max_buffer_bytes: int = MAX_BUFFER_BYTES,
+        copies: bool = True,
     ):
         super().__init__(max_graphs, max_buffer_bytes)
         self.copies = copies
@@ -167,23 +194,17 @@ class VerifyGraphs(GraphCache):
         outputs = [o[:batch].clone() if self.copies else o[:batch] for o in entry.outputs]
         return pytree.tree_unflatten(outputs, entry.spec)
 
-    def _capture(self, method, fn, inputs, tensors) -> _Graph | None:
+    def _capture(self, method, fn, inputs, tensors) -> _Graph:
         bucket = batch_bucket(tensors[0].shape[0])
         static = padded_buffers(tensors, bucket)
 
         def call():
             return fn(*_unflatten(inputs, static))
 
-        try:
-            graph, out = capture(call, tensors[0].device, self._pool)
-        except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
-            log.warning("verify %s stays eager at %s: capture failed: %s", method, bucket, err)
-            return None
+        graph, out = capture(call, tensors[0].device, self._pool)
         self._pool = graph.pool()
         outputs, spec = pytree.tree_flatten(out)
-        if any(o.shape[:1] != (bucket,) for o in outputs):  # a smaller batch's rows: no cut
-            log.warning("verify %s stays eager: an output is not batch-first", method)
-            return None
+        check_batch_first(outputs, bucket)
         return _Graph(graph, static, outputs, spec)
 
 
@@ -217,6 +238,13 @@ def capture(call: Callable, device: torch.device, pool=None) -> tuple[torch.cuda
 
 def _leaves(tree) -> list[torch.Tensor]:
     return [t for t in pytree.tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def check_batch_first(outputs: list, bucket: int) -> None:
+    """Raises RuntimeError (a failed capture) unless every output has the bucket's rows: the
+    real ones are cut from them."""
+    if any(o is not None and o.shape[:1] != (bucket,) for o in outputs):
+        raise RuntimeError("an output is not batch-first")
 
 
 def _flatten(inputs: tuple) -> list[torch.Tensor]:

@@ -44,6 +44,25 @@ from blockspec.workers.sampling import (
     sample_drafts,
 )
 
+# The pending run's least width with graphs: a step leaves 1 pending token, or 2 after a whole
+# path is accepted, and one width is one graph, which warm-up captures for sure (its steps
+# need not accept a path whole) rather than the second width capturing mid-stream.
+GRAPHED_PENDING = 2
+
+
+def _widened(
+    pending: torch.Tensor,  # [n, P] int64
+    features: torch.Tensor | None,  # [n, P, E]
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pending tokens (and features) padded to `width` columns, as a batch's shorter rows
+    are: the padding is past each row's count, seen by nothing and never committed."""
+    pad = width - pending.shape[1]
+    pending = torch.nn.functional.pad(pending, (0, pad))
+    if features is not None:
+        features = torch.nn.functional.pad(features, (0, 0, 0, pad))
+    return pending, features
+
 
 class DraftProposer(ABC):
     """A draft model with its KV cache: propose K paths of γ tokens per request, commit one."""
@@ -248,6 +267,8 @@ class DraftProposer(ABC):
         own: torch.Tensor | None,  # [n] bool
     ) -> torch.Tensor:
         """Run and commit the pending tokens; returns the last one's hidden state [n, E]."""
+        if isinstance(self.forward, ForwardGraphs) and pending.shape[1] < GRAPHED_PENDING:
+            pending, features = _widened(pending, features, GRAPHED_PENDING)
         n, P = pending.shape
         dev = self.device
         counted = pending_count.cpu()  # the engine's is on the host; the cache keeps it there

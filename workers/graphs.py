@@ -25,23 +25,25 @@ output copies).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
-from blockspec.verification.graphs import GraphCache, capture, nbytes, padded_buffers
+from blockspec.verification.graphs import (
+    MAX_GRAPHS,
+    GraphCache,
+    capture,
+    check_batch_first,
+    nbytes,
+    padded_buffers,
+)
 from blockspec.workers.llama import KVCache, Llama
-
-log = logging.getLogger(__name__)
 
 # The narrowest window: a few buckets cover a context (256, 512, 1024, ...), and below this the
 # masked keys cost less than another graph.
 MIN_WINDOW = 256
-# Graphs per worker at most (least recently used dropped): buckets of batch x window x shape.
-MAX_GRAPHS = 256
 # Their static inputs and outputs together at most (least recently used dropped first): they sit
 # beside the weights and KV caches, and a tree pass's logits at batch 16 alone are ~30 MB.
 MAX_BUFFER_BYTES = 2 << 30
@@ -153,7 +155,7 @@ class ForwardGraphs(GraphCache):
         out = (None if logits is None else logits[:n], k[:, :n], v[:, :n], hidden[:n])
         return tuple(t.clone() if self.copies and t is not None else t for t in out)
 
-    def _capture(self, batch, bucket, window, suffix, features, head) -> _Graph | None:
+    def _capture(self, batch, bucket, window, suffix, features, head) -> _Graph:
         n = batch[0].shape[0]
         static = []
         for t in batch:
@@ -177,11 +179,7 @@ class ForwardGraphs(GraphCache):
                         mine.copy_(fresh)
 
             return _Graph(recompute, static, outputs, rows=n)
-        try:
-            graph, outputs = capture(call, batch[0].device, self._pool)
-        except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
-            log.warning("forward stays eager at batch %d, window %d: %s", bucket, window, err)
-            return None
+        graph, outputs = capture(call, batch[0].device, self._pool)
         self._pool = graph.pool()
         return _Graph(graph.replay, static, outputs, rows=n)
 
@@ -229,7 +227,7 @@ class CallGraphs(GraphCache):
             outputs = [None if o is None else o.clone() for o in outputs]
         return pytree.tree_unflatten(outputs, entry.spec)
 
-    def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Graph | None:
+    def _capture(self, fn: Callable, inputs: tuple, bucket: int) -> _Graph:
         static = padded_buffers(list(inputs), bucket)
 
         def call():
@@ -244,13 +242,7 @@ class CallGraphs(GraphCache):
                         mine.copy_(fresh)
 
             return _Graph(recompute, static, outputs, spec)
-        try:
-            graph, (outputs, spec) = capture(call, inputs[0].device, self._pool)
-        except RuntimeError as err:  # a host read on some path: keep this shape eager, loudly
-            log.warning("call stays eager at batch %d: %s", bucket, err)
-            return None
+        graph, (outputs, spec) = capture(call, inputs[0].device, self._pool)
         self._pool = graph.pool()
-        if any(o is not None and o.shape[:1] != (bucket,) for o in outputs):
-            log.warning("call stays eager: an output is not batch-first")
-            return None
+        check_batch_first(outputs, bucket)
         return _Graph(graph.replay, static, outputs, spec)

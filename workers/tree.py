@@ -24,7 +24,7 @@ from blockspec.verification.graphs import VerifyGraphs
 # Captured tree builds of this process (any pure batch-first call captures as a verifier's
 # does: verification/graphs.py); idle on the CPU. A tree is read within its step, before the
 # next build replays: views of the graph's outputs, not copies.
-TREE_GRAPHS = VerifyGraphs(max_graphs=16, copies=False)
+TREE_GRAPHS = VerifyGraphs(copies=False)
 
 
 @dataclass(frozen=True)
