@@ -34,7 +34,7 @@ from blockspec.loadtest.bench.engine import forward_ms
 from blockspec.loadtest.everyday import everyday_ids
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.models.train_draft import shifted
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.llama import KVCache
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model

@@ -96,7 +96,7 @@ def engine_runs() -> dict[str, list]:
     from test_engine import make_engine, tiny_pair
     from test_feature_draft import random_fc
 
-    from blockspec.service.engine import build_engine
+    from blockspec.service.build import build_engine
     from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
     from blockspec.workers.sampling import SamplingParams
 

@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fake_device import FakeCuda  # noqa: E402
 
-from blockspec.service.engine import build_engine  # noqa: E402
+from blockspec.service.build import build_engine  # noqa: E402
 from blockspec.service.requests import make_request  # noqa: E402
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET  # noqa: E402
 from blockspec.workers.sampling import SamplingParams  # noqa: E402

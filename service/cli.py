@@ -74,9 +74,9 @@ def generate_local(args) -> None:
     import torch
 
     from blockspec.protos import blockspec_pb2 as pb
+    from blockspec.service.build import build_engine
     from blockspec.service.client import Reply, stats_line
     from blockspec.service.detokenizer import TextStream
-    from blockspec.service.engine import build_engine
     from blockspec.service.requests import ChatTurn, RequestParams, RequestValidator
     from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 

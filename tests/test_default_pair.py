@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import (
     ChatTurn,
     InvalidArgument,

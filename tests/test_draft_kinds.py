@@ -191,7 +191,7 @@ def test_seeded_output_is_the_same_with_and_without_parked_kv(
     what a cold prefill computes from the target's: parked KV is reused only up to the first
     of them. Before, 22-25 of 30 seeded follow-ups of greedy_block and spectr_gbv changed on
     a hit, and 17-19 of 20 of block, gbv and token with the speculation cache, in float64."""
-    from blockspec.service.engine import build_engine
+    from blockspec.service.build import build_engine
 
     draft_dir, target_dir = save_pair(tmp_path, "feature")
 
@@ -213,7 +213,7 @@ def test_speculation_cache_output_is_batch_independent_up_to_rounding(tmp_path, 
     """With the speculation cache a feature draft chains its own features from step to step,
     which amplifies float32's batch-shape rounding (docs/client.md: the boundary); the logic
     itself leaves a seeded request's tokens the same alone and in a batch of 24."""
-    from blockspec.service.engine import build_engine
+    from blockspec.service.build import build_engine
     from blockspec.service.requests import GenerationRequest
     from blockspec.workers.sampling import SamplingParams
 

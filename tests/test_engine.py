@@ -466,7 +466,7 @@ def test_missing_model_directories_say_what_to_set(tmp_path):
 
 
 def test_engine_context_is_capped_at_the_models_context(tmp_path):
-    from blockspec.service.engine import build_engine
+    from blockspec.service.build import build_engine
 
     save_tiny(tmp_path / "draft", 40, context=96)
     save_tiny(tmp_path / "target", 40, context=64)

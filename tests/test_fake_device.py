@@ -35,7 +35,8 @@ from test_feature_draft import random_fc
 import blockspec.workers.actors as actors
 import blockspec.workers.channel as channel
 from blockspec import workers
-from blockspec.service.engine import SpeculativeEngine, build_engine
+from blockspec.service.build import build_engine
+from blockspec.service.engine import SpeculativeEngine
 from blockspec.service.policy import AUTO, PLAIN
 from blockspec.service.requests import GenerationRequest, Limits, make_request
 from blockspec.verification import METHODS, VERIFIERS

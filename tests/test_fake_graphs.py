@@ -35,7 +35,8 @@ from test_fake_device import (
 from test_feature_draft import random_fc
 
 import blockspec.workers.graphs as worker_graphs
-from blockspec.service.engine import SpeculativeEngine, build_engine
+from blockspec.service.build import build_engine
+from blockspec.service.engine import SpeculativeEngine
 from blockspec.service.policy import PLAIN
 from blockspec.service.requests import make_request
 from blockspec.verification import METHODS

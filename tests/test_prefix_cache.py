@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.parking import MIN_SHARED_PREFIX
 from blockspec.service.requests import make_request
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec.protos import blockspec_pb2 as pb
 from blockspec.protos import blockspec_pb2_grpc as pb_grpc
+from blockspec.service.build import build_engine
 from blockspec.service.config import Settings
-from blockspec.service.engine import build_engine
 from blockspec.service.requests import ReplicaStats, make_request
 from blockspec.service.results import StepTimes
 from blockspec.service.sessions import RedisStore

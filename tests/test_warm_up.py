@@ -17,7 +17,7 @@ import pytest
 from fake_device import FakeCuda
 from test_fake_device import MAX_BATCH, MAX_LEN, run_cpu
 
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.policy import PLAIN
 from blockspec.service.requests import GenerationRequest, make_request
 from blockspec.service.warm_up import graph_caches, warm_up

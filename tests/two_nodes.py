@@ -12,8 +12,8 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
+from blockspec.service.build import build_engine
 from blockspec.service.config import ReplicaConfig
-from blockspec.service.engine import build_engine
 from blockspec.service.replica import build_remote_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET

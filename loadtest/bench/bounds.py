@@ -42,7 +42,7 @@ import torch
 
 from blockspec.loadtest.bench.engine import forward_ms
 from blockspec.loadtest.bench.harness import command, machine, median_ms, parser
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import (
     DEFAULT_DRAFT,

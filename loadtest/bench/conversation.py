@@ -17,7 +17,7 @@ import statistics
 import time
 
 from blockspec.loadtest.bench.harness import parser
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, render_chat
 from blockspec.workers.sampling import SamplingParams

@@ -26,7 +26,7 @@ import torch
 
 from blockspec.loadtest.bench.harness import command, machine, median_ms, parser, save_json
 from blockspec.loadtest.prompts import prompt_ids
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.policy import AUTO
 from blockspec.service.requests import make_request
 from blockspec.verification import VERIFIERS

@@ -85,7 +85,7 @@ import torch
 from blockspec.loadtest.bench.harness import REPO, command, parser
 from blockspec.loadtest.bench.verify import make_inputs
 from blockspec.loadtest.prompts import complete_function
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.policy import DEFAULT_ARMS
 from blockspec.service.requests import make_request
 from blockspec.verification import VERIFIERS, VerifyGraphs, verify

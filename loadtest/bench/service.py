@@ -36,8 +36,8 @@ from blockspec.loadtest.bench.harness import (
     spread,
 )
 from blockspec.loadtest.prompts import prompt_ids
+from blockspec.service.build import build_engine
 from blockspec.service.config import Settings
-from blockspec.service.engine import build_engine
 from blockspec.service.requests import make_request
 from blockspec.service.results import StepTimes
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET

@@ -28,7 +28,7 @@ import torch
 
 from blockspec.loadtest.bench.harness import parser, save_json
 from blockspec.loadtest.everyday import everyday_ids
-from blockspec.service.engine import build_engine
+from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from blockspec.workers.sampling import SamplingParams
