@@ -107,6 +107,40 @@ def test_the_engine_benchmark_runs_on_the_tiny_pair(tmp_path, capsys):
     assert "| block | 1 | 3 | 1.0 | 1 |" in table and "| auto | 0 | 0 | 1.0 | 1 |" in table
 
 
+def test_the_gpu_benchmarks_graphed_rows_run_on_the_fake_device(tmp_path, monkeypatch):
+    """engine-gpu's speed section with graphs on, on the fake device that captures (the GPU
+    run's path, which no CPU run took: its graphed rows once all crashed on a key clash):
+    each engine warms up when built, and its timed rows capture nothing and run nothing
+    eagerly."""
+    import torch
+    from fake_device import FakeCuda
+
+    out = tmp_path / "engine_gpu.json"
+    with FakeCuda(graphs=True):
+        for name in ("synchronize", "empty_cache", "set_sync_debug_mode"):
+            monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+        cli.main(
+            ["engine-gpu", "--device", "cuda", "--sections", "speed", "--methods", "none",
+             "block", "gbv", "--batch", "1", "2", "--prompts", "2", "--batch1-prompts", "1",
+             "--new-tokens", "8", "--warmup-tokens", "4", "--no-hf", "--graphs", "on",
+             "--dtype", "float32", "--max-len", "320", "--models", str(tmp_path),
+             "--json", str(out)]
+        )  # fmt: skip
+    speed = json.loads(out.read_text())["speed"]
+    assert set(speed["warm_up"]) == {"1", "2"} and all(
+        w["graphs"] for w in speed["warm_up"].values()
+    )
+    rows = speed["rows"]
+    assert [(r["method"], r["batch"], r["graphs"]) for r in rows] == [
+        (m, b, True) for m in ("none", "block", "gbv") for b in (1, 2)
+    ]
+    for row in rows:
+        caches = row["graph_caches"].values()
+        assert all(c["timed_captures"] == c["timed_eager_calls"] == 0 for c in caches), row
+        assert row["graph_caches"]["target forward"]["replays"] > 0
+
+
 def test_verify_ab_times_this_checkout_against_a_revision_in_one_process():
     """Two copies of the verifiers (a git worktree's and this checkout's) load side by side,
     their numba loops included, and give the same seeded outputs."""

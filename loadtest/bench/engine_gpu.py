@@ -86,8 +86,9 @@ from blockspec.loadtest.bench.harness import REPO, command, parser
 from blockspec.loadtest.bench.verify import make_inputs
 from blockspec.loadtest.prompts import complete_function
 from blockspec.service.build import build_engine
-from blockspec.service.policy import DEFAULT_ARMS
+from blockspec.service.policy import DEFAULT_ARMS, Arm
 from blockspec.service.requests import make_request
+from blockspec.service.warm_up import warm_up
 from blockspec.verification import VERIFIERS, VerifyGraphs, verify
 from blockspec.verification.graphs import GraphCache
 from blockspec.workers import models as wm
@@ -501,16 +502,19 @@ def speed_configs(args, modes: list[bool]) -> list[tuple[str, int, int, int, boo
 
 
 def timed_config(args, engine, take: list, config: tuple, budget: float) -> dict:
-    """One speed row: warm (capturing every graph the timed run needs), then timed."""
+    """One speed row: warm, then timed. A graphed engine's graphs were captured when it was
+    built (`warm_up`): what its timed run captured or ran eagerly is counted."""
     method, k, gamma, b, graphs = config
-    if graphs:  # capture every graph the timed run needs (each batch and window bucket)
-        run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget, 10**6)
-    else:  # staggered so that the batch shrinks through every verify-graph bucket
-        warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
-        run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
+    # staggered so that the batch shrinks through every bucket
+    warm = [max(1, (i + 1) * args.warmup_tokens // b) for i in range(b)]
+    run_engine(engine, take[:b], method, k, gamma, args, warm, 0.0, 10**6)
+    before = graph_counts(engine)
     res = run_engine(engine, take, method, k, gamma, args, args.new_tokens, budget)
     if graphs:
-        res["graphs"] = graph_counts(engine)
+        res["graph_caches"] = graph_counts(engine)  # beside the row's `graphs` flag
+        for name, counts in res["graph_caches"].items():
+            for what in ("captures", "eager_calls"):
+                counts[f"timed_{what}"] = counts[what] - before[name][what]
     if b == 1 and args.device.startswith("cuda"):
         res["host_syncs"] = host_syncs(engine, take[0], method, k, max(gamma, 1), args)
     return res
@@ -523,8 +527,10 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
     if not dev.startswith("cuda"):
         modes = [False]  # graphs are CUDA's
 
+    configs = speed_configs(args, modes)
+
     def make(b: int, graphs: bool):
-        return build_engine(
+        engine, tokenizer = build_engine(
             pair["draft"],
             pair["target"],
             b,
@@ -534,6 +540,11 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             cuda_graphs=graphs,
             auto_arms=list(DEFAULT_ARMS),
         )
+        if graphs:  # every graph the batch's rows meet, before any is timed
+            report = warm_up(engine, warm_shapes(configs, b), [SamplingParams(args.temperature)])
+            print(f"warm-up, batch {b}: {report}", flush=True)
+            result.setdefault("warm_up", {})[b] = dataclasses.asdict(report)
+        return engine, tokenizer
 
     engines = {(b, g): make(b, g) for b in args.batch for g in modes}
     tokenizer = engines[args.batch[0], modes[0]][1]
@@ -549,7 +560,6 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
         skipped=[],
     )
     rows = result["rows"]
-    configs = speed_configs(args, modes)
     hf_budget = 0.0 if args.no_hf else args.hf_budget_s
     if not args.no_hf and 1 in args.batch:
         print(f"HF generate, batch 1, {args.dtype}:", flush=True)
@@ -583,17 +593,31 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             f"{res['ms_per_step']:.2f} | {per_step} |",
             flush=True,
         )
-        if graphs and any(c["eager"] for c in res["graphs"].values()):
-            print(f"  shapes left eager (a failed capture): {res['graphs']}", flush=True)
+        caches = res.get("graph_caches", {})
+        if any(c["timed_captures"] or c["timed_eager_calls"] for c in caches.values()):
+            print(f"  captured or ran eagerly while timed: {caches}", flush=True)
         save()
     del engines
     free_memory(dev)
     return result
 
 
+def warm_shapes(configs: list[tuple], b: int) -> list[tuple[str, int, int]]:
+    """The (method, K, γ) the graphed rows at batch b run (auto: its arms)."""
+    shapes = set()
+    for method, k, gamma, batch, graphs in configs:
+        if graphs and batch == b:
+            arms = [Arm.parse(a) for a in DEFAULT_ARMS] if method == "auto" else []
+            shapes |= {(a.method, a.k, a.gamma) for a in arms if a.method != "none"}
+            if method not in ("none", "auto"):
+                shapes.add((method, k, gamma))
+    return sorted(shapes)
+
+
 def graph_counts(engine) -> dict[str, dict[str, int]]:
-    """The engine's graph caches (this process's): graphs held, shapes left eager (a failed
-    capture: their calls run eagerly, a warning in the log says why) and replays so far."""
+    """The engine's graph caches (this process's): graphs held and captured, shapes left eager
+    (a failed capture), calls run eagerly once sealed (a shape warm-up did not meet) and
+    replays so far."""
     caches = {
         "draft forward": engine.draft.forward,
         "draft proposal": engine.draft.proposals,
@@ -602,7 +626,13 @@ def graph_counts(engine) -> dict[str, dict[str, int]]:
         "verify": VERIFY_GRAPHS,
     }
     return {
-        name: dict(graphs=len(c), eager=c.eager_shapes, replays=c.replays)
+        name: dict(
+            graphs=len(c),
+            captures=c.captures,
+            eager=c.eager_shapes,
+            eager_calls=c.eager_calls,
+            replays=c.replays,
+        )
         for name, c in caches.items()
         if isinstance(c, GraphCache)
     }
