@@ -25,7 +25,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from blockspec.service.policy import DEFAULT_ARMS, Arm
+from blockspec.service.policy import DEFAULT_ARMS, PLAIN, Arm
+from blockspec.verification import VERIFIERS
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
@@ -49,6 +50,20 @@ class Resources(BaseModel):
         if bad:
             raise ValueError(f"resources: amounts must be > 0 ({', '.join(bad)})")
         return value
+
+
+def _shape(text: str) -> tuple[str, int, int]:
+    """A graph shape, "method/K/γ" (K = 1 for a single-path method); ValueError naming it."""
+    try:
+        method, k, gamma = text.split("/")
+        k, gamma = int(k), int(gamma)
+    except ValueError:
+        raise ValueError(f"graph_shapes: {text!r} is not 'method/K/γ'") from None
+    if method not in VERIFIERS:
+        raise ValueError(f"graph_shapes: {text!r}: unknown method {method!r}")
+    if k < 1 or gamma < 1 or (VERIFIERS[method].single_path and k != 1):
+        raise ValueError(f"graph_shapes: {text!r}: K and γ must be >= 1 (K = 1 for {method})")
+    return method, k, gamma
 
 
 class ReplicaConfig(BaseModel):
@@ -94,6 +109,10 @@ class ReplicaConfig(BaseModel):
     default_gamma: int = Field(4, ge=1)
     # What `method: auto` chooses among each step: "none" or "method/K/γ" (service/policy.py).
     auto_arms: list[str] = Field(default_factory=lambda: list(DEFAULT_ARMS))
+    # On CUDA, the "method/K/γ" whose graphs the replica captures at start, beside `none` and
+    # the auto arms (service/warm_up.py): nothing captures while serving, and a request of
+    # another shape runs eagerly. None: the default method at K = 1 and the default γ.
+    graph_shapes: list[str] | None = None
     default_max_new_tokens: int = Field(128, ge=1)
     coordinator: Resources = Resources()
     draft: Resources = Resources()
@@ -111,7 +130,19 @@ class ReplicaConfig(BaseModel):
                 raise ValueError(f"auto_arms: {text!r} exceeds max_k or max_gamma")
         if not self.auto_arms:
             raise ValueError("auto_arms: at least one arm")
+        for text in self.graph_shapes or []:
+            if not fits(Arm(*_shape(text))):
+                raise ValueError(f"graph_shapes: {text!r} exceeds max_k or max_gamma")
         return self
+
+    def warm_shapes(self) -> list[tuple[str, int, int]]:
+        """The (method, K, γ) the replica's graphs are captured for at start."""
+        shapes = [_shape(text) for text in self.graph_shapes or []]
+        if self.graph_shapes is None and self.default_method in VERIFIERS:
+            shapes.append((self.default_method, 1, self.default_gamma))
+        arms = [Arm.parse(text) for text in self.auto_arms]
+        shapes += [(a.method, a.k, a.gamma) for a in arms if a.method != PLAIN]
+        return sorted(set(shapes))
 
     @model_validator(mode="after")
     def _gpus_for_cuda(self) -> ReplicaConfig:

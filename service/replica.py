@@ -39,6 +39,7 @@ from blockspec.service.requests import (
     TokensEvent,
 )
 from blockspec.service.results import StepTimes
+from blockspec.service.warm_up import warm_up
 from blockspec.verification import VERIFIERS
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
@@ -134,6 +135,7 @@ class Replica:
         self.cfg = ReplicaConfig.model_validate(config)
         self.id = _replica_id()
         engine, self.model_info = build_remote_engine(self.cfg)
+        warm_up(engine, self.cfg.warm_shapes())  # where graphs are on (CUDA)
         self.coordinator = Coordinator(engine, self.cfg.max_queued, _step_metrics())
         self._ids = itertools.count()
 

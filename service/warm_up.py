@@ -6,6 +6,8 @@ So an engine whose decode step replays from graphs (workers/graphs.py, verificat
 is driven through every shape its declared work can meet, with each graph cache `strict` (a
 failed capture raises: an error at start); then the caches are `sealed`: a shape met later
 runs eagerly (counted in each cache's ``eager_calls``) and nothing captures while serving.
+The caches are reached through the engine's executor (`StepExecutor.graphs`): in this
+process, or in the draft and target actors (a replica warms up when it starts).
 
 What a step's graphs are keyed by, and how the warm-up meets each:
 
@@ -33,35 +35,26 @@ from dataclasses import dataclass
 
 from blockspec.service.policy import PLAIN
 from blockspec.service.requests import GenerationRequest, make_request
-from blockspec.verification.graphs import GraphCache
 from blockspec.workers import graphs as worker_graphs
 from blockspec.workers.sampling import SamplingParams, law_of
-from blockspec.workers.step import VERIFY_GRAPHS
-from blockspec.workers.tree import TREE_GRAPHS
+from blockspec.workers.step import GraphCounts
 
 log = logging.getLogger(__name__)
 
 Shape = tuple[str, int, int]  # (method, K, γ)
 STEPS_PER_RUN = 3  # decode steps each run makes at least
+# The samplings whose batches' laws are warmed by default: T = 1, greedy, another temperature
+# (and their mixes). A batch with top-k or top-p runs its draft's proposal eagerly.
+SAMPLINGS = (SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.7))
 
 
 @dataclass(frozen=True)
 class WarmUp:
-    """What a warm-up did: requests' runs through the engine, graphs captured, seconds."""
+    """What a warm-up did: requests' runs through the engine, graphs held after, seconds."""
 
     runs: int
     graphs: int
     seconds: float
-
-
-def graph_caches(engine) -> list[GraphCache]:
-    """The graph caches the engine's steps replay from, in this process: its workers' (where
-    their graphs are on) and, with those, the process's tree and verify graphs."""
-    draft, target = engine.draft, engine.target
-    own = [getattr(draft, "forward", None), getattr(draft, "proposals", None)]
-    own.append(getattr(target, "forward", None))
-    own = [c for c in own if isinstance(c, GraphCache)]
-    return [*own, TREE_GRAPHS, VERIFY_GRAPHS] if own else []
 
 
 def warm_up(
@@ -70,40 +63,37 @@ def warm_up(
     samplings: list[SamplingParams] | None = None,
 ) -> WarmUp:
     """Capture every graph `engine`'s steps meet serving `shapes` (and ``none``) with batches
-    of `samplings` (default: T = 1), then seal the caches. Raises RuntimeError when a capture
+    of `samplings` (default: SAMPLINGS), then seal the caches. Raises RuntimeError when a capture
     fails, or when the graphs outgrow a cache's bounds (a later call would recapture)."""
-    caches = graph_caches(engine)
-    if not caches:
+    graphs = engine.executor.graphs  # wherever the step's graphs live: here or in actors
+    before = graphs()
+    if not before:  # no graphs on
         return WarmUp(0, 0, 0.0)
     start, runs = time.perf_counter(), 0
-    before = [(cache.captures, len(cache)) for cache in caches]
-    for cache in caches:
-        cache.strict, cache.sealed = True, False
+    graphs(strict=True, sealed=False)
     try:
         for prompt_len in _prompt_lengths(engine.max_len):
             for n in _batch_sizes(engine):
-                for batch in _batches(shapes, n, samplings or [SamplingParams()]):
+                for batch in _batches(shapes, n, list(samplings or SAMPLINGS)):
                     engine.generate(_requests(engine, batch, prompt_len))
                     runs += 1
-                    _check_kept(caches, before)
+                    _check_kept(before, graphs())
     finally:
-        for cache in caches:
-            cache.strict = False
-    for cache in caches:
-        cache.sealed = True
+        graphs(strict=False)
+    after = graphs(sealed=True)
     engine.reset_stats()
-    report = WarmUp(runs, sum(len(c) for c in caches), time.perf_counter() - start)
+    report = WarmUp(runs, sum(c.held for c in after), time.perf_counter() - start)
     log.info("warm-up: %d runs captured %d graphs in %.1f s", *vars(report).values())
     return report
 
 
-def _check_kept(caches: list[GraphCache], before: list[tuple[int, int]]) -> None:
+def _check_kept(before: list[GraphCounts], now: list[GraphCounts]) -> None:
     """Raises RuntimeError when a cache dropped a graph the warm-up captured."""
-    for cache, (captures, held) in zip(caches, before, strict=True):
-        captured, kept = cache.captures - captures, len(cache) - held
+    for i, (was, now_) in enumerate(zip(before, now, strict=True)):
+        captured, kept = now_.captures - was.captures, now_.held - was.held
         if captured > kept:
             raise RuntimeError(
-                f"warm-up: {type(cache).__name__} captured {captured} graphs and kept {kept}: "
+                f"warm-up: graph cache {i} captured {captured} graphs and kept {kept}: "
                 "the declared shapes need more than its bounds"
             )
 

@@ -444,6 +444,9 @@ class WiredDraft:
     def move(self, src: int, dst: int) -> None:
         self.actor.call("move", (src, dst))
 
+    def graphs(self, strict=None, sealed=None) -> list:
+        return wire(self.actor.graphs(strict, sealed))
+
 
 class WiredTarget(WiredDraft):
     """RemoteTarget in process: one TargetShardActor (rank 0 of 1), as RemoteTarget.speculate
@@ -459,9 +462,14 @@ class WiredTarget(WiredDraft):
 
 @pytest.fixture(scope="module")
 def wired():
+    return wired_engine()
+
+
+def wired_engine(graphs: bool = False) -> SpeculativeEngine:
     """The tiny pair as Ray's draft and target actors on the fake device, called in process
-    (their classes without Ray), every argument and result through a link's serialization."""
-    with pytest.MonkeyPatch.context() as patch, FakeCuda():
+    (their classes without Ray), every argument and result through a link's serialization;
+    with `graphs`, on the fake device that captures (their decode graphs on)."""
+    with pytest.MonkeyPatch.context() as patch, FakeCuda(graphs=graphs):
         patch.setattr(actors, "use_numpy_wire", lambda: None)  # Ray's serializer: not here
         slots, dtype, threads = MAX_BATCH + 1, "float32", 1
         draft = actors.DraftActor.__ray_metadata__.modified_class(

@@ -8,23 +8,26 @@ while it serves, and a capture that fails is an error at start.
   nothing;
 - a host read inside a graphed call fails the warm-up naming the cache (served without a
   warm-up, the same engine only warns and runs that call eagerly);
-- graphs that outgrow a cache's bounds fail the warm-up (they would recapture while serving).
+- graphs that outgrow a cache's bounds fail the warm-up (they would recapture while serving);
+- through the Ray actors' classes (in process, messages through the wire) the coordinator's
+  warm-up reaches the draft's and rank 0's graphs alike;
+- a replica warms its default shape and auto arms, or the `graph_shapes` it names.
 """
 
 from __future__ import annotations
 
 import pytest
 from fake_device import FakeCuda
-from test_fake_device import MAX_BATCH, MAX_LEN, run_cpu
+from test_fake_device import MAX_BATCH, MAX_LEN, run_cpu, wired_engine
 
 from blockspec.service.build import build_engine
 from blockspec.service.policy import PLAIN
 from blockspec.service.requests import GenerationRequest, make_request
-from blockspec.service.warm_up import graph_caches, warm_up
+from blockspec.service.warm_up import warm_up
 from blockspec.workers.draft import DraftProposer
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
 from blockspec.workers.sampling import SamplingParams
-from blockspec.workers.step import VERIFY_GRAPHS
+from blockspec.workers.step import VERIFY_GRAPHS, graph_caches
 from blockspec.workers.tree import TREE_GRAPHS
 
 SHAPES = [("block", 1, 3), ("gbv", 2, 2)]
@@ -49,7 +52,7 @@ def engines():
 def served(engine, reqs: list[list[GenerationRequest]]) -> tuple[list, int, int]:
     """Each request's tokens and cached prompt tokens (the batches one after another), the
     captures and the calls run eagerly."""
-    caches = graph_caches(engine)
+    caches = graph_caches(engine.draft, engine.target)
     eager = sum(c.eager_calls for c in caches)
     out = []
     with FakeCuda(graphs=True) as dev:
@@ -82,7 +85,7 @@ def test_after_warm_up_the_declared_shapes_capture_nothing(engines):
     with FakeCuda(graphs=True) as dev:
         report = warm_up(fake, SHAPES, SAMPLINGS)
     assert report.graphs == dev.captures > 0 and report.runs > 0
-    assert all(c.sealed and not c.strict for c in graph_caches(fake))
+    assert all(c.sealed and not c.strict for c in graph_caches(fake.draft, fake.target))
     declared = batches(fake, lambda i: SHAPES[i % 2] if i % 3 else (PLAIN, None, None))
     out, captures, eager = served(fake, declared)
     assert (captures, eager) == (0, 0)
@@ -91,6 +94,24 @@ def test_after_warm_up_the_declared_shapes_capture_nothing(engines):
     out, captures, eager = served(fake, other)
     assert captures == 0 and eager > 0
     assert out == run_cpu(cpu, other[0])
+
+
+def test_through_the_actors_the_warm_up_reaches_their_graphs(engines):
+    """The draft actor's and the target's rank 0's graphs (their classes in process, every
+    message through the wire), driven from the coordinator's engine: after warm-up its
+    declared batches capture nothing, run nothing eagerly and give the CPU's tokens."""
+    cpu, _ = engines
+    actors = wired_engine(graphs=True)
+    with FakeCuda(graphs=True):
+        report = warm_up(actors, SHAPES, SAMPLINGS)
+    counts = actors.executor.graphs()
+    # the draft's forwards, proposals, tree and verify graphs; rank 0's forwards, tree, verify
+    assert report.graphs > 0 and len(counts) == 4 + 3
+    declared = batches(actors, lambda i: SHAPES[i % 2] if i % 3 else (PLAIN, None, None))
+    out, captures, _ = served(actors, declared)
+    eager = sum(c.eager_calls for c in actors.executor.graphs())
+    assert (captures, eager) == (0, sum(c.eager_calls for c in counts))
+    assert out == [res for batch in declared for res in run_cpu(cpu, batch)]
 
 
 def test_a_capture_that_fails_fails_the_warm_up(engines, monkeypatch):
@@ -128,3 +149,24 @@ def test_warm_up_prompts_reach_every_window(monkeypatch):
     assert lengths == [4, 18, 34, 66]
     assert [graphs.window_bucket(n, 96) for n in lengths] == [16, 32, 64, 96]
     assert max(lengths) + module.STEPS_PER_RUN * (4 + 1) <= 96  # γ = 4 stays within it
+
+
+def test_a_replica_warms_its_default_auto_and_named_shapes():
+    """ReplicaConfig.warm_shapes: the default method at K = 1 and the default γ, the auto
+    arms, and `graph_shapes` instead of the default where given (carrying methods too, which
+    auto cannot switch to); a shape that is malformed, unknown, or past max_k / max_gamma is
+    refused naming the field."""
+    from blockspec.service.config import ReplicaConfig
+
+    config = ReplicaConfig(default_method="token", default_gamma=5, auto_arms=["gbv/2/3"])
+    assert config.warm_shapes() == [("gbv", 2, 3), ("token", 1, 5)]
+    named = ReplicaConfig(graph_shapes=["greedy_block/1/3"], auto_arms=["none"])
+    assert named.warm_shapes() == [("greedy_block", 1, 3)]
+    for bad, why in [
+        ("gbv/9/4", "exceeds max_k"),
+        ("token/2/3", "K = 1 for token"),
+        ("foo/1/2", "unknown method"),
+        ("block-1-2", "is not 'method/K/γ'"),
+    ]:
+        with pytest.raises(ValueError, match=f"graph_shapes: '{bad}'.*{why}"):
+            ReplicaConfig(graph_shapes=[bad])

@@ -76,7 +76,7 @@ from blockspec.workers.models import DTYPES, LoadedModel, load_model
 from blockspec.workers.proposers import build_proposer
 from blockspec.workers.protocols import DraftFeed, DraftPrefill
 from blockspec.workers.speculation import speculation_cache
-from blockspec.workers.step import Proposal, Step, StepRunner, Verdict
+from blockspec.workers.step import GraphCounts, Proposal, Step, StepRunner, Verdict
 from blockspec.workers.target import path_rows
 from blockspec.workers.tensor_parallel import TargetShard, join_group, loopback_store
 from blockspec.workers.tree import DraftTree
@@ -246,6 +246,10 @@ class DraftActor(_Served):
         """The proposer's host side, which the coordinator runs (it holds no state)."""
         return self.worker.feed
 
+    def graphs(self, strict: bool | None, sealed: bool | None) -> list[GraphCounts]:
+        """StepExecutor.graphs, for this actor's half of the step."""
+        return self.runner.graphs(strict, sealed)
+
     def speculation_stats(self) -> dict[str, int]:
         """The speculation cache's counters (workers/speculation.py); empty without one."""
         cache = self.runner.speculation
@@ -346,6 +350,10 @@ class TargetShardActor(_Served):
         """Rank 0: the whole model's weights, once (then dropped here): what a restart loads."""
         loaded, self.shard.loaded = self.shard.loaded, None
         return loaded
+
+    def graphs(self, strict: bool | None, sealed: bool | None) -> list[GraphCounts]:
+        """StepExecutor.graphs, for rank 0's half of the step (the other ranks run eagerly)."""
+        return [] if self.runner is None else self.runner.graphs(strict, sealed)
 
     def open_store(self, timeout_s: float) -> int:
         """Rank 0: the group's rendezvous store on 127.0.0.1; returns its port."""
@@ -471,6 +479,11 @@ class _ShardTarget:
     def __init__(self, shard: TargetShard):
         self.shard, self.device = shard, shard.device
 
+    @property
+    def forward(self):
+        """The shard's forwards (replayed from graphs where they are on: StepRunner.graphs)."""
+        return self.shard.worker.forward
+
     def score(self, tree: DraftTree, params: list) -> torch.Tensor:
         """Processed rows [n, K, γ+1, V] along every path (the logits are whole on rank 0)."""
         return path_rows(self.shard.execute("score_logits", (tree,)), tree, params)
@@ -563,6 +576,11 @@ class _Remote:
 
     def move(self, src: int, dst: int) -> None:
         self._post("move", src, dst)
+
+    def graphs(self, strict: bool | None = None, sealed: bool | None = None) -> list[GraphCounts]:
+        """Its actors' graph caches (StepExecutor.graphs): a call between steps."""
+        replies = ray.get([actor.graphs.remote(strict, sealed) for actor in self.actors])
+        return [counts for reply in replies for counts in reply]
 
 
 class RemoteDraft(_Remote):
@@ -711,6 +729,12 @@ class RemoteRunner:
 
     def run(self, step: Step) -> tuple[torch.Tensor, Verdict, dict[str, float]]:
         return self.target.speculate(self.draft, step)
+
+    def graphs(self, strict: bool | None = None, sealed: bool | None = None) -> list[GraphCounts]:
+        """StepExecutor.graphs: the draft actor's, then the target ranks'. An actor restarted
+        after a loss comes back with its graphs to capture as shapes arrive (a warm-up would
+        hold new requests for its length)."""
+        return self.draft.graphs(strict, sealed) + self.target.graphs(strict, sealed)
 
     def restart_lost(self) -> None:
         """Restart the actor groups that no longer answer (both reload at once), then wire

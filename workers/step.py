@@ -32,10 +32,11 @@ from typing import Protocol
 import torch
 
 from blockspec.verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
+from blockspec.verification.graphs import GraphCache
 from blockspec.workers.protocols import Draft, DraftFeed, LocalDraft, LocalTarget, Target
 from blockspec.workers.sampling import SamplingParams, sample
 from blockspec.workers.speculation import SpeculationCache
-from blockspec.workers.tree import DraftTree, build_tree
+from blockspec.workers.tree import TREE_GRAPHS, DraftTree, build_tree
 
 PLAIN = "none"  # plain target decoding, no speculation (γ = 0)
 
@@ -136,6 +137,12 @@ class StepExecutor(Protocol):
         empty, for the engine to rebuild."""
         ...
 
+    def graphs(self, strict: bool | None = None, sealed: bool | None = None) -> list[GraphCounts]:
+        """Every graph cache the steps replay from, wherever it lives: each set `strict`
+        and `sealed` where given (verification/graphs.py `GraphCache`), and its counts (none
+        where no graphs are on). What a warm-up drives (service/warm_up.py)."""
+        ...
+
 
 @dataclass
 class StepRunner:
@@ -155,6 +162,10 @@ class StepRunner:
     @property
     def speculating(self) -> bool:
         return self.speculation is not None
+
+    def graphs(self, strict: bool | None = None, sealed: bool | None = None) -> list[GraphCounts]:
+        """StepExecutor.graphs, for this process's workers."""
+        return control_graphs(graph_caches(self.draft, self.target), strict, sealed)
 
     def run(
         self, step: Step, proposal: Proposal | None = None
@@ -250,6 +261,34 @@ def draft_keeps(
 # Captured verifier calls of this process (the engine's, or the target's rank 0 actor's where
 # verify_step runs): idle on CPU, where graphs never apply.
 VERIFY_GRAPHS = VerifyGraphs()
+
+
+@dataclass(frozen=True)
+class GraphCounts:
+    """A graph cache's counts: graphs captured (evicted ones included), held, and calls run
+    eagerly once sealed."""
+
+    captures: int
+    held: int
+    eager_calls: int
+
+
+def graph_caches(*workers) -> list[GraphCache]:
+    """This process's graph caches for the workers' steps: their replayed forwards and
+    proposals (where their graphs are on) and, with those, the tree's and verifiers' graphs."""
+    own = [getattr(w, name, None) for w in workers for name in ("forward", "proposals")]
+    own = [c for c in own if isinstance(c, GraphCache)]
+    return [*own, TREE_GRAPHS, VERIFY_GRAPHS] if own else []
+
+
+def control_graphs(
+    caches: list[GraphCache], strict: bool | None = None, sealed: bool | None = None
+) -> list[GraphCounts]:
+    """Sets each cache's `strict` and `sealed` where given; returns their counts."""
+    for cache in caches:
+        cache.strict = cache.strict if strict is None else strict
+        cache.sealed = cache.sealed if sealed is None else sealed
+    return [GraphCounts(c.captures, len(c), c.eager_calls) for c in caches]
 
 
 def verify_step(
