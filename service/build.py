@@ -38,9 +38,10 @@ def build_engine(
     `speculation_downweight` < 1 Saguaro sampling, preparing at batches of at most
     `speculation_max_batch` drafted requests (None: any; `speculation_cache`). On a CUDA
     device `cuda_graphs` replays the decode step's forwards from CUDA graphs (workers/graphs.py;
-    the in-process target only: tensor-parallel ranks run eagerly). On a CPU `compiled` runs
-    them through torch.compile instead (workers/compiled.py; dense weights, whatever `packed`
-    says; the in-process target only). Returns (engine, tokenizer)."""
+    the in-process target only: tensor-parallel ranks run eagerly). `compiled` runs them
+    through torch.compile (workers/compiled.py; dense weights, whatever `packed` says; the
+    in-process target only): on a CPU instead of graphs, on CUDA inside them. Returns
+    (engine, tokenizer)."""
     from blockspec.workers.models import DTYPES, load_pair
     from blockspec.workers.tensor_parallel import TensorParallelTarget
 
@@ -56,14 +57,14 @@ def build_engine(
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
-    if compiled:
+    if cuda_graphs and graphs_available(device):  # compiled: inductor's kernels, captured
+        draft.use_graphs(compiled=compiled)
+        if isinstance(target, TargetWorker):
+            target.use_graphs(compiled=compiled)
+    elif compiled:
         draft.use_compiled()
         if isinstance(target, TargetWorker):
             target.use_compiled()
-    elif cuda_graphs and graphs_available(device):
-        draft.use_graphs()
-        if isinstance(target, TargetWorker):
-            target.use_graphs()
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
         StepRunner(target, draft, cache),

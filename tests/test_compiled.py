@@ -48,6 +48,29 @@ def test_a_request_alone_gets_the_eager_tokens(engines):
     assert counters["stats"]["unique_graphs"] > graphs  # compiled, not eager
 
 
+def test_compiled_forwards_replay_inside_the_decode_graphs(engines):
+    """How CUDA runs them (`use_graphs(compiled=True)`: inductor's kernels captured in the
+    decode graphs), the graphs emulated on the CPU: the padded batch, the bucketed window and
+    the draft's proposal call the compiled forward, and a request alone gets the eager tokens."""
+    eager, _ = engines
+    graphed = make_engine(eager.target.model, eager.draft.model, max_batch=16)
+    graphed.draft.use_graphs(emulate=True, compiled=True)
+    graphed.target.use_graphs(emulate=True, compiled=True)
+    calls = []
+    for worker in (graphed.draft, graphed.target):
+        compiled = worker.forward.captured
+        assert compiled is not worker.model
+
+        def counted(*args, compiled=compiled, **kwargs):
+            calls.append(1)
+            return compiled(*args, **kwargs)
+
+        worker.forward.captured = counted
+    alone = requests(eager, 9, SamplingParams(1.0), [("gbv", 2, 3)])
+    assert graphed.generate(alone)[0].token_ids == eager.generate(alone)[0].token_ids
+    assert graphed.target.forward.replays and graphed.draft.proposals.replays and calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_batch_of_every_kind_gets_the_eager_tokens(engines, temperature):

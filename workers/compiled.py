@@ -1,5 +1,5 @@
-"""The decode step's forwards compiled by torch.compile on a CPU: inductor's C++ backend with
-freezing.
+"""The decode step's forwards compiled by torch.compile: on a CPU, inductor's C++ backend with
+freezing; on CUDA, its Triton kernels, captured in the decode graphs (workers/graphs.py).
 
 Why: eagerly, a CPU decode forward of SmolLM2-135M spends about as long outside its weights'
 products as in them: ~25 small ops a layer (norms, RoPE, attention's pieces, residuals), each a
@@ -19,6 +19,12 @@ on-disk cache: each process compiles again.
 
 The weights must be dense (``Llama(..., packed=False)``): inductor cannot multiply by a weight
 packed outside it. Its packed copies sit beside the dense ones, which eager calls still read.
+
+On CUDA a forward is bound by its ~20 kernels a layer (docs/gpu.md), which a CUDA graph
+replays but does not merge: compiled, inductor fuses the norms, RoPE, residuals and
+attention's pieces into a few Triton kernels a layer, and the decode graphs capture those
+(`TargetWorker.use_graphs(compiled=True)`, ``build_engine(..., compiled=True)`` on CUDA):
+the same static shapes per bucket, fewer kernels in each. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ from blockspec.workers.llama import KVCache, Linear, Llama
 # Dynamo compiles a code object at most this many times (each worker's model calls the same
 # forward: the draft's and the target's kinds of call share the count); past it, eager.
 RECOMPILE_LIMIT = 64
-# Set around each call (a compile happens inside one): torch.compile's `options` do not reach
-# freezing, which inductor reads outside them.
+# Set around each CPU call (a compile happens inside one): torch.compile's `options` do not
+# reach freezing, which inductor reads outside them.
 INDUCTOR = {"freezing": True, "cpp_wrapper": True}
 
 
 def compiles_on(device: str | torch.device) -> bool:
-    """Whether decode forwards on `device` can be compiled here (inductor's C++ backend)."""
-    return torch.device(device).type == "cpu"
+    """Whether decode forwards on `device` can be compiled here: inductor's C++ backend on a
+    CPU, its Triton kernels on CUDA."""
+    return torch.device(device).type in ("cpu", "cuda")
 
 
 def compile_forward(model: Llama) -> Callable:
@@ -53,8 +60,9 @@ def compile_forward(model: Llama) -> Callable:
         raise ValueError(
             f"compiled forwards need dense weights (Llama(packed=False)); packed: {packed[0]}"
         )
-    if not compiles_on(model.embed.device):
-        raise ValueError(f"compiled forwards run on a CPU, not {model.embed.device}")
+    device = model.embed.device
+    if not compiles_on(device):
+        raise ValueError(f"compiled forwards run on a CPU or CUDA, not {device}")
     torch._dynamo.config.recompile_limit = max(
         torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
     )
@@ -63,8 +71,10 @@ def compile_forward(model: Llama) -> Callable:
     forward = inspect.unwrap(type(model).forward)
     compiled = torch.compile(lambda *a, **kw: forward(model, *a, **kw), dynamic=True)
 
+    options = INDUCTOR if device.type == "cpu" else {}
+
     def call(*args, **kwargs):
-        with torch.inference_mode(False), torch.no_grad(), inductor_config.patch(INDUCTOR):
+        with torch.inference_mode(False), torch.no_grad(), inductor_config.patch(options):
             return compiled(*args, **kwargs)
 
     return call

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from blockspec.workers.compiled import CompiledForward
+from blockspec.workers.compiled import CompiledForward, compile_forward
 from blockspec.workers.graphs import CallGraphs, ForwardGraphs, prefix_window
 from blockspec.workers.llama import KVCache, Linear, Llama, packs_weights
 from blockspec.workers.protocols import DraftFeed
@@ -96,13 +96,17 @@ class DraftProposer(ABC):
         """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
         return self.cache.lengths.device
 
-    def use_graphs(self, emulate: bool = False) -> None:
+    def use_graphs(self, emulate: bool = False, compiled: bool = False) -> None:
         """Replay the pending run's forward, and the whole proposal past it, from CUDA graphs
-        (workers/graphs.py; a fork's forwards, over its own cache, stay eager)."""
+        (workers/graphs.py; a fork's forwards, over its own cache, stay eager), their forwards
+        compiled by torch.compile with `compiled` (workers/compiled.py)."""
         # Their outputs are views of the graphs' own (no copy, a launch each): a step reads
         # them before the next propose replays (the pending run's go into the cache and the
         # root; the proposal's into the tree and the verify call's buffers, and `commit`).
-        self.forward = ForwardGraphs(self.model, self.cache, emulate, copies=False)
+        captured = compile_forward(self.model) if compiled else None
+        self.forward = ForwardGraphs(
+            self.model, self.cache, emulate, copies=False, captured=captured
+        )
         self.proposals = CallGraphs(self.cache.k.shape[1], emulate, copies=False)
 
     def use_compiled(self) -> None:
@@ -184,7 +188,7 @@ class DraftProposer(ABC):
         if self.proposals is not None and self._beliefs is None:
             window = prefix_window(self.cache, n)
             key = ("paths", k, gamma, window, law.steps, whole_vocab, self.downweight)
-            forward = functools.partial(self.model, window=window)
+            forward = functools.partial(self.forward.captured, window=window)
             draft = functools.partial(self._paths, forward=forward, **shape)
             tokens, q, suffix, self._own_paths = self.proposals.run(key, draft, *inputs)
         else:

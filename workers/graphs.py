@@ -110,9 +110,12 @@ class ForwardGraphs(GraphCache):
         emulate: bool = False,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
         copies: bool = True,
+        captured: Callable | None = None,  # what a graph captures: `model`'s forward, or
+        # the same compiled (workers/compiled.py); eager calls run `model`
     ):
         super().__init__(MAX_GRAPHS, max_buffer_bytes)
         self.model, self.cache, self.emulate, self.copies = model, cache, emulate, copies
+        self.captured = captured or model
 
     @torch.inference_mode()
     def __call__(
@@ -168,7 +171,7 @@ class ForwardGraphs(GraphCache):
             tokens, positions, mask = static[:3]
             sfx = (static[3].transpose(0, 1), static[4].transpose(0, 1)) if suffix else None
             feats = static[-1] if features is not None else None
-            return self.model(tokens, positions, self.cache, mask, sfx, 0, feats, head, window)
+            return self.captured(tokens, positions, self.cache, mask, sfx, 0, feats, head, window)
 
         if self.emulate:
             outputs = call()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from blockspec.verification.tensors import gather_rows
-from blockspec.workers.compiled import CompiledForward
+from blockspec.workers.compiled import CompiledForward, compile_forward
 from blockspec.workers.draft import prefill, prefill_groups
 from blockspec.workers.feature_draft import feed_draft
 from blockspec.workers.graphs import ForwardGraphs
@@ -42,11 +42,15 @@ class TargetWorker:
         """Where the model and cache live; inputs may arrive from anywhere (moved once here)."""
         return self.cache.lengths.device
 
-    def use_graphs(self, emulate: bool = False) -> None:
-        """Replay the tree pass from CUDA graphs (workers/graphs.py). Its outputs are views of
-        the graph's own (no copy, a launch each): the rows are processed into new ones, and
+    def use_graphs(self, emulate: bool = False, compiled: bool = False) -> None:
+        """Replay the tree pass from CUDA graphs (workers/graphs.py), of the forward compiled
+        by torch.compile with `compiled` (workers/compiled.py). Its outputs are views of the
+        graph's own (no copy, a launch each): the rows are processed into new ones, and
         `commit` reads the nodes' keys, values and features before the next tree pass."""
-        self.forward = ForwardGraphs(self.model, self.cache, emulate, copies=False)
+        captured = compile_forward(self.model) if compiled else None
+        self.forward = ForwardGraphs(
+            self.model, self.cache, emulate, copies=False, captured=captured
+        )
 
     def use_compiled(self) -> None:
         """Run the tree pass through torch.compile (workers/compiled.py)."""

@@ -236,7 +236,7 @@ def parity_pair(args, name: str, draft: str, target: str, clock: Clock, errors: 
     dev = args.device
     n = args.parity_prompts
     graphs = args.graphs != "off"  # the decode forwards replayed from CUDA graphs
-    common = dict(cuda_graphs=graphs, auto_arms=list(DEFAULT_ARMS))
+    common = dict(cuda_graphs=graphs, compiled=args.compiled, auto_arms=list(DEFAULT_ARMS))
     engine, tokenizer = build_engine(draft, target, n, args.max_len, "float32", dev, **common)
     room = engine.max_len - args.parity_tokens - args.parity_gamma - 2
     prompts, source = load_prompts(tokenizer, args.prompt_source, n, room)
@@ -538,6 +538,7 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             args.dtype,
             dev,
             cuda_graphs=graphs,
+            compiled=args.compiled and graphs,
             auto_arms=list(DEFAULT_ARMS),
         )
         if graphs:  # every graph the batch's rows meet, before any is timed
@@ -1162,6 +1163,12 @@ def parse_args(argv=None):
         default="both",
         choices=["both", "on", "off"],
         help="the engine's decode forwards from CUDA graphs (parity: on unless off)",
+    )
+    a(
+        "--compiled",
+        action="store_true",
+        help="the graphed engines' forwards through torch.compile, inductor's kernels captured "
+        "in the graphs (workers/compiled.py)",
     )
     g = ap.add_argument_group("1. parity")
     g.add_argument("--parity-pairs", nargs="+", default=["default", "tiny"])
