@@ -61,9 +61,11 @@ def warm_up(
     engine,
     shapes: list[Shape],
     samplings: list[SamplingParams] | None = None,
+    max_context: int | None = None,
 ) -> WarmUp:
     """Capture every graph `engine`'s steps meet serving `shapes` (and ``none``) with batches
-    of `samplings` (default: SAMPLINGS), then seal the caches. Raises RuntimeError when a capture
+    of `samplings` (default: SAMPLINGS) in contexts of up to `max_context` tokens (default:
+    the engine's), then seal the caches. Raises RuntimeError when a capture
     fails, or when the graphs outgrow a cache's bounds (a later call would recapture)."""
     graphs = engine.executor.graphs  # wherever the step's graphs live: here or in actors
     before = graphs()
@@ -72,7 +74,7 @@ def warm_up(
     start, runs = time.perf_counter(), 0
     graphs(strict=True, sealed=False)
     try:
-        for prompt_len in _prompt_lengths(engine.max_len):
+        for prompt_len in _prompt_lengths(min(max_context or engine.max_len, engine.max_len)):
             for n in _batch_sizes(engine):
                 for batch in _batches(shapes, n, list(samplings or SAMPLINGS)):
                     engine.generate(_requests(engine, batch, prompt_len))
@@ -98,11 +100,11 @@ def _check_kept(before: list[GraphCounts], now: list[GraphCounts]) -> None:
             )
 
 
-def _prompt_lengths(max_len: int) -> list[int]:
-    """A prompt length per prefix window: short in the first, just past the one below in the
-    others."""
+def _prompt_lengths(max_context: int) -> list[int]:
+    """A prompt length per prefix window that contexts of up to `max_context` tokens reach:
+    short in the first, just past the one below in the others."""
     lengths, window = [4], worker_graphs.MIN_WINDOW
-    while window < max_len:
+    while window < max_context:
         lengths.append(window + 2)
         window *= 2
     return lengths

@@ -529,6 +529,8 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
 
     configs = speed_configs(args, modes)
 
+    longest: dict[str, int] = {}  # the longest context a row meets, once the prompts are read
+
     def make(b: int, graphs: bool):
         engine, tokenizer = build_engine(
             pair["draft"],
@@ -541,16 +543,24 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             compiled=args.compiled and graphs,
             auto_arms=list(DEFAULT_ARMS),
         )
-        if graphs:  # every graph the batch's rows meet, before any is timed
-            report = warm_up(engine, warm_shapes(configs, b), [SamplingParams(args.temperature)])
-            print(f"warm-up, batch {b}: {report}", flush=True)
-            result.setdefault("warm_up", {})[b] = dataclasses.asdict(report)
+        if graphs and longest:
+            warm(engine, b)
         return engine, tokenizer
+
+    def warm(engine, b: int) -> None:  # every graph the batch's rows meet, before any is timed
+        sampling = [SamplingParams(args.temperature)]
+        report = warm_up(engine, warm_shapes(configs, b), sampling, longest["context"])
+        print(f"warm-up, batch {b}: {report}", flush=True)
+        result.setdefault("warm_up", {})[b] = dataclasses.asdict(report)
 
     engines = {(b, g): make(b, g) for b in args.batch for g in modes}
     tokenizer = engines[args.batch[0], modes[0]][1]
     room = engines[args.batch[0], modes[0]][0].max_len - args.new_tokens - max(args.gamma) - 2
     prompts, source = load_prompts(tokenizer, args.prompt_source, args.prompts, room)
+    longest["context"] = max(map(len, prompts)) + args.new_tokens + max(args.gamma) + 2
+    for (b, graphs), (engine, _) in engines.items():
+        if graphs:
+            warm(engine, b)
     result.update(
         pair=pair,
         dtype=args.dtype,
