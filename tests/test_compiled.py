@@ -9,6 +9,7 @@ import torch
 from test_engine import make_engine, tiny_pair
 from torch._dynamo.utils import counters
 
+import blockspec.workers.compiled as compiled_module
 from blockspec.service.requests import make_request
 from blockspec.workers.compiled import CompiledForward
 from blockspec.workers.llama import KVCache, Llama, LlamaSpec
@@ -48,10 +49,12 @@ def test_a_request_alone_gets_the_eager_tokens(engines):
     assert counters["stats"]["unique_graphs"] > graphs  # compiled, not eager
 
 
-def test_compiled_forwards_replay_inside_the_decode_graphs(engines):
+def test_compiled_forwards_replay_inside_the_decode_graphs(engines, monkeypatch):
     """How CUDA runs them (`use_graphs(compiled=True)`: inductor's kernels captured in the
     decode graphs), the graphs emulated on the CPU: the padded batch, the bucketed window and
-    the draft's proposal call the compiled forward, and a request alone gets the eager tokens."""
+    the draft's proposal call the compiled forward, and a request alone gets the eager tokens.
+    The CPU's GEMM autotuning, which CUDA does not run, is off here (it triples the compile)."""
+    monkeypatch.setattr(compiled_module, "INDUCTOR", {"freezing": True, "cpp_wrapper": True})
     eager, _ = engines
     graphed = make_engine(eager.target.model, eager.draft.model, max_batch=16)
     graphed.draft.use_graphs(emulate=True, compiled=True)
