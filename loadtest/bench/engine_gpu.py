@@ -520,15 +520,10 @@ def timed_config(args, engine, take: list, config: tuple, budget: float) -> dict
     return res
 
 
-def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, errors: dict):
-    dev = args.device
-    # eager rows first: a CUDA error in a replay (it ends the process's context) leaves them
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
-    if not dev.startswith("cuda"):
-        modes = [False]  # graphs are CUDA's
-
-    configs = speed_configs(args, modes)
-
+def speed_engines(args, pair: dict, modes: list[bool], configs: list, result: dict):
+    """Section 2's engines by (batch, graphs), a function that builds one again (after an
+    error), the prompts and their source. Each graphed engine is warmed up (every graph its
+    rows meet, up to the longest context they reach) before any row is timed."""
     longest: dict[str, int] = {}  # the longest context a row meets, once the prompts are read
 
     def make(b: int, graphs: bool):
@@ -538,7 +533,7 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             b,
             args.max_len,
             args.dtype,
-            dev,
+            args.device,
             cuda_graphs=graphs,
             compiled=args.compiled and graphs,
             auto_arms=list(DEFAULT_ARMS),
@@ -547,7 +542,7 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
             warm(engine, b)
         return engine, tokenizer
 
-    def warm(engine, b: int) -> None:  # every graph the batch's rows meet, before any is timed
+    def warm(engine, b: int) -> None:
         sampling = [SamplingParams(args.temperature)]
         report = warm_up(engine, warm_shapes(configs, b), sampling, longest["context"])
         print(f"warm-up, batch {b}: {report}", flush=True)
@@ -561,6 +556,18 @@ def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, 
     for (b, graphs), (engine, _) in engines.items():
         if graphs:
             warm(engine, b)
+    return engines, make, prompts, source
+
+
+def section_speed(args, pair: dict, clock: Clock, result: dict, save: Callable, errors: dict):
+    dev = args.device
+    # eager rows first: a CUDA error in a replay (it ends the process's context) leaves them
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
+    if not dev.startswith("cuda"):
+        modes = [False]  # graphs are CUDA's
+
+    configs = speed_configs(args, modes)
+    engines, make, prompts, source = speed_engines(args, pair, modes, configs, result)
     result.update(
         pair=pair,
         dtype=args.dtype,
