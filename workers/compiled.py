@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch._inductor import config as inductor_config
 
-from blockspec.workers.graphs import prefix_window
+from blockspec.workers.graphs import OwnCacheForward, prefix_window
 from blockspec.workers.llama import KVCache, Linear, Llama
 
 # Dynamo compiles a code object at most this many times (each worker's model calls the same
@@ -90,7 +90,7 @@ def compile_forward(model: Llama) -> Callable:
     return call
 
 
-class CompiledForward:
+class CompiledForward(OwnCacheForward):
     """``model(...)`` over `cache` for decode calls, through ``compile_forward``; a call over
     another cache or slot runs eagerly. Same signature and outputs as ``Llama.forward``."""
 
@@ -98,20 +98,8 @@ class CompiledForward:
         self.model, self.cache = model, cache
         self._compiled = compile_forward(model)
 
-    def __call__(
-        self,
-        tokens: torch.Tensor,  # [n, R, T] int64
-        positions: torch.Tensor,  # [n, R, T] int64
-        cache: KVCache,
-        mask: torch.Tensor,  # [n, R or 1, T or 1, S + T or 1] bool
-        suffix: tuple[torch.Tensor, torch.Tensor] | None = None,  # [L, n, R, H_kv, S, D] k, v
-        slot0: int = 0,
-        features: torch.Tensor | None = None,  # [n, R, T, E]
-        head: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = tokens.shape[0]
-        if cache is not self.cache or slot0 != 0 or n == 0:
-            return self.model(tokens, positions, cache, mask, suffix, slot0, features, head)
+    def _own(self, tokens, positions, mask, suffix, features, head) -> tuple:
         # a bucketed window: the prefix length never specializes (0, 1) nor recompiles
-        window = prefix_window(cache, n)
-        return self._compiled(tokens, positions, cache, mask, suffix, 0, features, head, window)
+        window = prefix_window(self.cache, tokens.shape[0])
+        args = (tokens, positions, self.cache, mask, suffix, 0, features, head, window)
+        return self._compiled(*args)

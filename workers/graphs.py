@@ -85,6 +85,35 @@ class _Graph:
         return nbytes([*self.inputs, *self.outputs])
 
 
+class OwnCacheForward:
+    """What stands in for ``Llama.forward`` as a worker's decode forwards (`ForwardGraphs`,
+    workers/compiled.py's `CompiledForward`): the same signature and outputs. A call over the
+    worker's own cache at slot 0 runs its own way (`_own`); any other (a speculation fork's
+    cache, another slot, no rows) runs eagerly on `model`."""
+
+    model: Llama
+    cache: KVCache
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [n, R, T] int64
+        positions: torch.Tensor,  # [n, R, T] int64
+        cache: KVCache,
+        mask: torch.Tensor,  # [n, R or 1, T or 1, S + T or 1] bool
+        suffix: tuple[torch.Tensor, torch.Tensor] | None = None,  # [L, n, R, H_kv, S, D] k, v
+        slot0: int = 0,
+        features: torch.Tensor | None = None,  # [n, R, T, E]
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if cache is not self.cache or slot0 != 0 or tokens.shape[0] == 0:
+            return self.model(tokens, positions, cache, mask, suffix, slot0, features, head)
+        return self._own(tokens, positions, mask, suffix, features, head)
+
+    def _own(self, tokens, positions, mask, suffix, features, head) -> tuple:
+        """``model(...)`` over the own cache at slot 0, this class's way."""
+        raise NotImplementedError
+
+
 def _blank(rows: torch.Tensor) -> None:
     """Pad rows of a forward's input: token 0 at position 0, seeing every new token (a finite
     softmax), zero suffix and features."""
@@ -94,7 +123,7 @@ def _blank(rows: torch.Tensor) -> None:
         rows.zero_()
 
 
-class ForwardGraphs(GraphCache):
+class ForwardGraphs(GraphCache, OwnCacheForward):
     """``model(...)`` over `cache` for decode shapes, replayed from captured CUDA graphs; a call
     with another cache, a slot other than 0 or a failed capture runs eagerly. Same signature
     and outputs as ``Llama.forward``; the outputs are copies (the next replay overwrites the
@@ -118,20 +147,8 @@ class ForwardGraphs(GraphCache):
         self.captured = captured or model
 
     @torch.inference_mode()
-    def __call__(
-        self,
-        tokens: torch.Tensor,  # [n, R, T] int64
-        positions: torch.Tensor,  # [n, R, T] int64
-        cache: KVCache,
-        mask: torch.Tensor,  # [n, R or 1, T or 1, S + T or 1] bool
-        suffix: tuple[torch.Tensor, torch.Tensor] | None = None,  # [L, n, R, H_kv, S, D] k, v
-        slot0: int = 0,
-        features: torch.Tensor | None = None,  # [n, R, T, E]
-        head: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = tokens.shape[0]
-        if cache is not self.cache or slot0 != 0 or n == 0:
-            return self.model(tokens, positions, cache, mask, suffix, slot0, features, head)
+    def _own(self, tokens, positions, mask, suffix, features, head) -> tuple:
+        n, cache = tokens.shape[0], self.cache
         batch = [tokens, positions, mask]  # every input batch-first
         if suffix is not None:
             batch += [t.transpose(0, 1) for t in suffix]  # [n, L, R, H_kv, S, D] views
