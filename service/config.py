@@ -52,20 +52,6 @@ class Resources(BaseModel):
         return value
 
 
-def _shape(text: str) -> tuple[str, int, int]:
-    """A graph shape, "method/K/γ" (K = 1 for a single-path method); ValueError naming it."""
-    try:
-        method, k, gamma = text.split("/")
-        k, gamma = int(k), int(gamma)
-    except ValueError:
-        raise ValueError(f"graph_shapes: {text!r} is not 'method/K/γ'") from None
-    if method not in VERIFIERS:
-        raise ValueError(f"graph_shapes: {text!r}: unknown method {method!r}")
-    if k < 1 or gamma < 1 or (VERIFIERS[method].single_path and k != 1):
-        raise ValueError(f"graph_shapes: {text!r}: K and γ must be >= 1 (K = 1 for {method})")
-    return method, k, gamma
-
-
 class ReplicaConfig(BaseModel):
     """One replica: a coordinator (the Serve replica) with its draft actor and target shards."""
 
@@ -131,13 +117,14 @@ class ReplicaConfig(BaseModel):
         if not self.auto_arms:
             raise ValueError("auto_arms: at least one arm")
         for text in self.graph_shapes or []:
-            if not fits(Arm(*_shape(text))):
+            if not fits(Arm.parse_shape(text, "graph_shapes")):
                 raise ValueError(f"graph_shapes: {text!r} exceeds max_k or max_gamma")
         return self
 
     def warm_shapes(self) -> list[tuple[str, int, int]]:
         """The (method, K, γ) the replica's graphs are captured for at start."""
-        shapes = [_shape(text) for text in self.graph_shapes or []]
+        arms = [Arm.parse_shape(text, "graph_shapes") for text in self.graph_shapes or []]
+        shapes = [(a.method, a.k, a.gamma) for a in arms]
         if self.graph_shapes is None and self.default_method in VERIFIERS:
             shapes.append((self.default_method, 1, self.default_gamma))
         arms = [Arm.parse(text) for text in self.auto_arms]

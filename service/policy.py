@@ -78,21 +78,28 @@ class Arm:
         """`none` or `method/K/γ`, e.g. `block/1/4`; checked against the verifier registry."""
         if text == PLAIN:
             return Arm(PLAIN)
-        try:
-            method, k, gamma = text.split("/")
-            arm = Arm(method, int(k), int(gamma))
-        except ValueError:
-            raise ValueError(f"auto_arms: {text!r} is not 'none' or 'method/K/γ'") from None
-        verifier = VERIFIERS.get(arm.method)
-        if verifier is None:
-            raise ValueError(f"auto_arms: {text!r}: unknown method {arm.method!r}")
-        if verifier.modifies_target:
+        arm = Arm.parse_shape(text, "auto_arms", "is not 'none' or 'method/K/γ'")
+        if VERIFIERS[arm.method].modifies_target:
             raise ValueError(
                 f"auto_arms: {text!r}: {arm.method} carries a modified target between steps, "
                 "so it cannot be switched to and from (it stays available by name)"
             )
+        return arm
+
+    @staticmethod
+    def parse_shape(text: str, field: str, malformed: str = "is not 'method/K/γ'") -> Arm:
+        """A speculative `method/K/γ` (K = 1 for a single-path method); ValueError naming
+        `field` and what is wrong."""
+        try:
+            method, k, gamma = text.split("/")
+            arm = Arm(method, int(k), int(gamma))
+        except ValueError:
+            raise ValueError(f"{field}: {text!r} {malformed}") from None
+        verifier = VERIFIERS.get(arm.method)
+        if verifier is None:
+            raise ValueError(f"{field}: {text!r}: unknown method {arm.method!r}")
         if arm.k < 1 or arm.gamma < 1 or (verifier.single_path and arm.k != 1):
-            raise ValueError(f"auto_arms: {text!r}: K and γ must be >= 1 (K = 1 for {method})")
+            raise ValueError(f"{field}: {text!r}: K and γ must be >= 1 (K = 1 for {method})")
         return arm
 
 
