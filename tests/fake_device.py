@@ -206,9 +206,8 @@ def _capture_as_graph(capture):
     """A graphs class's emulated `_capture`, counted as a graph's: once, and then its replays."""
 
     def counted(graphs, *args):
-        entry = _as_graph(capture)(graphs, *args)
-        if entry is not None:
-            entry.replay = _as_graph(entry.replay)
+        entry = _as_graph(capture)(graphs, *args)  # or raises: a failed capture
+        entry.replay = _as_graph(entry.replay)
         return entry
 
     return counted

@@ -46,7 +46,7 @@ from blockspec.workers.feature_draft import FeatureDraft
 from blockspec.workers.graphs import CallGraphs, ForwardGraphs
 from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
 from blockspec.workers.speculation import SpeculationCache, speculation_cache
-from blockspec.workers.step import StepRunner
+from blockspec.workers.step import StepRunner, graph_caches
 from blockspec.workers.target import TargetWorker
 
 # The code before its outputs had memory of their own: a graph's outputs in the shared pool.
@@ -210,15 +210,8 @@ def graphed_run(engine, reqs) -> tuple[list, list[int], int]:
 
 
 def all_graphs(engine) -> list:
-    draft, target = engine.draft, engine.target
-    return [draft.forward, draft.proposals, target.forward, *graph_caches()]
-
-
-def graph_caches() -> list:
-    from blockspec.workers.step import VERIFY_GRAPHS
-    from blockspec.workers.tree import TREE_GRAPHS
-
-    return [VERIFY_GRAPHS, TREE_GRAPHS]
+    """The draft's forwards and proposals, the target's forwards, the tree's and verifiers'."""
+    return graph_caches(engine.draft, engine.target)
 
 
 @pytest.fixture(scope="module")
