@@ -40,13 +40,34 @@ def requests(engine, seed: int, sampling: SamplingParams, methods=METHODS) -> li
 def test_a_request_alone_gets_the_eager_tokens(engines):
     """Seeded at T = 1, a multi-path request alone: the same tokens as the eager engine, in
     float32 (the compiled forwards sum in another order: their logits move in the last bits).
-    Its six kinds of call (the tree pass; the draft's pending run of one token or more; its
-    depths without a suffix, with one entry, with more) compile once each."""
+    Its kinds of call (the tree pass; the draft's pending run of one token or more; its
+    proposal past the pending run) compile once each."""
     eager, compiled = engines
     alone = requests(eager, 9, SamplingParams(1.0), [("gbv", 2, 3)])
     graphs = counters["stats"]["unique_graphs"]
     assert compiled.generate(alone)[0].token_ids == eager.generate(alone)[0].token_ids
     assert counters["stats"]["unique_graphs"] > graphs  # compiled, not eager
+
+
+def test_the_drafts_proposal_is_one_compiled_call_a_step(engines, monkeypatch):
+    """Past its pending run (one compiled forward), the draft's γ depths of forward, head,
+    law and draw run as one compiled call (CompiledCalls), not a compiled forward each."""
+    _, compiled = engines
+    draft = compiled.draft
+    forwards, proposals = [], []
+    monkeypatch.setattr(draft.forward, "_compiled", counting(draft.forward._compiled, forwards))
+    monkeypatch.setattr(draft.proposals, "run", counting(draft.proposals.run, proposals))
+    alone = requests(compiled, 4, SamplingParams(1.0), [("gbv", 2, 3)])
+    steps = compiled.generate(alone)[0].stats.target_calls
+    assert len(forwards) == len(proposals) == steps
+
+
+def counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def test_compiled_forwards_replay_inside_the_decode_graphs(engines, monkeypatch):

@@ -9,13 +9,15 @@ for oneDNN itself and multiplies from the generated code. docs/benchmarks.md ("C
 forwards") has the numbers.
 
 What is compiled: ``Llama``'s forward for calls over the worker's own cache at slot 0 (the
-target's tree pass, the draft's pending run and its proposal's depths), reading a bucketed
-prefix window (graphs.prefix_window), with dynamic shapes. Dynamo still specializes sizes 0 and
-1, so each worker compiles once per kind of call it meets (one request or more, one new token
-or more, a suffix or none) and per torch thread count: about a minute each for the default
-target on 2 cores, seconds for its draft, paid in the first steps that meet them (a
-warm-up's). Prefill, forks and calls over other caches stay eager. Freezing bypasses inductor's
-on-disk cache: each process compiles again.
+target's tree pass and the draft's pending run), reading a bucketed prefix window
+(graphs.prefix_window), with dynamic shapes; and on a CPU the draft's whole proposal past its
+pending run (`CompiledCalls`: every depth's forward, head, law and draw in one call). Dynamo
+still specializes sizes 0 and 1, so each worker compiles once per kind of call it meets (one
+request or more, one new token or more; for the proposal, each K, γ, prefix window and law)
+and per torch thread count: about a minute each for the default target on 2 cores, seconds
+for its draft, paid in the first steps that meet them (a warm-up's). Prefill, forks and
+calls over other caches stay eager. Freezing bypasses inductor's on-disk cache: each process
+compiles again.
 
 The weights must be dense (``Llama(..., packed=False)``): inductor cannot multiply by a weight
 packed outside it. Its packed copies sit beside the dense ones, which eager calls still read.
@@ -29,6 +31,7 @@ the same static shapes per bucket, fewer kernels in each. Not yet run on a GPU.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -73,14 +76,21 @@ def compile_forward(model: Llama) -> Callable:
     device = model.embed.device
     if not compiles_on(device):
         raise ValueError(f"compiled forwards run on a CPU or CUDA, not {device}")
+    return _compiling(torch.compile(traced_forward(model), dynamic=True), device)
+
+
+def traced_forward(model: Llama) -> Callable:
+    """``model``'s forward as torch.compile traces it (same arguments, `window` included)."""
+    # undecorated: dynamo cannot trace views of inference tensors (inference_mode), so the
+    # compiled call runs under no_grad instead
+    return functools.partial(inspect.unwrap(type(model).forward), model)
+
+
+def _compiling(compiled: Callable, device: torch.device) -> Callable:
+    """`compiled` called as inductor needs on `device` (see INDUCTOR)."""
     torch._dynamo.config.recompile_limit = max(
         torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
     )
-    # undecorated: dynamo cannot trace views of inference tensors (inference_mode), so the
-    # compiled call runs under no_grad instead
-    forward = inspect.unwrap(type(model).forward)
-    compiled = torch.compile(lambda *a, **kw: forward(model, *a, **kw), dynamic=True)
-
     options = INDUCTOR if device.type == "cpu" else {}
 
     def call(*args, **kwargs):
@@ -97,9 +107,31 @@ class CompiledForward(OwnCacheForward):
     def __init__(self, model: Llama, cache: KVCache):
         self.model, self.cache = model, cache
         self._compiled = compile_forward(model)
+        # what a call that CompiledCalls compiles runs as the forward (traced with it)
+        self.captured = traced_forward(model)
 
     def _own(self, tokens, positions, mask, suffix, features, head) -> tuple:
         # a bucketed window: the prefix length never specializes (0, 1) nor recompiles
         window = prefix_window(self.cache, tokens.shape[0])
         args = (tokens, positions, self.cache, mask, suffix, 0, features, head, window)
         return self._compiled(*args)
+
+
+def _call(fn: Callable, *inputs: torch.Tensor):
+    return fn(*inputs)
+
+
+class CompiledCalls:
+    """``fn(*inputs)`` through torch.compile, forwards included: the draft's proposal past its
+    pending run (`DraftProposer._paths` over `CompiledForward.captured`) as one compiled call,
+    where compiled forwards a depth each paid dynamo's guard check (~0.5 ms a call) and ran
+    the head, the law and the draw eagerly between them. The same interface as CUDA's
+    `CallGraphs`: `fn` closes over the call's settings (a partial: K, γ, the prefix window,
+    the law's steps), on which dynamo's guards key its graphs; the caller's `key` names the
+    same settings and is not needed here."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self._compiled = _compiling(torch.compile(_call, dynamic=True), torch.device(device))
+
+    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
+        return self._compiled(fn, *inputs)

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from blockspec.workers.compiled import CompiledForward, compile_forward
+from blockspec.workers.compiled import CompiledCalls, CompiledForward, compile_forward
 from blockspec.workers.graphs import CallGraphs, ForwardGraphs, prefix_window
 from blockspec.workers.llama import KVCache, Linear, Llama, packs_weights
 from blockspec.workers.protocols import DraftFeed
@@ -76,7 +76,8 @@ class DraftProposer(ABC):
         self.cache = KVCache(model.spec, model.kv_heads, max_batch, max_len, dtype, device)
         # the decode step's forwards (see use_graphs, use_compiled)
         self.forward: Llama | ForwardGraphs | CompiledForward = model
-        self.proposals: CallGraphs | None = None  # the paths past the root (see use_graphs)
+        # the paths past the root as one call (see use_graphs, use_compiled)
+        self.proposals: CallGraphs | CompiledCalls | None = None
         self._suffix: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, n, K, H, γ-1, D]
         # [n, K, γ, E]: a feature draft's own feature after each depth of the step's paths
         # (depth 0: the root's), what `commit` keeps of the accepted one; None: a token draft
@@ -110,11 +111,12 @@ class DraftProposer(ABC):
         self.proposals = CallGraphs(self.cache.k.shape[1], emulate, copies=False)
 
     def use_compiled(self) -> None:
-        """Run the pending run's and every depth's forward through torch.compile
+        """Run the pending run's forward, and the whole proposal past it, through torch.compile
         (workers/compiled.py; a fork's, over its own cache, stay eager). The head, which
         every depth multiplies by eagerly (the draft's forwards read no logits), is packed
         again where Llama would pack it: the compiled graphs never read it."""
         self.forward = CompiledForward(self.model, self.cache)
+        self.proposals = CompiledCalls(self.device)
         head = self.model.lm_head
         if not head.packed and packs_weights(head.weight):
             self.model.lm_head = Linear(head.weight, head.bias, packed=True)
@@ -174,7 +176,7 @@ class DraftProposer(ABC):
 
         With graphs (`use_graphs`), everything past the pending tokens' run (every depth's
         forward, law and draw) replays from one CUDA graph per (batch bucket, K, γ, prefix
-        window, the law's steps)."""
+        window, the law's steps); compiled (`use_compiled`), it runs as one compiled call."""
         n = pending.shape[0]
         k, gamma = max(paths), max(depths)
         # Hashed where the draws are (the engine's: the host), then one copy: on a GPU the
