@@ -284,6 +284,42 @@ def test_the_fused_kernels_compute_the_composed_forward(monkeypatch):
     assert_same(draft(*depth, features=features), composed_depth)
 
 
+def test_the_joined_keys_compute_the_composed_forward(monkeypatch):
+    """With one row a request, the prefix's keys joined to the new ones (two products a layer,
+    as 16-bit forwards run) give the four products' outputs: a tree pass over a ragged prefix,
+    and a one-path draft depth over a suffix. K rows, which share the prefix, never join."""
+    _, target, draft = tiny_pair(vocab=48, draft_fc=torch.randn(64, 128) * 0.1)
+    cache = committed_cache(target, [5, 9, 2])
+    tree = tree_inputs(3, 7, cache, 4)
+    d_cache = committed_cache(draft, [4, 7, 1])
+    gen = torch.Generator().manual_seed(2)
+
+    def depth(k: int) -> tuple:  # a draft depth of k rows a request over a suffix of 2
+        shape = (draft.spec.num_layers, 3, k, draft.kv_heads, 2, draft.spec.head_dim)
+        suffix = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        tokens = torch.randint(0, 48, (3, k, 1), generator=gen)
+        positions = (d_cache.lengths[:3] + 2)[:, None, None].expand(3, k, 1)
+        mask = torch.ones(3, k, 1, 1, dtype=torch.bool)
+        return tokens, positions, d_cache, mask, suffix
+
+    one, two = depth(1), depth(2)
+    features = torch.randn(3, 1, 1, 64, generator=gen)
+    joined = []
+    spied = llama._joined_tree_attention
+    monkeypatch.setattr(llama, "_joined_tree_attention", lambda *a: joined.append(1) or spied(*a))
+    composed = target(*tree[:2], cache, tree[2], window=16)
+    composed_depth = draft(*one, features=features)
+    assert not joined  # float32 reads the prefix in place
+    monkeypatch.setattr(llama, "joins_keys", lambda dtype: True)
+    assert_same(target(*tree[:2], cache, tree[2], window=16), composed)
+    assert_same(draft(*one, features=features), composed_depth)
+    assert len(joined) == target.spec.num_layers + draft.spec.num_layers
+    draft(*two, features=features.expand(3, 2, 1, 64))
+    assert len(joined) == target.spec.num_layers + draft.spec.num_layers
+    monkeypatch.undo()
+    assert llama.joins_keys(torch.bfloat16) and not llama.joins_keys(torch.float32)
+
+
 def test_a_target_shard_replays_where_asked_and_unsplit(monkeypatch):
     """The service's switch (ReplicaConfig.cuda_graphs, through ActorSpec): a shard replays its
     tree pass where graphs are available (faked here: the capture itself needs a GPU) unless

@@ -13,7 +13,7 @@ final ``RMSNorm`` and the head. ``CheckpointShard`` slices the checkpoint as eac
 built. The attention proper is one function, ``tree_attention``: new tokens attend to two parts,
 softmaxed jointly:
 - *prefix*: the request's committed cache, shared by all of the request's rows (read in place:
-  no copy per row);
+  no copy per row; with one row, in a 16-bit dtype, copied once beside the new keys);
 - the new tokens of each row (a draft path, or a flattened tree), after the row's earlier
   draft-path tokens if any (the forward's `suffix`), with an explicit boolean mask saying
   which new token sees which.
@@ -336,6 +336,14 @@ def fused_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def joins_keys(dtype: torch.dtype) -> bool:
+    """Whether a forward in `dtype` with one row a request joins the prefix's keys to the new
+    ones before attending (tree_attention): where a product would copy the strided prefix
+    anyway (oneDNN's 16-bit products take contiguous operands; MKL's float32 ones read it in
+    place, and there the copy costs more than the products it saves at large batches)."""
+    return dtype != torch.float32
+
+
 def rope_tables(
     inv_freq: torch.Tensor,  # [D/2] float32
     positions: torch.Tensor,  # [...] int64
@@ -503,6 +511,9 @@ class SeenKeys:
     # On CUDA: both masks as one additive bias [n·R, 1, T, P+S+T] (0 seen, -inf hidden) for
     # scaled_dot_product_attention (see tree_attention); None elsewhere
     bias: torch.Tensor | None = None
+    # Elsewhere, with one row a request (R = 1): both masks joined, [n, 1, 1, 1, T, P+S+T]
+    # bool, for the keys joined in one matrix (see tree_attention); None otherwise
+    hidden: torch.Tensor | None = None
 
 
 def _per_kv_head(x: torch.Tensor) -> torch.Tensor:
@@ -530,9 +541,16 @@ def tree_attention(
     The prefix is shared by the request's R rows and read in place: against the queries of
     every row and grouped head as the rows of one matrix per (request, kv head). Broadcast
     over rows and heads instead, matmul copied the prefix R·g times a layer (14% of a batch-8
-    step on the default pair). The new part is small and per row: its keys are concatenated."""
+    step on the default pair). The new part is small and per row: its keys are concatenated.
+
+    With one row a request (R = 1: the target's tree pass, every pending run, a one-path
+    draft) in a 16-bit dtype, nothing is shared and a product would copy the strided prefix
+    anyway, so its keys are copied once beside the new ones and both parts take one product
+    (`_joined_tree_attention`)."""
     if seen.bias is not None:
         return _fused_tree_attention(q, k, v, seen)
+    if seen.hidden is not None:
+        return _joined_tree_attention(q, k, v, seen)
     _, R, _, group, _, d = q.shape
     scale = d**-0.5
     plen = seen.prefix_k.shape[2]
@@ -549,6 +567,31 @@ def tree_attention(
     probs = torch.cat([s_prefix, s_new], dim=-1).float().softmax(-1).to(q.dtype)
     out_prefix = _per_row(_per_kv_head(probs[..., :plen]) @ seen.prefix_v, R, group)
     return out_prefix + probs[..., plen:] @ vv
+
+
+def _joined_tree_attention(
+    q: torch.Tensor,  # [n, 1, H_kv, g, T, D]
+    k: torch.Tensor,  # [n, 1, H_kv, T, D]
+    v: torch.Tensor,  # [n, 1, H_kv, T, D]
+    seen: SeenKeys,
+) -> torch.Tensor:  # [n, 1, H_kv, g, T, D]
+    """tree_attention for one row a request: keys and values joined as [prefix; suffix; new]
+    (one copy of the prefix's window a layer), then one product for the scores and one for
+    the output, every grouped head's queries as rows of one matrix per kv head. On a CPU a
+    small product costs ~20 µs whatever its size, and oneDNN's bfloat16 one clones a strided
+    operand first: the default target's bfloat16 forward (eager, 1 thread, 200 cached
+    tokens) took 1.13x less time at one token and at 9, 1.23x at batch 8 over 1,000."""
+    n, _, kv_heads, group, T, d = q.shape
+    keys, values = [seen.prefix_k[:, None], k], [seen.prefix_v[:, None], v]
+    if seen.suffix_k is not None:
+        keys.insert(1, seen.suffix_k)
+        values.insert(1, seen.suffix_v)
+    kk = torch.cat(keys, dim=3)  # [n, 1, H_kv, P+S+T, D]
+    vv = torch.cat(values, dim=3)
+    scores = q.reshape(n, 1, kv_heads, group * T, d) @ kk.transpose(-1, -2) * d**-0.5
+    scores = scores.view(n, 1, kv_heads, group, T, -1).masked_fill(seen.hidden, -torch.inf)
+    probs = scores.float().softmax(-1).to(q.dtype).view(n, 1, kv_heads, group * T, -1)
+    return (probs @ vv).view(n, 1, kv_heads, group, T, d)
 
 
 def _fused_tree_attention(
@@ -775,8 +818,9 @@ class Llama(nn.Module):
             visible.insert(0, torch.ones(n, R, T, S, dtype=torch.bool, device=device))
         prefix_hidden = ~prefix_valid[:, None, None, None, None, :]
         new_hidden = ~torch.cat(visible, dim=-1)[:, :, None, None]
-        bias = None
-        if fused_kernels(device):  # once a forward, for every layer's fused attention
+        bias = joined = None
+        join = R == 1 and joins_keys(cache.k.dtype)
+        if fused_kernels(device) or join:  # once a forward, for every layer
             hidden = torch.cat(
                 [
                     prefix_hidden[:, :, 0, 0].expand(n, R, T, plen),
@@ -784,8 +828,11 @@ class Llama(nn.Module):
                 ],
                 dim=-1,
             )  # [n, R, T, P+S+T]; a broadcast mask expands to every row and token
-            bias = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=device)
-            bias = bias.masked_fill(hidden, -torch.inf).view(n * R, 1, T, -1)
+            if fused_kernels(device):
+                bias = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=device)
+                bias = bias.masked_fill(hidden, -torch.inf).view(n * R, 1, T, -1)
+            else:
+                joined = hidden[:, :, None, None]
         slots = slice(slot0, slot0 + n)
         return [
             SeenKeys(
@@ -796,6 +843,7 @@ class Llama(nn.Module):
                 suffix_v=None if suffix is None else suffix[1][i],
                 new_hidden=new_hidden,
                 bias=bias,
+                hidden=joined,
             )
             for i in range(self.spec.num_layers)
         ]
