@@ -580,7 +580,8 @@ def _joined_tree_attention(
     the output, every grouped head's queries as rows of one matrix per kv head. On a CPU a
     small product costs ~20 µs whatever its size, and oneDNN's bfloat16 one clones a strided
     operand first: the default target's bfloat16 forward (eager, 1 thread, 200 cached
-    tokens) took 1.13x less time at one token and at 9, 1.23x at batch 8 over 1,000."""
+    tokens) ran 1.13x as fast at one token and at 9, 1.23x at batch 8 over 1,000
+    (docs/benchmarks.md, "Joined keys")."""
     n, _, kv_heads, group, T, d = q.shape
     keys, values = [seen.prefix_k[:, None], k], [seen.prefix_v[:, None], v]
     if seen.suffix_k is not None:
