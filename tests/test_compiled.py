@@ -82,14 +82,8 @@ def test_compiled_forwards_replay_inside_the_decode_graphs(engines, monkeypatch)
     graphed.target.use_graphs(emulate=True, compiled=True)
     calls = []
     for worker in (graphed.draft, graphed.target):
-        compiled = worker.forward.captured
-        assert compiled is not worker.model
-
-        def counted(*args, compiled=compiled, **kwargs):
-            calls.append(1)
-            return compiled(*args, **kwargs)
-
-        worker.forward.captured = counted
+        assert worker.forward.captured is not worker.model
+        worker.forward.captured = counting(worker.forward.captured, calls)
     alone = requests(eager, 9, SamplingParams(1.0), [("gbv", 2, 3)])
     assert graphed.generate(alone)[0].token_ids == eager.generate(alone)[0].token_ids
     assert graphed.target.forward.replays and graphed.draft.proposals.replays and calls
