@@ -820,8 +820,8 @@ class Llama(nn.Module):
         prefix_hidden = ~prefix_valid[:, None, None, None, None, :]
         new_hidden = ~torch.cat(visible, dim=-1)[:, :, None, None]
         bias = joined = None
-        join = R == 1 and joins_keys(cache.k.dtype)
-        if fused_kernels(device) or join:  # once a forward, for every layer
+        fused = fused_kernels(device)
+        if fused or (R == 1 and joins_keys(cache.k.dtype)):  # once a forward, for every layer
             hidden = torch.cat(
                 [
                     prefix_hidden[:, :, 0, 0].expand(n, R, T, plen),
@@ -829,7 +829,7 @@ class Llama(nn.Module):
                 ],
                 dim=-1,
             )  # [n, R, T, P+S+T]; a broadcast mask expands to every row and token
-            if fused_kernels(device):
+            if fused:
                 bias = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=device)
                 bias = bias.masked_fill(hidden, -torch.inf).view(n * R, 1, T, -1)
             else:
