@@ -124,12 +124,10 @@ class ReplicaConfig(BaseModel):
     def warm_shapes(self) -> list[tuple[str, int, int]]:
         """The (method, K, γ) the replica's graphs are captured for at start."""
         arms = [Arm.parse_shape(text, "graph_shapes") for text in self.graph_shapes or []]
-        shapes = [(a.method, a.k, a.gamma) for a in arms]
         if self.graph_shapes is None and self.default_method in VERIFIERS:
-            shapes.append((self.default_method, 1, self.default_gamma))
-        arms = [Arm.parse(text) for text in self.auto_arms]
-        shapes += [(a.method, a.k, a.gamma) for a in arms if a.method != PLAIN]
-        return sorted(set(shapes))
+            arms.append(Arm(self.default_method, 1, self.default_gamma))
+        arms += [Arm.parse(text) for text in self.auto_arms]
+        return sorted({(a.method, a.k, a.gamma) for a in arms if a.method != PLAIN})
 
     @model_validator(mode="after")
     def _gpus_for_cuda(self) -> ReplicaConfig:
