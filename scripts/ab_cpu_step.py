@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/ab_cpu_step.py proposal [--threads 1] [--rounds 4]
     .venv/bin/python scripts/ab_cpu_step.py attention [--threads 1] [--rounds 3] [--compiled]
+    .venv/bin/python scripts/ab_cpu_step.py gemm [--threads 2] [--rounds 3]
 
 - `proposal`: the draft's phase of a step with its proposal compiled as one call
   (workers/compiled.CompiledCalls) against a compiled forward a depth (`draft.proposals` set
@@ -10,6 +11,10 @@
 - `attention`: the default target's forward with joined keys (workers/llama.py,
   `_joined_tree_attention`) against four products a layer (the SeenKeys' joined mask
   dropped): one token and 9 after 200 cached, and batch 8 × 5 after 1,000 (eager only).
+- `gemm`: the default target's compiled forward with inductor's options (workers/compiled.py,
+  `INDUCTOR`: freezing, oneDNN's packed products) against the autotuned options they replaced
+  (`AUTOTUNED`: inductor's C++ GEMM template timed against ATEN's product for each weight),
+  the eager packed forward beside them: one token and 9 after 200 cached, bfloat16.
 
 Both paths are warmed before the timed rounds; medians and their ratio are printed. Compiles
 (the default pair's, minutes) happen in the warm-up.
@@ -23,6 +28,7 @@ import statistics
 
 import torch
 
+import blockspec.workers.compiled as compiled
 import blockspec.workers.llama as llama
 from blockspec.loadtest.bench.engine import forward_ms, run_engine
 from blockspec.loadtest.bench.forward import windowed
@@ -83,24 +89,58 @@ def attention(args) -> None:
         report(by_arm, "forward ms")
 
 
+# workers/compiled.INDUCTOR before oneDNN's packed products replaced the autotuned ones
+AUTOTUNED = {
+    "freezing": True,
+    "cpp_wrapper": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+
+
+def gemm(args) -> None:
+    loaded = load_model(str(DEFAULT_TARGET), "bfloat16")
+    models = {"autotuned": AUTOTUNED, "packed oneDNN": compiled.INDUCTOR, "eager": None}
+    for name, options in models.items():
+        model = loaded.build(packed=None if options is None else False)
+        if options is not None:  # _compiling reads INDUCTOR when the forward is made
+            compiled.INDUCTOR = options
+            model.forward = windowed(compile_forward(model))
+        models[name] = model
+    cells = [1, 9]
+    for model in models.values():  # warm-up: every compile
+        for new in cells:
+            forward_ms(model, new, 200, repeats=1)
+    ms: dict[int, dict[str, list[float]]] = {new: {} for new in cells}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            for new in cells:
+                ms[new].setdefault(name, []).append(forward_ms(model, new, 200, repeats=15))
+    for new, by_arm in ms.items():
+        print(f"{new} new tokens, 200 cached:")
+        report(by_arm, "forward ms")
+
+
 def report(ms: dict[str, list[float]], unit: str) -> None:
     medians = {name: statistics.median(v) for name, v in ms.items()}
     for name, m in medians.items():
         print(f"  {name}: {unit} median {m:.2f}")
-    before, after = medians.values()
+    before, after = list(medians.values())[:2]
     print(f"  ratio (first / second): {before / after:.2f}x", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("change", choices=["proposal", "attention"])
+    ap.add_argument("change", choices=["proposal", "attention", "gemm"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", help="attention: the target's dtype")
     ap.add_argument("--compiled", action="store_true", help="attention: compiled forwards")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"proposal": proposal, "attention": attention}[args.change](args)
+    {"proposal": proposal, "attention": attention, "gemm": gemm}[args.change](args)
 
 
 if __name__ == "__main__":

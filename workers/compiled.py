@@ -45,18 +45,11 @@ from blockspec.workers.llama import KVCache, Linear, Llama
 # forward: the draft's and the target's kinds of call share the count); past it, eager.
 RECOMPILE_LIMIT = 64
 # Set around each CPU call (a compile happens inside one): torch.compile's `options` do not
-# reach freezing, which inductor reads outside them. max_autotune with the CPP backend times
-# inductor's own C++ GEMM template against oneDNN's product for each weight at compile time:
-# for one new token (the plain step's forward) the template streams the bf16 weights about
-# 1.7x as fast (26.9 -> 15.6 ms for the default target, 1 thread), for more oneDNN is kept.
-INDUCTOR = {
-    "freezing": True,
-    "cpp_wrapper": True,
-    "max_autotune": True,
-    "max_autotune_gemm_backends": "CPP,ATEN",
-    "autotune_num_choices_displayed": 0,  # its timings, otherwise printed to stderr
-    "max_autotune_report_choices_stats": False,
-}
+# reach freezing, which inductor reads outside them. Freezing packs each weight for oneDNN and
+# multiplies it there, as the eager packed Linear does. No max_autotune: for the default
+# target its C++ GEMM template lost to oneDNN's packed product at one new token, and at 9 it
+# kept oneDNN's (docs/benchmarks.md, "Compiled decode forwards").
+INDUCTOR = {"freezing": True, "cpp_wrapper": True}
 
 
 def compiles_on(device: str | torch.device) -> bool:
