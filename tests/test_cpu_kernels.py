@@ -304,3 +304,52 @@ def test_kseq_residual_draws_equal_the_torch_ops(vocab):
     odd = torch.tensor([1, 5, 7])
     got = top_down_loops.kseq_residual_tokens(p, q, odd, rho, scale, u)
     assert torch.equal(got, want[odd])
+
+
+LOADED_KERNELS = """
+import importlib, pkgutil, sys, torch
+from numba.core.registry import CPUDispatcher
+import blockspec.verification as V
+
+def loaded():
+    names = set()
+    for info in pkgutil.walk_packages(V.__path__, "blockspec.verification."):
+        for name, obj in vars(importlib.import_module(info.name)).items():
+            if isinstance(obj, CPUDispatcher) and obj.signatures:
+                names.add(f"{info.name}.{name}")
+    return names
+
+V.load_cpu_kernels(*map(int, sys.argv[1:]))
+before = loaded()
+gen = torch.Generator().manual_seed(0)
+B, K, G, W = 6, 3, 4, 300  # a batch unlike the warm-up's
+for method, verifier in V.VERIFIERS.items():
+    k = 1 if verifier.single_path else K
+    q = torch.randn(B, k, G, W, generator=gen).mul(3).softmax(-1)
+    p = torch.randn(B, k, G + 1, W, generator=gen).mul(3).softmax(-1)
+    q[:, 1:, 0], p[:, 1:, 0] = q[:, :1, 0], p[:, :1, 0]  # one context: one first row
+    x = torch.multinomial(q.reshape(-1, W), 1, generator=gen).view(B, k, G)
+    x[:, :, 0] = torch.randperm(W, generator=gen)[:k]  # distinct paths from their first token
+    carry = None
+    for step in range(6):
+        keys = torch.tensor([[7, step]] * B)
+        carry = V.verify(method, x, q, p, V.CounterDraws(keys), carry=carry).carry
+print(sorted(loaded() - before), len(before))
+"""
+
+
+def test_loading_the_kernels_leaves_no_kernel_for_a_request_to_load():
+    """StepRunner loads the verifiers' compiled loops when it is made (a replica, an actor, an
+    in-process engine): a process that then verifies every method over several steps, with
+    carries, loads no kernel the warm-up did not (one step a method, without carries, does
+    not reach the carried records' loop: that is the mutant)."""
+    import subprocess
+    import sys
+
+    def newly_loaded(*args: str) -> str:
+        cmd = [sys.executable, "-c", LOADED_KERNELS, *args]
+        return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+    new, count = newly_loaded().rsplit(" ", 1)
+    assert new == "[]" and int(count) >= 9
+    assert "_apply_records" in newly_loaded("1")

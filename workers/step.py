@@ -31,7 +31,15 @@ from typing import Protocol
 
 import torch
 
-from blockspec.verification import VERIFIERS, CounterDraws, TargetModification, VerifyGraphs, verify
+from blockspec.verification import (
+    VERIFIERS,
+    CounterDraws,
+    TargetModification,
+    VerifyGraphs,
+    load_cpu_kernels,
+    verify,
+)
+from blockspec.verification.backends import host_reads_are_free
 from blockspec.verification.graphs import GraphCache
 from blockspec.workers.protocols import Draft, DraftFeed, LocalDraft, LocalTarget, Target
 from blockspec.workers.sampling import SamplingParams, sample
@@ -158,6 +166,10 @@ class StepRunner:
     speculation: SpeculationCache | None = None
     # (step, x, q) of the last proposal, for `prepare`
     _proposed: tuple | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.target is not None and host_reads_are_free(self.target.device):
+            load_cpu_kernels()  # this process verifies: no first request pays their load
 
     @property
     def speculating(self) -> bool:
