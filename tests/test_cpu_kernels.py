@@ -9,6 +9,9 @@ the power sum's steps elsewhere. C at the drafted tokens sums in another order t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -343,8 +346,6 @@ def test_loading_the_kernels_leaves_no_kernel_for_a_request_to_load():
     in-process engine): a process that then verifies every method over several steps, with
     carries, loads no kernel the warm-up did not (one step a method, without carries, does
     not reach the carried records' loop: that is the mutant)."""
-    import subprocess
-    import sys
 
     def newly_loaded(*args: str) -> str:
         cmd = [sys.executable, "-c", LOADED_KERNELS, *args]

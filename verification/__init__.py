@@ -50,6 +50,7 @@ __all__ = [
     "VerifyGraphs",
     "VerifyOutput",
     "choose_backend",
+    "load_cpu_kernels",
     "verify",
 ]
 
