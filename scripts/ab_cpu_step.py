@@ -3,6 +3,7 @@
     .venv/bin/python scripts/ab_cpu_step.py proposal [--threads 1] [--rounds 4]
     .venv/bin/python scripts/ab_cpu_step.py attention [--threads 1] [--rounds 3] [--compiled]
     .venv/bin/python scripts/ab_cpu_step.py gemm [--threads 2] [--rounds 3]
+    .venv/bin/python scripts/ab_cpu_step.py guards [--threads 2] [--rounds 3]
 
 - `proposal`: the draft's phase of a step with its proposal compiled as one call
   (workers/compiled.CompiledCalls) against a compiled forward a depth (`draft.proposals` set
@@ -15,6 +16,10 @@
   `INDUCTOR`: freezing, oneDNN's packed products) against the autotuned options they replaced
   (`AUTOTUNED`: inductor's C++ GEMM template timed against ATEN's product for each weight),
   the eager packed forward beside them: one token and 9 after 200 cached, bfloat16.
+- `guards`: the default target's compiled forward as `compile_forward` makes it (a code
+  object of its own, no guards on the model's modules: workers/compiled._compile) against
+  torch.compile of the shared Llama.forward with every guard (the code before): one token and
+  9 after 200 cached, bfloat16.
 
 Both paths are warmed before the timed rounds; medians and their ratio are printed. Compiles
 (the default pair's, minutes) happen in the warm-up.
@@ -123,6 +128,26 @@ def gemm(args) -> None:
         report(by_arm, "forward ms")
 
 
+def guards(args) -> None:
+    loaded = load_model(str(DEFAULT_TARGET), "bfloat16")
+    every_guard, own_code = loaded.build(packed=False), loaded.build(packed=False)
+    shared = torch.compile(compiled.traced_forward(every_guard), dynamic=True)
+    every_guard.forward = windowed(compiled._compiling(shared, torch.device("cpu")))
+    own_code.forward = windowed(compile_forward(own_code))
+    models = {"every guard": every_guard, "own code, no module guards": own_code}
+    for model in models.values():  # warm-up: every compile
+        for new in (1, 9):
+            forward_ms(model, new, 200, repeats=1)
+    ms: dict[int, dict[str, list[float]]] = {1: {}, 9: {}}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            for new in ms:
+                ms[new].setdefault(name, []).append(forward_ms(model, new, 200, repeats=15))
+    for new, by_arm in ms.items():
+        print(f"{new} new tokens, 200 cached:")
+        report(by_arm, "forward ms")
+
+
 def report(ms: dict[str, list[float]], unit: str) -> None:
     medians = {name: statistics.median(v) for name, v in ms.items()}
     for name, m in medians.items():
@@ -133,14 +158,15 @@ def report(ms: dict[str, list[float]], unit: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("change", choices=["proposal", "attention", "gemm"])
+    ap.add_argument("change", choices=["proposal", "attention", "gemm", "guards"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", help="attention: the target's dtype")
     ap.add_argument("--compiled", action="store_true", help="attention: compiled forwards")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"proposal": proposal, "attention": attention, "gemm": gemm}[args.change](args)
+    modes = {"proposal": proposal, "attention": attention, "gemm": gemm, "guards": guards}
+    modes[args.change](args)
 
 
 if __name__ == "__main__":

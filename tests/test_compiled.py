@@ -124,3 +124,25 @@ def test_compiled_forwards_refuse_packed_weights():
     cache = KVCache(model.spec, model.kv_heads, 1, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="dense weights"):
         CompiledForward(model, cache)
+
+
+def test_each_model_gets_graphs_of_its_own():
+    """A compiled forward keeps no guard on its model's modules (compiled._compile), so each has
+    a code object of its own for dynamo to keep its graphs on: two models of one shape and
+    other weights, compiled in one process, each give their own eager logits. With one code
+    object (the mutant: Llama.forward's, every model's), the second model's call replays the
+    first one's graph, whose frozen weights are the first model's."""
+    hf, _, _ = tiny_pair(vocab=48)
+    spec = LlamaSpec.from_hf_config(hf.config)
+    state = hf.state_dict()
+    states = [{k: v * scale for k, v in state.items()} for scale in (1.0, 0.5)]
+    tokens = torch.tensor([[[3, 1, 4]]])
+    positions = torch.arange(3).view(1, 1, 3)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril().view(1, 1, 3, 3)
+    for weights in states:
+        model = Llama(spec, weights)
+        cache = KVCache(spec, model.kv_heads, 1, 16, torch.float32, "cpu")
+        want = model(tokens, positions, cache, mask)[0]
+        compiled = compiled_module.compile_forward(Llama(spec, weights, packed=False))
+        got = compiled(tokens, positions, cache, mask, window=8)[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
