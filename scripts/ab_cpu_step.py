@@ -114,18 +114,7 @@ def gemm(args) -> None:
             compiled.INDUCTOR = options
             model.forward = windowed(compile_forward(model))
         models[name] = model
-    cells = [1, 9]
-    for model in models.values():  # warm-up: every compile
-        for new in cells:
-            forward_ms(model, new, 200, repeats=1)
-    ms: dict[int, dict[str, list[float]]] = {new: {} for new in cells}
-    for _ in range(args.rounds):
-        for name, model in models.items():
-            for new in cells:
-                ms[new].setdefault(name, []).append(forward_ms(model, new, 200, repeats=15))
-    for new, by_arm in ms.items():
-        print(f"{new} new tokens, 200 cached:")
-        report(by_arm, "forward ms")
+    alternate_forwards(models, args.rounds)
 
 
 def guards(args) -> None:
@@ -135,11 +124,16 @@ def guards(args) -> None:
     every_guard.forward = windowed(compiled._compiling(shared, torch.device("cpu")))
     own_code.forward = windowed(compile_forward(own_code))
     models = {"every guard": every_guard, "own code, no module guards": own_code}
+    alternate_forwards(models, args.rounds)
+
+
+def alternate_forwards(models: dict, rounds: int) -> None:
+    """Each model's forward of one token and of 9 after 200 cached, warmed, then alternated."""
     for model in models.values():  # warm-up: every compile
         for new in (1, 9):
             forward_ms(model, new, 200, repeats=1)
     ms: dict[int, dict[str, list[float]]] = {1: {}, 9: {}}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, model in models.items():
             for new in ms:
                 ms[new].setdefault(name, []).append(forward_ms(model, new, 200, repeats=15))
