@@ -70,8 +70,7 @@ def compile_forward(model: Llama) -> Callable:
     device = model.embed.device
     if not compiles_on(device):
         raise ValueError(f"compiled forwards run on a CPU or CUDA, not {device}")
-    forward = functools.partial(_own_code(inspect.unwrap(type(model).forward)), model)
-    return _compiling(_compile(forward), device)
+    return _compiling(_compile(traced_forward(model)), device)
 
 
 def traced_forward(model: Llama) -> Callable:
@@ -81,8 +80,11 @@ def traced_forward(model: Llama) -> Callable:
     return functools.partial(inspect.unwrap(type(model).forward), model)
 
 
-def _own_code(fn: Callable) -> types.FunctionType:
-    """A copy of `fn` with a code object of its own (dynamo keeps its graphs per code object)."""
+def _own_code(fn: Callable) -> Callable:
+    """`fn` (a function, or a partial of one) calling a copy of its function with a code object
+    of its own: dynamo keeps its graphs per code object."""
+    if isinstance(fn, functools.partial):
+        return functools.partial(_own_code(fn.func), *fn.args, **fn.keywords)
     code, closure = fn.__code__.replace(), fn.__closure__
     own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
     own.__kwdefaults__ = fn.__kwdefaults__
@@ -90,18 +92,18 @@ def _own_code(fn: Callable) -> types.FunctionType:
 
 
 def _compile(fn: Callable) -> Callable:
-    """torch.compile of `fn`, a function of its own (`_own_code`) for one model, guarded on its
-    inputs but not on the modules it reads.
+    """torch.compile of `fn` with a code object of its own (`_own_code`), guarded on its inputs
+    but not on the modules it reads.
 
     Why: dynamo checks every guard of a graph before each call, ~2,500 for the default target
     (~1 ms a call, 0.12 ms without them), nearly all on the model's modules: their types and
     attribute dicts, which never change once the model is built, and freezing makes the
     weights constants anyway. Without those guards, a graph made for one model could serve
     another's call if dynamo kept them together: it keeps a code object's graphs together,
-    and every Llama shares Llama.forward's. So each compiled function brings its own code,
-    and its graphs see one model."""
+    and every Llama shares Llama.forward's. So each compiled function gets its own code, and
+    its graphs see one model (each caller compiles for one model)."""
     filters = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    return torch.compile(fn, dynamic=True, options=filters)
+    return torch.compile(_own_code(fn), dynamic=True, options=filters)
 
 
 def _compiling(compiled: Callable, device: torch.device) -> Callable:
@@ -149,8 +151,8 @@ class CompiledCalls:
     same settings and is not needed here."""
 
     def __init__(self, device: str | torch.device = "cpu"):
-        # its own code: one proposer's graphs (its draft model's) for each CompiledCalls
-        self._compiled = _compiling(_compile(_own_code(_call)), torch.device(device))
+        # one proposer's graphs (its draft model's) for each CompiledCalls (see _compile)
+        self._compiled = _compiling(_compile(_call), torch.device(device))
 
     def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
         return self._compiled(fn, *inputs)
