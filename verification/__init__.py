@@ -278,12 +278,14 @@ def _carrying(
     return tokens, tau, path, new_carry.log_p, new_carry.log_q, new_carry.rows_left
 
 
+@functools.cache
 def load_cpu_kernels(steps: int = 3) -> None:
     """Verify a small batch with every method, `steps` calls each (a carrying method's later
     calls with its carry, which the rejections of the calls before leave records in), on the
     CPU: each method's compiled loops load now, not while a request waits. numba reads them
     from its on-disk cache on a kernel's first call in a process: ~0.4 s before the first
-    method's first verdict, up to ~50 ms for each method after it."""
+    method's first verdict, up to ~50 ms for each method after it. Once a process: every
+    engine or actor built after the first finds them loaded."""
     gen = torch.Generator().manual_seed(1)
     batch, gamma, vocab = 8, 2, 64
 
