@@ -13,6 +13,10 @@ the replica, the actors, Ray's own: where the step's CPU goes). `--threads`: tor
 the in-process engine and of each actor (the replica's torch_threads); the actors of a step run
 one after the other, so each may use every core. Also the bare gRPC round trip (Info) and a
 session's second turn on its warm KV cache versus the same context prefilled cold.
+
+The replica runs without automatic prefix caching, as the engine does: the rounds send the same
+prompts, and with it on a repeated prompt's prefill came from the parked KV of its last round
+(the service then skipped prefills that the engine paid). Every reply is checked for it.
 """
 
 from __future__ import annotations
@@ -98,7 +102,10 @@ def through_service(args, ids, stub, replica, batch: int) -> dict:
             ignore_eos=True,
         )
         t = time.perf_counter()
-        stub.Generate(req)
+        reply = stub.Generate(req)
+        cached = reply.stats.cached_prompt_tokens
+        if cached:  # the engine prefills every prompt: so must the service
+            raise RuntimeError(f"request {i} found {cached} prompt tokens cached")
         return time.perf_counter() - t
 
     call((0, ids[0]))  # warm up
@@ -134,8 +141,12 @@ def session_reuse(stub, tokenizer, ids) -> dict:
         warm.append(time.perf_counter() - t)
         context = context + new + list(r.token_ids)
         t = time.perf_counter()
-        stub.Generate(pb.GenerateRequest(prompt_token_ids=context, max_new_tokens=1, seed=rep))
+        r_cold = stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=context, max_new_tokens=1, seed=rep)
+        )
         cold.append(time.perf_counter() - t)
+        if r_cold.stats.cached_prompt_tokens:
+            raise RuntimeError("the cold context found a cached prefix")
         cached = r.stats.cached_prompt_tokens
     return dict(
         warm_ms=1e3 * statistics.median(warm),
@@ -164,7 +175,7 @@ def bench_pair(args, name: str) -> dict:
     most = max(args.batch)
     replica_cfg = dict(
         draft_dir=draft, target_dir=target, dtype=args.dtype, max_batch=most, max_queued=most,
-        torch_threads=args.threads,
+        torch_threads=args.threads, prefix_caching=False,  # as the engine: see the module doc
     )  # fmt: skip
     settings = Settings(port=0, metrics_port=0, http_port=0, replica=replica_cfg)  # gRPC only
     engines, tokenizer, ids = {}, None, None
