@@ -4,6 +4,9 @@ seconds; the module shares one compiled engine."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_engine import make_engine, tiny_pair
@@ -146,3 +149,16 @@ def test_each_model_gets_graphs_of_its_own():
         compiled = compiled_module.compile_forward(Llama(spec, weights, packed=False))
         got = compiled(tokens, positions, cache, mask, window=8)[0]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_workers_import_without_dynamo():
+    """An actor restarted after a loss imports the workers, then takes its weights from the
+    object store (not through transformers, which imports dynamo): torch._inductor, and dynamo
+    with it, must stay out of that import, which only compiled forwards need (~1 s of each
+    restart; docs/reliability.md)."""
+    modules = ("torch._dynamo", "torch._inductor")
+    code = (
+        f"import sys, blockspec.workers.actors; print([m for m in {modules} if m in sys.modules])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert run.stdout.strip() == "[]"

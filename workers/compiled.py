@@ -37,7 +37,6 @@ import types
 from collections.abc import Callable
 
 import torch
-from torch._inductor import config as inductor_config
 
 from blockspec.workers.graphs import OwnCacheForward, prefix_window
 from blockspec.workers.llama import KVCache, Linear, Llama
@@ -108,6 +107,11 @@ def _compile(fn: Callable) -> Callable:
 
 def _compiling(compiled: Callable, device: torch.device) -> Callable:
     """`compiled` called as inductor needs on `device` (see INDUCTOR)."""
+    # imported here, not with the module: torch._inductor brings dynamo along (~1 s), which
+    # every process that imports the workers would pay, an actor's restart included, though
+    # only compiled forwards use it
+    from torch._inductor import config as inductor_config
+
     torch._dynamo.config.recompile_limit = max(
         torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
     )
