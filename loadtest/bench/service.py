@@ -15,8 +15,8 @@ one after the other, so each may use every core. Also the bare gRPC round trip (
 session's second turn on its warm KV cache versus the same context prefilled cold.
 
 The replica runs without automatic prefix caching, as the engine does: the rounds send the same
-prompts, and with it on a repeated prompt's prefill came from the parked KV of its last round
-(the service then skipped prefills that the engine paid). Every reply is checked for it.
+prompts, and with it on a repeated prompt's prefill would come from the KV its last round
+parked, skipping prefills that the engine pays. Every reply is checked for cached tokens.
 """
 
 from __future__ import annotations
