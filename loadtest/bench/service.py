@@ -135,19 +135,19 @@ def session_reuse(stub, tokenizer, ids) -> dict:
     warm, cold = [], []
     for rep in range(5):
         t = time.perf_counter()
-        r = stub.Generate(
+        warm_reply = stub.Generate(
             pb.GenerateRequest(prompt_token_ids=new, max_new_tokens=1, session_id=sid)
         )
         warm.append(time.perf_counter() - t)
-        context = context + new + list(r.token_ids)
+        context = context + new + list(warm_reply.token_ids)
         t = time.perf_counter()
-        r_cold = stub.Generate(
+        cold_reply = stub.Generate(
             pb.GenerateRequest(prompt_token_ids=context, max_new_tokens=1, seed=rep)
         )
         cold.append(time.perf_counter() - t)
-        if r_cold.stats.cached_prompt_tokens:
+        if cold_reply.stats.cached_prompt_tokens:
             raise RuntimeError("the cold context found a cached prefix")
-        cached = r.stats.cached_prompt_tokens
+        cached = warm_reply.stats.cached_prompt_tokens
     return dict(
         warm_ms=1e3 * statistics.median(warm),
         cold_ms=1e3 * statistics.median(cold),
