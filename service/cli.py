@@ -358,8 +358,8 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--target", help="target model directory (default: the default pair's)")
     s.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="weights (default: float32)",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        help="weights (default: float32; int8: weight-only int8 with bfloat16 activations, CPU)",
     )
 
 

@@ -71,6 +71,9 @@ def test_cuda_without_gpus_is_refused_naming_the_field():
     s = Settings(replica={"device": "cuda", "draft": gpus, "target_shard": gpus})
     assert s.replica.coordinator.num_gpus == 0  # the coordinator runs no model
     assert Settings(replica={"device": "cpu"}).replica.draft.num_gpus == 0
+    with pytest.raises(pydantic.ValidationError, match=r"replica\.dtype: int8 runs on a CPU"):
+        Settings(replica={"device": "cuda", "dtype": "int8", "draft": gpus, "target_shard": gpus})
+    assert Settings(replica={"dtype": "int8"}).replica.dtype == "int8"
 
 
 def test_serve_flags_override_env_and_are_validated(monkeypatch):

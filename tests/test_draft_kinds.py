@@ -35,11 +35,12 @@ small as p = 0.3), so the pair's seed is fixed to one where it shows.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ALPHA
+from harness import ALPHA, chi_square
 from test_engine import engine_law_pvalue, exact_target_law, make_engine, save_tiny, tiny_config
 
 from blockspec.verification import METHODS, VERIFIERS
@@ -273,3 +274,22 @@ def test_output_law_through_the_actors(service, tmp_path, method, kind):
         assert pvalue > ALPHA, f"{method} with a {kind} draft through the actors: p = {pvalue:.2e}"
     finally:
         stop_remote_engine(engine)
+
+
+@pytest.mark.parametrize("method", ["gbv", "greedy_block"])
+def test_an_int8_target_and_draft_keep_the_int8_targets_law(tmp_path, method):
+    """`--dtype int8` rounds every projection and the head to int8 (workers/llama.Int8Linear):
+    another model, whose own law the verifiers keep, with a feature draft rounded alike (a
+    carried method: its records too). The same seeded outputs reject the float target's law
+    (gbv: p = 5e-8 on this pair), so the test tells the two models apart."""
+    from blockspec.service.build import build_engine
+
+    draft_dir, target_dir = save_pair(tmp_path, "feature")
+    rounded = load_model(target_dir, "int8").build()
+    law = exact_target_law(rounded, PROMPT, LENGTH, VOCAB, torch.bfloat16)
+    engine = build_engine(str(draft_dir), str(target_dir), 256, max_len=32, dtype="int8")[0]
+    pvalue, results = law_pvalue(engine, law, method, paths(method))
+    assert pvalue > ALPHA, f"{method}, int8: p = {pvalue:.2e}"
+    exact = exact_target_law(load_model(target_dir).build(), PROMPT, LENGTH, VOCAB)
+    outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
+    assert chi_square(outcomes, exact, TRIALS)[2] < ALPHA  # the float target's law: rejected

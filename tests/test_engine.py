@@ -153,12 +153,12 @@ def test_tree_forward_equals_per_path_forwards(pair):
 class LlamaRef:
     """Plain full-sequence forward of our Llama (a fresh cache per call)."""
 
-    def __init__(self, model: Llama):
-        self.model = model
+    def __init__(self, model: Llama, dtype: torch.dtype = torch.float32):  # the cache's
+        self.model, self.dtype = model, dtype
 
     def __call__(self, seq: torch.Tensor) -> torch.Tensor:
         T = seq.shape[0]
-        cache = KVCache(self.model.spec, self.model.kv_heads, 1, T + 1, torch.float32, "cpu")
+        cache = KVCache(self.model.spec, self.model.kv_heads, 1, T + 1, self.dtype, "cpu")
         mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
         return self.model(seq[None, None], torch.arange(T)[None, None], cache, mask)[0][0, 0]
 
@@ -342,14 +342,17 @@ def test_bad_requests_are_refused_with_the_field_named(pair):
         make_request(engine.limits, list(range(40)), max_new_tokens=30)
 
 
-def exact_target_law(target: Llama, prompt: list[int], length: int, vocab: int) -> dict[str, float]:
-    """Law of the first `length` generated tokens at temperature 1, by enumerating all prefixes."""
+def exact_target_law(
+    target: Llama, prompt: list[int], length: int, vocab: int, dtype=torch.float32
+) -> dict[str, float]:
+    """Law of the first `length` generated tokens at temperature 1, by enumerating all prefixes
+    (`dtype`: the model's activations and cache)."""
     law = {"": 1.0}
     for _ in range(length):
         nxt = {}
         for key, prob in law.items():
             seq = prompt + ([int(t) for t in key.split(",")] if key else [])
-            row = LlamaRef(target)(torch.tensor(seq))[-1].softmax(-1)
+            row = LlamaRef(target, dtype)(torch.tensor(seq))[-1].float().softmax(-1)
             for tok in range(vocab):
                 nxt[f"{key},{tok}" if key else str(tok)] = prob * float(row[tok])
         law = nxt

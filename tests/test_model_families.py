@@ -201,6 +201,35 @@ def test_bfloat16_packed_weights_give_dense_logits(family):
         torch.testing.assert_close(got, want, rtol=0, atol=BF16_TOL)
 
 
+def test_int8_weights_are_rounded_once_per_output_feature(family):
+    """dtype int8 rounds every projection and the head once, at load, to int8 with one scale
+    per output feature (workers.llama.Int8Linear: q = round(w / s), s = max |w_row| / 127),
+    and each product is x·(q·s)ᵀ up to its bfloat16 output's rounding. A row-parallel shard
+    takes its rows' scales from the whole rows, so a tensor-parallel int8 target is the same
+    model as one rank's. (The engine keeps the int8 model's law: tests/test_draft_kinds.py.)"""
+    name, _, path = family
+    loaded = load_model(path, "int8")
+    model = loaded.build()
+    int8 = [m for m in model.modules() if isinstance(m, workers.llama.Int8Linear)]
+    assert int8 and not linears(model) and all(m.weight.dtype == torch.int8 for m in int8)
+    head = loaded.state.get("lm_head.weight", loaded.state["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.scale, head.float().abs().amax(1).div(127).to(head.dtype))
+    odd = torch.randn(40, 200, dtype=torch.bfloat16)  # in-features padded to 16s for the kernel
+    for m in [*int8, workers.llama.Int8Linear(odd), workers.llama.Int8Linear(odd, odd[:, 0])]:
+        x = torch.randn(3, m.shape[1], generator=torch.Generator().manual_seed(2))
+        x = x.to(torch.bfloat16)
+        q = m.weight[:, : m.shape[1]].float()
+        want = x.float() @ (q * m.scale.float()[:, None]).T
+        want = want if m.bias is None else want + m.bias.float()
+        torch.testing.assert_close(m(x).float(), want, rtol=2**-7, atol=1e-2)
+    one, shard = (
+        [m.linear.scale for m in loaded.build(rank, world).modules()
+         if isinstance(m, workers.llama.RowParallel)]
+        for rank, world in ((0, 1), (1, 2))
+    )  # fmt: skip
+    assert one and all(torch.equal(a, b) for a, b in zip(one, shard, strict=True)), name
+
+
 def test_a_compiled_forward_gives_the_eager_logits(tmp_path):
     """compile_forward (the engine's compiled decode forwards: inductor with freezing, which
     packs the dense weights itself) gives the eager logits, biases included, up to the

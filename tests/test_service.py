@@ -682,9 +682,12 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
         stop_remote_engine(engine)
 
 
-@pytest.mark.parametrize(("draft_kind", "world"), [("reduced_head", 1), ("features", 2)])
+@pytest.mark.parametrize(
+    ("draft_kind", "world", "dtype"),
+    [("reduced_head", 1, "float32"), ("features", 2, "float32"), ("features", 2, "int8")],
+)
 def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
-    service, tmp_path, draft_kind, world
+    service, tmp_path, draft_kind, world, dtype
 ):
     """The chained actor step (draft actor -> target rank 0, which verifies and commits) gives
     every request of a sampled, seeded mixed batch the tokens the in-process engine gives it:
@@ -692,7 +695,9 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     head's ids and are widened on the target), or a feature draft (the target's rank 0 of 2
     sends the features of what it prefills, padding group by group, to the draft actor, and
     those of what it commits back for the draft's next step). Prompts of several lengths join
-    at once (several prefill groups), then each continues as a session (warm caches)."""
+    at once (several prefill groups), then each continues as a session (warm caches). In int8
+    too: the actors round the weights as the engine does (row-parallel shards with their
+    whole rows' scales)."""
     import json
     import shutil
     from pathlib import Path
@@ -715,12 +720,14 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
         max_batch=len(MIXED),
         max_sessions=len(MIXED),
         tensor_parallel=world,
+        dtype=dtype,
     )
     engine, _ = build_remote_engine(cfg)
     # Both sides split the target alike: all-reduce sums are the same bits.
     local, tokenizer = build_engine(
-        cfg.draft_dir, cfg.target_dir, len(MIXED), tensor_parallel=world, max_sessions=len(MIXED)
-    )
+        cfg.draft_dir, cfg.target_dir, len(MIXED), tensor_parallel=world,
+        max_sessions=len(MIXED), dtype=dtype,
+    )  # fmt: skip
     prompts = [
         tokenizer(f"def f{i}(x):" + "\n    x = x + 1" * (2 * i))["input_ids"]
         for i in range(len(MIXED))

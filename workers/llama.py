@@ -33,7 +33,8 @@ returns those hidden states for every new token).
 
 Every projection is a ``Linear``: on a CPU in float32 a weight of 1 MiB or more is packed once
 at load for oneDNN, which runs the few-row products of decoding and of a tree pass much closer
-to the memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear``).
+to the memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear``). With
+``int8`` (``--dtype int8``) every projection and the head is an ``Int8Linear`` instead.
 """
 
 from __future__ import annotations
@@ -415,6 +416,60 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Int8Linear(nn.Module):
+    """y = x @ (weight · scale).T + bias with int8 weights and one scale per output feature
+    (weight-only quantisation, `--dtype int8`): each weight is rounded once at load to
+    q = round(w / s), s = max|w_row| / 127, and multiplied by torch's weight-only int8 kernel
+    (`aten._weight_int8pack_mm`) in bfloat16. It reads half the bytes of a bfloat16 weight,
+    which pays where a step multiplies one row per weight (plain decoding at batch 1); with
+    more rows the kernel's dequantizing makes it slower than packed bfloat16
+    (docs/benchmarks.md, "int8").
+
+    The rounded weights are the model: an int8 target's laws are its own, not the float one's
+    (the verifiers are lossless with respect to it; the model card reports what the rounding
+    costs)."""
+
+    packed = True  # (DraftProposer.use_compiled: nothing to pack again)
+
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [out, in]
+        bias: torch.Tensor | None = None,  # [out]
+        scale: torch.Tensor | None = None,  # [out]: given for a shard of a row-parallel weight
+    ):
+        super().__init__()
+        q = _int8_rows(weight, scale)
+        # The kernel reads the input features 16 at a time (past the end where their count is
+        # not a multiple of 16: a crash), so they are padded with zero weights.
+        self.pad = -q.shape[1] % 16
+        self.register_buffer("weight", F.pad(q, (0, self.pad)), persistent=False)
+        self.register_buffer("scale", int8_scale(weight) if scale is None else scale, False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @property
+    def shape(self) -> torch.Size:  # [out, in]
+        return torch.Size((self.weight.shape[0], self.weight.shape[1] - self.pad))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])
+        rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()  # read densely
+        y = torch._weight_int8pack_mm(rows, self.weight, self.scale)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+
+def int8_scale(weight: torch.Tensor) -> torch.Tensor:
+    """[out]: each output feature's int8 step, max |w| / 127 over its whole row (computed in
+    float32, kept in the weight's dtype)."""
+    scale = weight.float().abs().amax(dim=1) / 127
+    return scale.clamp_min(torch.finfo(torch.float32).tiny).to(weight.dtype)
+
+
+def _int8_rows(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    scale = int8_scale(weight) if scale is None else scale
+    return torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+
+
 # oneDNN's fixed cost per call is more than a weight under 1 MiB takes to stream from memory,
 # so small weights stay on F.linear (docs/benchmarks.md, "Packed weights").
 PACK_MIN_ELEMENTS = 1 << 18
@@ -471,8 +526,14 @@ class CheckpointShard:
     world: int = 1
     group: object = None  # torch.distributed group of the ranks (None: the default group)
     packed: bool | None = None  # oneDNN-packed projections (Linear); None: packs_weights
+    int8: bool = False  # every projection and the head weight-only int8 (Int8Linear)
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def linear(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale=None
+    ) -> Linear | Int8Linear:
+        """scale: [out], an int8 weight's, where `weight` is a slice of its input features."""
+        if self.int8:
+            return Int8Linear(weight, bias, scale)
         return Linear(weight, bias, packs_weights(weight) if self.packed is None else self.packed)
 
     def _rows(self, w: torch.Tensor, per_rank: int) -> torch.Tensor:  # [out, ...] -> this rank's
@@ -492,8 +553,10 @@ class CheckpointShard:
     def row_parallel(self, name: str, cols: int) -> RowParallel:
         """This rank's `cols` input features of weight `name`; its bias stays whole."""
         w = self.state[f"{name}.weight"]
-        w = w[:, self.rank * cols : (self.rank + 1) * cols].contiguous()
-        linear = self.linear(w)
+        scale = int8_scale(w) if self.int8 else None  # the whole row's: the same at any world
+        linear = self.linear(
+            w[:, self.rank * cols : (self.rank + 1) * cols].contiguous(), None, scale
+        )
         return RowParallel(linear, self.state.get(f"{name}.bias"), self.world, self.group)
 
 
@@ -726,10 +789,11 @@ class Llama(nn.Module):
         head_vocab: torch.Tensor | None = None,  # [Vh] int64 sorted unique ids: a reduced head
         feature_fc: torch.Tensor | None = None,  # [E, 2E]: a feature draft's input projection
         packed: bool | None = None,  # oneDNN-packed projections (Linear); None: packs_weights
+        int8: bool = False,  # weight-only int8 projections and head (Int8Linear)
     ):
         super().__init__()
         spec.check_divisible(world)
-        shard = CheckpointShard(state, rank, world, group, packed)
+        shard = CheckpointShard(state, rank, world, group, packed, int8)
         self.spec, self.kv_heads = spec, spec.num_kv_heads // world
         embed = state["model.embed_tokens.weight"]
         self.register_buffer("embed", embed, persistent=False)  # [V, E]

@@ -30,7 +30,14 @@ SMOLLM2_TOKEN_ONLY_WEIGHTS = BUNDLED / "smollm2-draft-token-only"
 # which assembly folds into an untied head: q = softmax(s z / T) sharpens an under-confident
 # draft. Verification reads q as the draft sampled it, so any s stays lossless.
 HEAD_SCALE = "head_scale.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A model's dtype by name: its activations, caches and unquantised weights. "int8": bfloat16
+# with weight-only int8 projections and head (llama.Int8Linear; CPU only).
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.bfloat16,
+}
 
 
 @dataclass
@@ -40,6 +47,7 @@ class LoadedModel:
     path: str
     head_vocab: torch.Tensor | None = None  # [Vh] int64: a draft's reduced output head, if any
     feature_fc: torch.Tensor | None = None  # [E, 2E]: a feature draft's input projection
+    int8: bool = False  # its projections and head are rounded to int8 as it is built
 
     def to(self, device: str | torch.device) -> LoadedModel:
         """The same weights on `device`."""
@@ -52,6 +60,7 @@ class LoadedModel:
         return Llama(
             self.spec, self.state, rank, world, group,
             head_vocab=self.head_vocab, feature_fc=self.feature_fc, packed=packed,
+            int8=self.int8,
         )  # fmt: skip
 
 
@@ -104,6 +113,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     path = _model_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype == "int8" and torch.device(device).type != "cpu":
+        raise ValueError("dtype int8 runs on a CPU only (torch's weight-only int8 kernel)")
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     try:
         spec = LlamaSpec.from_hf_config(cfg)
@@ -129,7 +140,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
                 f"{path / FEATURE_FC}: expected a tensor 'weight' of shape [{E}, {2 * E}]"
             )
         feature_fc = feature_fc.to(device=device, dtype=DTYPES[dtype])
-    return LoadedModel(spec, state, str(path), head_vocab, feature_fc)
+    return LoadedModel(spec, state, str(path), head_vocab, feature_fc, int8=dtype == "int8")
 
 
 def render_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:
