@@ -107,6 +107,22 @@ def test_the_engine_benchmark_runs_on_the_tiny_pair(tmp_path, capsys):
     assert "| block | 1 | 3 | 1.0 | 1 |" in table and "| auto | 0 | 0 | 1.0 | 1 |" in table
 
 
+def test_the_quality_benchmark_scores_each_dtype_against_float32(tmp_path):
+    """Perplexity per dtype and text kind, and the int8 model's distance from float32's law:
+    small, but not zero (its weights are rounded)."""
+    out = tmp_path / "quality.json"
+    cli.main(
+        ["quality", "--model", str(TINY_TARGET), "--dtypes", "float32", "int8", "--code", "2",
+         "--json", str(out)]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    for kind in ("everyday", "code"):
+        base, rounded = result[kind]["float32"], result[kind]["int8"]
+        assert base["tokens"] == rounded["tokens"] > 0 and "tv" not in base
+        assert 0.8 < rounded["perplexity"] / base["perplexity"] < 1.25
+        assert 0 < rounded["tv"] < 0.2 and 0.5 < rounded["agree"] <= 1
+
+
 def test_the_gpu_benchmarks_graphed_rows_run_on_the_fake_device(tmp_path, monkeypatch):
     """engine-gpu's speed section with graphs on, on the fake device that captures (the GPU
     run's path, which no CPU run took: its graphed rows once all crashed on a key clash):

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "engine-gpu": ("engine_gpu", "parity, every verifier's speed on one GPU", "gpu.md"),
     "forward": ("forward", "weight layouts and dtypes, forwards and end to end", "benchmarks.md"),
     "llamacpp": ("llamacpp", "the engine against llama.cpp's plain decoding", "benchmarks.md"),
+    "quality": ("quality", "what a dtype's rounding costs a model's text", "model_card.md"),
     "verify": ("verify", "every verifier's call at service shapes", "verification_benchmark.md"),
     "verify-ab": (
         "verify_ab",

