@@ -2,7 +2,8 @@
 instead, alternated in one run on the same machine and thread counts.
 
     blockspec-bench llamacpp [--threads 1 2] [--rounds 2] [--prompts 4] \\
-        [--new-tokens 64] [--configs none:float32 none:bfloat16 gbv:2:4:bfloat16 \\
+        [--source humaneval|everyday] [--new-tokens 64] \\
+        [--configs none:float32 none:bfloat16 gbv:2:4:bfloat16 \\
         none:bfloat16+compiled gbv:2:4:bfloat16+compiled]
 
 Set-up, once, into `--cache` (default ~/.cache/blockspec/llama.cpp; needs cmake, a C++
@@ -13,7 +14,8 @@ converted to GGUF at F32 and BF16 by llama.cpp's own converter. Then, for each
 round and thread count, every configuration in turn: llama.cpp's `llama-bench -p 0 -n N -d 256`
 (decode after a 256-token context) at each precision and at Q4_1 (quantized from the F32 GGUF
 by its llama-quantize: what a CPU user downloads), and the in-process engine at batch 1 on
-the first `--prompts` HumanEval chat prompts × `--new-tokens` tokens (T = 1, seeded, stop tokens
+the first `--prompts` HumanEval chat prompts (`--source everyday`: held-out everyday
+conversations, one of each kind first) × `--new-tokens` tokens (T = 1, seeded, stop tokens
 off), its decode rate being tokens / (wall − prefill). A `+compiled` configuration runs the
 engine's decode forwards through torch.compile (workers/compiled.py); its compiles happen in
 the warm-up (minutes). Medians over rounds; each row also against llama.cpp at the same
@@ -37,6 +39,7 @@ import torch
 
 from blockspec.loadtest.bench.engine import run_engine
 from blockspec.loadtest.bench.harness import alternate, command, machine, parser
+from blockspec.loadtest.everyday import everyday_ids
 from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.build import build_engine
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_CACHE
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--source", choices=["humaneval", "everyday"], default="humaneval")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
         "--configs",
@@ -175,7 +179,12 @@ def main(argv: list[str] | None = None) -> None:
             args.draft, args.target, 1, dtype=precision(variant), compiled=compiled
         )
     room = 1024 - args.new_tokens - 8
-    prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
+    if args.source == "everyday":  # the held-out conversations, one of each kind first
+        chats = everyday_ids(tokenizer, room, per_kind=1) + everyday_ids(tokenizer, room)
+        prompts = list(dict.fromkeys(tuple(ids) for _, ids in chats))[: args.prompts]
+        prompts = [list(ids) for ids in prompts]
+    else:
+        prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
     for threads in args.threads:  # warm-up, discarded (compiled: its compiles, per thread count)
         torch.set_num_threads(threads)
         for method, k, gamma, variant in configs:
