@@ -133,6 +133,15 @@ def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[
     return dict(rate=res["tokens"] / decode, be=res["block_efficiency"])
 
 
+def bench_prompts(tokenizer, source: str, count: int, room: int) -> list[list[int]]:
+    """The first `count` HumanEval chat prompts, or held-out everyday conversations (one of
+    each kind first), each within `room` tokens."""
+    if source == "humaneval":
+        return prompt_ids(tokenizer, "humaneval", count, room)
+    chats = everyday_ids(tokenizer, room, per_kind=1) + everyday_ids(tokenizer, room)
+    return [list(ids) for ids in dict.fromkeys(tuple(ids) for _, ids in chats)][:count]
+
+
 def parse_config(text: str) -> tuple[str, int, int, str]:
     """'none:DTYPE' or 'METHOD:K:γ:DTYPE'; DTYPE may end in '+compiled' (the engine's decode
     forwards through torch.compile: workers/compiled.py)."""
@@ -178,13 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         engines[variant], tokenizer = build_engine(
             args.draft, args.target, 1, dtype=precision(variant), compiled=compiled
         )
-    room = 1024 - args.new_tokens - 8
-    if args.source == "everyday":  # the held-out conversations, one of each kind first
-        chats = everyday_ids(tokenizer, room, per_kind=1) + everyday_ids(tokenizer, room)
-        prompts = list(dict.fromkeys(tuple(ids) for _, ids in chats))[: args.prompts]
-        prompts = [list(ids) for ids in prompts]
-    else:
-        prompts = prompt_ids(tokenizer, "humaneval", args.prompts, room)
+    prompts = bench_prompts(tokenizer, args.source, args.prompts, 1024 - args.new_tokens - 8)
     for threads in args.threads:  # warm-up, discarded (compiled: its compiles, per thread count)
         torch.set_num_threads(threads)
         for method, k, gamma, variant in configs:
