@@ -70,6 +70,11 @@ def demo(trials: int, seed: int) -> None:
     console.print(table)
 
 
+# workers.models.DTYPES' names (not imported: the client's commands load no torch)
+DTYPES = ["float32", "bfloat16", "float16", "int8"]
+DTYPE_HELP = "weights (int8: weight-only int8 with bfloat16 activations, CPU)"
+
+
 def generate_local(args) -> None:
     import torch
 
@@ -84,7 +89,7 @@ def generate_local(args) -> None:
     draft = args.draft or str(DEFAULT_DRAFT)
     target = args.target or str(DEFAULT_TARGET)
     engine, tokenizer = build_engine(
-        draft, target, max_batch=1, max_len=args.max_len, tensor_parallel=args.tp
+        draft, target, 1, max_len=args.max_len, tensor_parallel=args.tp, dtype=args.dtype
     )
     chat = dict(messages=(ChatTurn("user", args.prompt),))
     prompt = chat if args.chat else dict(prompt=args.prompt)
@@ -306,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--target", help="target model directory (default: the default pair's)")
     loc.add_argument("--threads", type=int, default=1, help="torch threads per process")
     loc.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
+    loc.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
 
     c = sub.add_parser(
         "chat",
@@ -356,11 +362,7 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--draft", help="draft model directory (default: the default pair's)")
     s.add_argument("--target", help="target model directory (default: the default pair's)")
-    s.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16", "int8"],
-        help="weights (default: float32; int8: weight-only int8 with bfloat16 activations, CPU)",
-    )
+    s.add_argument("--dtype", choices=DTYPES, help=f"{DTYPE_HELP} (default: float32)")
 
 
 def main(argv: list[str] | None = None) -> None:

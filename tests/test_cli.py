@@ -110,6 +110,26 @@ def test_generate_prints_only_the_generated_text(fake, capsys):
     assert not request.HasField("temperature") and not request.HasField("top_p")
 
 
+def test_generate_local_decodes_in_process_in_the_dtype_asked(monkeypatch, capsys):
+    """`generate --local` runs the engine in this process on the pair and dtype given (int8
+    here: rounded weights); the same seed prints the same text."""
+    from blockspec.service import build
+    from tests.live_service import TINY_PAIR
+
+    built, real = [], build.build_engine
+    monkeypatch.setattr(
+        build, "build_engine", lambda *a, **kw: built.append(kw["dtype"]) or real(*a, **kw)
+    )
+    argv = ["generate", "def f(x):", "--local", "--draft", TINY_PAIR["draft_dir"], "--target",
+            TINY_PAIR["target_dir"], "--dtype", "int8", "--max-new-tokens", "8", "--seed", "3",
+            "--no-stats"]  # fmt: skip
+    texts = []
+    for _ in range(2):
+        main(argv)
+        texts.append(capsys.readouterr().out)
+    assert built == ["int8", "int8"] and texts[0] == texts[1] and texts[0].strip()
+
+
 def test_the_stats_line_says_what_ran_and_how_fast(fake, capsys):
     argv = ["generate", "x", "--address", fake.address, "--method", "gbv", "--k", "0"]
     main(argv)
