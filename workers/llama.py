@@ -438,12 +438,13 @@ class Int8Linear(nn.Module):
         scale: torch.Tensor | None = None,  # [out]: given for a shard of a row-parallel weight
     ):
         super().__init__()
-        q = _int8_rows(weight, scale)
+        scale = int8_scale(weight) if scale is None else scale
+        q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         # The kernel reads the input features 16 at a time (past the end where their count is
         # not a multiple of 16: a crash), so they are padded with zero weights.
         self.pad = -q.shape[1] % 16
         self.register_buffer("weight", F.pad(q, (0, self.pad)), persistent=False)
-        self.register_buffer("scale", int8_scale(weight) if scale is None else scale, False)
+        self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
     @property
@@ -463,11 +464,6 @@ def int8_scale(weight: torch.Tensor) -> torch.Tensor:
     float32, kept in the weight's dtype)."""
     scale = weight.float().abs().amax(dim=1) / 127
     return scale.clamp_min(torch.finfo(torch.float32).tiny).to(weight.dtype)
-
-
-def _int8_rows(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    scale = int8_scale(weight) if scale is None else scale
-    return torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
 
 
 # oneDNN's fixed cost per call is more than a weight under 1 MiB takes to stream from memory,
