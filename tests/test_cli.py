@@ -372,3 +372,16 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("blockspec ")
+
+
+def test_the_dtype_flags_offer_what_the_models_load():
+    """The CLI keeps its own list of dtypes (it imports no torch); it must stay the models' and
+    the config's, or a flag would offer what loading refuses, or hide what it takes."""
+    from typing import get_args
+
+    from blockspec.service.cli import DTYPES
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.workers import models
+
+    config = get_args(ReplicaConfig.model_fields["dtype"].annotation)
+    assert set(DTYPES) == set(models.DTYPES) == set(config)
