@@ -123,6 +123,30 @@ def test_the_quality_benchmark_scores_each_dtype_against_float32(tmp_path):
         assert 0 < rounded["tv"] < 0.2 and 0.5 < rounded["agree"] <= 1
 
 
+def test_the_llamacpp_benchmarks_bound_counts_the_two_models_phases_only(capsys):
+    """A row's models-only bound is its tokens over the draft's and target's phases: above
+    the rate the whole step reaches, and printed against llama.cpp's Q4_1."""
+    from blockspec.loadtest.bench import llamacpp
+    from blockspec.service.build import build_engine
+
+    engine, _ = build_engine(str(TINY_DRAFT), str(TINY_TARGET), 1)
+    res = llamacpp.engine_rate(engine, [[5, 6, 7, 8]], ("block", 1, 4), 12, 1)
+    times = engine.times
+    assert res["draft_ms"] * engine.steps == pytest.approx(times.draft * 1e3)
+    assert res["target_ms"] * engine.steps == pytest.approx(times.target * 1e3)
+    assert res["bound"] == pytest.approx(12 / (times.draft + times.target))
+    assert res["bound"] > res["rate"] > 0 and res["be"] >= 1
+    arm = ("blockspec block K=1 γ=4", "float32", 2)
+    runs = {
+        ("llama.cpp", "q4_1", 2): [dict(rate=100.0), dict(rate=120.0)],
+        arm: [dict(rate=50.0, be=2.0, draft_ms=4.0, target_ms=6.0, bound=150.0)] * 2,
+    }
+    llamacpp.print_bounds(runs, [2])
+    assert "| blockspec block K=1 γ=4 | float32 | 2 | 50.0 | 2.00 | 4.0 | 6.0 | 150.0 | 1.36 |" in (
+        capsys.readouterr().out
+    )
+
+
 def test_the_gpu_benchmarks_graphed_rows_run_on_the_fake_device(tmp_path, monkeypatch):
     """engine-gpu's speed section with graphs on, on the fake device that captures (the GPU
     run's path, which no CPU run took: its graphed rows once all crashed on a key clash):

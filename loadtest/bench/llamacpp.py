@@ -129,8 +129,16 @@ def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[
     torch.set_num_threads(threads)
     method, k, gamma = config
     res = run_engine(engine, prompts, method, k, gamma, 1.0, new_tokens)
-    decode = res["wall_s"] - engine.times.prefill
-    return dict(rate=res["tokens"] / decode, be=res["block_efficiency"])
+    times = engine.times
+    decode = res["wall_s"] - times.prefill
+    per_step = 1e3 / max(engine.steps, 1)
+    return dict(
+        rate=res["tokens"] / decode,
+        be=res["block_efficiency"],
+        draft_ms=times.draft * per_step,  # the two models' forwards and their logits' rows
+        target_ms=times.target * per_step,
+        bound=res["tokens"] / (times.draft + times.target),
+    )
 
 
 def bench_prompts(tokenizer, source: str, count: int, room: int) -> list[list[int]]:
@@ -211,29 +219,59 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     runs = alternate(arms, args.rounds, warm=False, on_run=show)
-    rates = {arm: [r["rate"] for r in rs] for arm, rs in runs.items()}
-    efficiency = {arm: [r["be"] for r in rs] for arm, rs in runs.items() if "be" in rs[0]}
     print(f"\n{command('llamacpp', argv)}; {machine()}")
+    print_rates(runs, args.threads)
+    print_bounds(runs, args.threads)
+
+
+def _median(runs, arm, key: str = "rate") -> float:
+    return statistics.median(r[key] for r in runs[arm])
+
+
+def print_rates(runs: dict, threads: list[int]) -> None:
+    """The table: each row's median decode rate, against llama.cpp at its precision."""
     print(
         "\n| decode tok/s (median) | precision | "
-        + " | ".join(f"{t} thread{'s' * (t > 1)} | × llama.cpp" for t in args.threads)
+        + " | ".join(f"{t} thread{'s' * (t > 1)} | × llama.cpp" for t in threads)
         + " | BE |"
     )
-    print("|---|---|" + "---|---|" * len(args.threads) + "---|")
-    for name, dtype in dict.fromkeys((key[0], key[1]) for key in rates):
+    print("|---|---|" + "---|---|" * len(threads) + "---|")
+    for name, dtype in dict.fromkeys((key[0], key[1]) for key in runs):
         cells = []
-        for threads in args.threads:
-            rate = statistics.median(rates[name, dtype, threads])
-            anchor = statistics.median(rates["llama.cpp", precision(dtype), threads])
-            cells += [f"{rate:.1f}", f"{rate / anchor:.2f}"]
-        be = efficiency.get((name, dtype, args.threads[0]))
-        be_cell = f"{statistics.median(be):.2f}" if be else "-"
+        for t in threads:
+            rate = _median(runs, (name, dtype, t))
+            cells += [
+                f"{rate:.1f}",
+                f"{rate / _median(runs, ('llama.cpp', precision(dtype), t)):.2f}",
+            ]
+        first = (name, dtype, threads[0])
+        be_cell = f"{_median(runs, first, 'be'):.2f}" if "be" in runs[first][0] else "-"
         print(f"| {name} | {dtype} | " + " | ".join(cells) + f" | {be_cell} |")
-    for threads in args.threads:
-        quantized = statistics.median(rates["llama.cpp", QUANTIZED, threads])
+    for t in threads:
+        quantized = _median(runs, ("llama.cpp", QUANTIZED, t))
         best = max(
-            (statistics.median(v), key) for key, v in rates.items()
-            if key[0] != "llama.cpp" and key[2] == threads
-        )  # fmt: skip
-        print(f"{threads} thread(s): the fastest blockspec row, {best[1][0]} {best[1][1]}, is "
+            (_median(runs, key), key) for key in runs if key[0] != "llama.cpp" and key[2] == t
+        )
+        print(f"{t} thread(s): the fastest blockspec row, {best[1][0]} {best[1][1]}, is "
               f"{best[0] / quantized:.2f}× llama.cpp {QUANTIZED.upper()}")  # fmt: skip
+
+
+def print_bounds(runs: dict, threads: list[int]) -> None:
+    """What each blockspec row would reach if its step were its two models alone: tokens over
+    the draft's and target's phases (the tree, verification, sampling and every line of Python
+    free). A goal above a row's bound needs faster forwards or a higher BE, not less overhead."""
+    print(
+        "\n| blockspec row | precision | threads | tok/s | BE | draft ms a step | target ms a step "
+        f"| models-only bound tok/s | bound × llama.cpp {QUANTIZED.upper()} |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, dtype, t in runs:
+        if name == "llama.cpp":
+            continue
+        arm, quantized = (name, dtype, t), _median(runs, ("llama.cpp", QUANTIZED, t))
+        bound = _median(runs, arm, "bound")
+        print(
+            f"| {name} | {dtype} | {t} | {_median(runs, arm):.1f} | {_median(runs, arm, 'be'):.2f} "
+            f"| {_median(runs, arm, 'draft_ms'):.1f} | {_median(runs, arm, 'target_ms'):.1f} "
+            f"| {bound:.1f} | {bound / quantized:.2f} |"
+        )
