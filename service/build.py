@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from blockspec.service.engine import SpeculativeEngine
 from blockspec.service.policy import AutoPolicy
-from blockspec.workers.graphs import graphs_available
+from blockspec.workers.compiled import DecodeForwards
 from blockspec.workers.proposers import build_proposer
 from blockspec.workers.speculation import speculation_cache
 from blockspec.workers.step import StepRunner
@@ -49,22 +49,18 @@ def build_engine(
     # Positions past either model's trained context are refused, not silently extrapolated.
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
+    forwards = DecodeForwards(cuda_graphs, compiled)
     if compiled:
-        packed = False  # inductor packs the weights itself (workers/compiled.py)
+        packed = forwards.packed
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     cache = speculation_cache(draft, speculation, speculation_downweight, speculation_max_batch)
     if tensor_parallel > 1:
         target = TensorParallelTarget(target_dir, tensor_parallel, slots, max_len, dtype, device)
     else:
         target = TargetWorker(t.build(packed=packed), slots, max_len, DTYPES[dtype], device)
-    if cuda_graphs and graphs_available(device):  # compiled: inductor's kernels, captured
-        draft.use_graphs(compiled=compiled)
-        if isinstance(target, TargetWorker):
-            target.use_graphs(compiled=compiled)
-    elif compiled:
-        draft.use_compiled()
-        if isinstance(target, TargetWorker):
-            target.use_compiled()
+    forwards.use(draft)
+    if isinstance(target, TargetWorker):  # a split target's ranks run eagerly
+        forwards.use(target)
     policy = AutoPolicy(auto_arms) if auto_arms else None
     engine = SpeculativeEngine(
         StepRunner(target, draft, cache),

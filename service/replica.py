@@ -82,6 +82,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     """Engine over a draft actor and the target shard group (a `RemoteRunner`); returns
     (engine, model info)."""
     from blockspec.workers.actors import ActorSpec, RemoteRunner, start_draft, start_target
+    from blockspec.workers.compiled import DecodeForwards
     from blockspec.workers.models import check_pair
 
     _, vocab_size, context = check_pair(cfg.draft_dir, cfg.target_dir)
@@ -90,9 +91,9 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
 
     def actor_spec(path: str, per_actor: Resources) -> ActorSpec:
         cpus, gpus, custom = per_actor.num_cpus, per_actor.num_gpus, per_actor.resources
-        return ActorSpec(
-            path, cfg.dtype, cfg.device, cfg.torch_threads, cpus, gpus, custom, cfg.cuda_graphs
-        )
+        forwards = DecodeForwards(cfg.cuda_graphs)
+        threads = cfg.torch_threads
+        return ActorSpec(path, cfg.dtype, cfg.device, threads, cpus, gpus, custom, forwards)
 
     speculation = (cfg.speculation, cfg.speculation_downweight, cfg.speculation_max_batch)
     draft = start_draft(actor_spec(cfg.draft_dir, cfg.draft), slots, max_len, speculation)

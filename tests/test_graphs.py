@@ -325,15 +325,16 @@ def test_a_target_shard_replays_where_asked_and_unsplit(monkeypatch):
     tree pass where graphs are available (faked here: the capture itself needs a GPU) unless
     told not to, and never when split (its forward all-reduces)."""
     from blockspec.service.config import ReplicaConfig
-    from blockspec.workers import tensor_parallel
+    from blockspec.workers import compiled
+    from blockspec.workers.compiled import DecodeForwards
     from blockspec.workers.models import TINY_TARGET
     from blockspec.workers.tensor_parallel import TargetShard
 
     assert ReplicaConfig().cuda_graphs and not ReplicaConfig(cuda_graphs=False).cuda_graphs
-    monkeypatch.setattr(tensor_parallel, "graphs_available", lambda device: True)
+    monkeypatch.setattr(compiled, "graphs_available", lambda device: True)
     forward = {
         (world, flag): type(
-            TargetShard(TINY_TARGET, 0, world, 2, 64, cuda_graphs=flag).worker.forward
+            TargetShard(TINY_TARGET, 0, world, 2, 64, forwards=DecodeForwards(flag)).worker.forward
         )
         for world, flag in ((1, True), (1, False), (2, True))
     }

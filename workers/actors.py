@@ -69,9 +69,9 @@ from blockspec.workers.channel import (
     tensor_from_wire,
     tensor_to_wire,
 )
+from blockspec.workers.compiled import DEFAULT_FORWARDS, DecodeForwards
 from blockspec.workers.draft import padding_groups
 from blockspec.workers.feature_draft import split_groups
-from blockspec.workers.graphs import graphs_available
 from blockspec.workers.models import DTYPES, LoadedModel, load_model
 from blockspec.workers.proposers import build_proposer
 from blockspec.workers.protocols import DraftFeed, DraftPrefill
@@ -210,7 +210,7 @@ class DraftActor(_Served):
         device: str,
         threads: int,
         speculation: tuple = (0,),  # fan-out (0: no cache), downweight, max batch
-        cuda_graphs: bool = True,
+        forwards: DecodeForwards = DEFAULT_FORWARDS,
         weights: LoadedModel | None = None,  # its first actor's (_Remote.weights); None: read
     ):
         super().__init__()
@@ -218,11 +218,10 @@ class DraftActor(_Served):
         torch.set_num_threads(threads)
         device = _actor_device(device)
         loaded = (weights or load_model(path, dtype, device)).to(device)
-        model = loaded.build()
+        model = loaded.build(packed=forwards.packed)
         self._loaded = None if weights else loaded  # until the proxy takes it (`weights`)
         self.worker = build_proposer(model, slots, max_len, DTYPES[dtype], device)
-        if cuda_graphs and graphs_available(device):  # decode forwards replayed (graphs.py)
-            self.worker.use_graphs()
+        forwards.use(self.worker)
         # The step's draft half. The speculation cache lives here, beside the draft state it
         # forks and adopts (the step brings the request ids and emitted prefixes it looks up).
         cache = speculation_cache(self.worker, *speculation)
@@ -325,7 +324,7 @@ class TargetShardActor(_Served):
         dtype: str,
         device: str,
         threads: int,
-        cuda_graphs: bool = True,
+        forwards: DecodeForwards = DEFAULT_FORWARDS,
         weights: LoadedModel | None = None,  # its first actor's (_Remote.weights); None: read
     ):
         super().__init__()
@@ -333,7 +332,7 @@ class TargetShardActor(_Served):
         torch.set_num_threads(threads)
         self.device = _actor_device(device)
         self.shard = TargetShard(
-            path, rank, world, slots, max_len, dtype, self.device, cuda_graphs, weights,
+            path, rank, world, slots, max_len, dtype, self.device, forwards, weights,
             keep_loaded=rank == 0 and weights is None,  # what the proxy takes (`weights`)
         )  # fmt: skip
         self._store = None
@@ -778,7 +777,7 @@ class ActorSpec:
     num_cpus: float  # Ray resources per actor
     num_gpus: float
     resources: dict[str, float] = field(default_factory=dict)  # custom ones: where it may run
-    cuda_graphs: bool = True  # on CUDA: decode forwards replayed (workers/graphs.py)
+    forwards: DecodeForwards = DEFAULT_FORWARDS  # CUDA graphs, torch.compile, or eager
 
 
 def start_draft(
@@ -791,7 +790,7 @@ def start_draft(
     def launch(weights: ray.ObjectRef | None) -> list:
         args = (spec.path, slots, max_len, spec.dtype, spec.device, spec.threads, speculation)
         actor = DraftActor.options(**options)
-        return [actor.remote(*args, cuda_graphs=spec.cuda_graphs, weights=weights)]
+        return [actor.remote(*args, forwards=spec.forwards, weights=weights)]
 
     return RemoteDraft(launch, speculating=speculation[0] > 0)
 
@@ -823,7 +822,7 @@ def start_target(
                 spec.dtype,
                 spec.device,
                 spec.threads,
-                spec.cuda_graphs,
+                spec.forwards,
                 weights,
             )
             for rank in range(world)

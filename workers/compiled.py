@@ -35,10 +35,11 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from blockspec.workers.graphs import OwnCacheForward, prefix_window
+from blockspec.workers.graphs import OwnCacheForward, graphs_available, prefix_window
 from blockspec.workers.llama import KVCache, Linear, Llama
 
 # Dynamo compiles a code object at most this many times (each worker's model calls the same
@@ -50,6 +51,32 @@ RECOMPILE_LIMIT = 64
 # target its C++ GEMM template lost to oneDNN's packed product at one new token, and at 9 it
 # kept oneDNN's (docs/benchmarks.md, "Compiled decode forwards").
 INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+
+
+@dataclass(frozen=True)
+class DecodeForwards:
+    """How a worker runs the decode step's forwards: replayed from CUDA graphs where they run
+    (`cuda_graphs`), through torch.compile with `compiled` (inside the graphs on CUDA), else
+    eagerly. What a deployment's config sets (service/config.py) and its actors apply."""
+
+    cuda_graphs: bool = True
+    compiled: bool = False
+
+    @property
+    def packed(self) -> bool | None:
+        """Llama's `packed`: compiled forwards need dense weights (inductor packs them itself);
+        None: Llama packs what packs_weights picks."""
+        return False if self.compiled else None
+
+    def use(self, worker) -> None:
+        """Switch `worker` (a TargetWorker or a draft proposer) to these forwards."""
+        if self.cuda_graphs and graphs_available(worker.device):
+            worker.use_graphs(compiled=self.compiled)
+        elif self.compiled:
+            worker.use_compiled()
+
+
+DEFAULT_FORWARDS = DecodeForwards()  # CUDA graphs where they run, else eager; not compiled
 
 
 def compiles_on(device: str | torch.device) -> bool:

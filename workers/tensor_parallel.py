@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from blockspec.workers.compiled import DEFAULT_FORWARDS, DecodeForwards
 from blockspec.workers.draft import padding_groups
 from blockspec.workers.feature_draft import feed_draft
-from blockspec.workers.graphs import graphs_available
 from blockspec.workers.llama import LlamaSpec
 from blockspec.workers.models import DTYPES, LoadedModel, load_model
 from blockspec.workers.protocols import DraftPrefill
@@ -157,7 +157,7 @@ class TargetShard:
         max_len: int,
         dtype: str = "float32",
         device: str | torch.device = "cpu",
-        cuda_graphs: bool = True,  # on CUDA with one rank: decode forwards replayed
+        forwards: DecodeForwards = DEFAULT_FORWARDS,  # with one rank (a split one: eager)
         loaded: LoadedModel | None = None,  # the whole model's weights, read already
         keep_loaded: bool = False,  # keep them, whole, in `loaded` (for the actor to hand over)
     ):
@@ -166,13 +166,13 @@ class TargetShard:
         if loaded is None:
             loaded = load_model(path, dtype, str(self.device))
         loaded = loaded.to(self.device)
-        model = loaded.build(rank, world)  # ValueError when the heads or the MLP do not split
+        # ValueError when the heads or the MLP do not split
+        model = loaded.build(rank, world, packed=forwards.packed if world == 1 else None)
         # else the shard keeps its slices only (plus the unsharded embeddings/lm_head)
         self.loaded = loaded if keep_loaded else None
         self.worker = TargetWorker(model, max_batch, max_len, DTYPES[dtype], self.device)
-        # a split forward all-reduces through the group: it stays eager
-        if cuda_graphs and world == 1 and graphs_available(self.device):
-            self.worker.use_graphs()
+        if world == 1:  # a split forward all-reduces through the group: it stays eager
+            forwards.use(self.worker)
 
     def execute(self, op: str, args: tuple) -> Any:
         if op not in OPS:  # ops come from our own proxies only: a wrong one is our bug
