@@ -30,6 +30,10 @@ from blockspec.verification import VERIFIERS
 from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
+# A compiled replica's step timeout unless set: a step that compiles a new kind of call takes
+# 1–2 minutes a model for the default pair on 2 cores, and the draft and the target may each
+# compile in one step (docs/benchmarks.md, "The service, compiled").
+COMPILED_STEP_TIMEOUT_S = 900.0
 
 
 class Resources(BaseModel):
@@ -66,6 +70,11 @@ class ReplicaConfig(BaseModel):
     device: str = "cpu"  # "cuda" on GPU nodes: each actor gets its own GPU from Ray
     # on CUDA, the actors replay the decode step's forwards from CUDA graphs (workers/graphs.py)
     cuda_graphs: bool = True
+    # The actors run the decode step's forwards through torch.compile (workers/compiled.py;
+    # on CUDA inside the graphs; a split target's ranks stay eager): on a CPU 1.2–1.5× faster
+    # decoding (docs/benchmarks.md), for minutes of compiling when the replica starts (its
+    # warm-up) and again in an actor that restarts.
+    compiled: bool = False
     tensor_parallel: int = Field(1, ge=1)  # target shards (one actor each, one placement group)
     torch_threads: int = Field(1, ge=1)  # intra-op threads per actor (oversubscription is costly)
     max_batch: int = Field(8, ge=1)  # requests per decode step
@@ -87,7 +96,8 @@ class ReplicaConfig(BaseModel):
     # device's throughput from the target (not yet calibrated on a GPU).
     speculation_max_batch: int = Field(4, ge=1)
     # A step whose actor calls take longer is stuck (a hung actor process): its draft and
-    # target actors are restarted and the step redone, as when one dies.
+    # target actors are restarted and the step redone, as when one dies. Compiled, unless set:
+    # COMPILED_STEP_TIMEOUT_S (a step that meets a new kind of call compiles it: minutes).
     step_timeout_s: float = Field(120.0, gt=0)
     max_new_tokens: int = Field(512, ge=1)  # per-request limit
     max_k: int = Field(4, ge=1)
@@ -120,6 +130,14 @@ class ReplicaConfig(BaseModel):
         for text in self.graph_shapes or []:
             if not fits(Arm.parse_shape(text, "graph_shapes")):
                 raise ValueError(f"graph_shapes: {text!r} exceeds max_k or max_gamma")
+        return self
+
+    @model_validator(mode="after")
+    def _compiled_steps_compile(self) -> ReplicaConfig:
+        """A compiled replica's steps may compile (its warm-up's, a restarted actor's): a
+        default step timeout would take a compile for a hung actor, and restart it."""
+        if self.compiled and "step_timeout_s" not in self.model_fields_set:
+            self.step_timeout_s = COMPILED_STEP_TIMEOUT_S
         return self
 
     def warm_shapes(self) -> list[tuple[str, int, int]]:

@@ -91,7 +91,7 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
 
     def actor_spec(path: str, per_actor: Resources) -> ActorSpec:
         cpus, gpus, custom = per_actor.num_cpus, per_actor.num_gpus, per_actor.resources
-        forwards = DecodeForwards(cfg.cuda_graphs)
+        forwards = DecodeForwards(cfg.cuda_graphs, cfg.compiled)
         threads = cfg.torch_threads
         return ActorSpec(path, cfg.dtype, cfg.device, threads, cpus, gpus, custom, forwards)
 
@@ -136,7 +136,8 @@ class Replica:
         self.cfg = ReplicaConfig.model_validate(config)
         self.id = _replica_id()
         engine, self.model_info = build_remote_engine(self.cfg)
-        warm_up(engine, self.cfg.warm_shapes())  # where graphs are on (CUDA)
+        # where graphs are on (CUDA), or forwards compile
+        warm_up(engine, self.cfg.warm_shapes(), compiles=self.cfg.compiled)
         self.coordinator = Coordinator(engine, self.cfg.max_queued, _step_metrics())
         self._ids = itertools.count()
 

@@ -1,7 +1,9 @@
-"""Warm-up: capture the CUDA graphs a deployment's decode steps meet before it serves.
+"""Warm-up: capture the CUDA graphs a deployment's decode steps meet, or compile the forwards
+they run (workers/compiled.py), before it serves.
 
 Why: a graph captured while serving stalls the whole batch (a device sync, then the capture,
-tens of milliseconds), and a capture that fails there leaves a slow path found mid-stream.
+tens of milliseconds), and a capture that fails there leaves a slow path found mid-stream;
+a compile while serving stalls it for seconds to minutes.
 So an engine whose decode step replays from graphs (workers/graphs.py, verification/graphs.py)
 is driven through every shape its declared work can meet, with each graph cache `strict` (a
 failed capture raises: an error at start); then the caches are `sealed`: a shape met later
@@ -12,7 +14,8 @@ process, or in the draft and target actors (a replica warms up when it starts).
 What a step's graphs are keyed by, and how the warm-up meets each:
 
 - the batch bucket (a power of two within the slots): a run of n requests for the largest n
-  of each bucket; as they finish at different steps the batch shrinks through the smaller ones;
+  of each bucket; as they finish at different steps the batch shrinks through the smaller ones
+  (compiled forwards without graphs: runs of 1 and 2 requests, `_compiled_sizes`);
 - the prefix window (`window_bucket`): prompts just past the window below, so that a few
   steps stay within the window;
 - K and γ: the target's tree pass by the batch's largest Kγ, the verify calls by each group's
@@ -62,20 +65,24 @@ def warm_up(
     shapes: list[Shape],
     samplings: list[SamplingParams] | None = None,
     max_context: int | None = None,
+    compiles: bool = False,
 ) -> WarmUp:
     """Capture every graph `engine`'s steps meet serving `shapes` (and ``none``) with batches
     of `samplings` (default: SAMPLINGS) in contexts of up to `max_context` tokens (default:
-    the engine's), then seal the caches. Raises RuntimeError when a capture
-    fails, or when the graphs outgrow a cache's bounds (a later call would recapture)."""
+    the engine's), then seal the caches; with `compiles` (its forwards go through
+    torch.compile), run those steps even where no graphs are on, so that each kind of call
+    compiles here. Raises RuntimeError when a capture fails, or when the graphs outgrow a
+    cache's bounds (a later call would recapture)."""
     graphs = engine.executor.graphs  # wherever the step's graphs live: here or in actors
     before = graphs()
-    if not before:  # no graphs on
+    if not before and not compiles:  # nothing to capture or compile
         return WarmUp(0, 0, 0.0)
     start, runs = time.perf_counter(), 0
     graphs(strict=True, sealed=False)
     try:
+        sizes = _batch_sizes(engine) if before else _compiled_sizes(engine)
         for prompt_len in _prompt_lengths(min(max_context or engine.max_len, engine.max_len)):
-            for n in _batch_sizes(engine):
+            for n in sizes:
                 for batch in _batches(shapes, n, list(samplings or SAMPLINGS)):
                     engine.generate(_requests(engine, batch, prompt_len))
                     runs += 1
@@ -85,7 +92,7 @@ def warm_up(
     after = graphs(sealed=True)
     engine.reset_stats()
     report = WarmUp(runs, sum(c.held for c in after), time.perf_counter() - start)
-    log.info("warm-up: %d runs captured %d graphs in %.1f s", *vars(report).values())
+    log.info("warm-up: %d runs, %d graphs held, in %.1f s", *vars(report).values())
     return report
 
 
@@ -115,6 +122,12 @@ def _batch_sizes(engine) -> list[int]:
     slots = engine.max_batch + engine.max_sessions
     by_bucket = {worker_graphs.batch_bucket(n, slots): n for n in range(1, engine.max_batch + 1)}
     return sorted(by_bucket.values())
+
+
+def _compiled_sizes(engine) -> list[int]:
+    """Batches that meet every compiled graph without CUDA graphs: dynamo specializes a size
+    of 1 and keeps one graph for every size above it (workers/compiled.py)."""
+    return [1, 2] if engine.max_batch > 1 else [1]
 
 
 def _batches(shapes: list[Shape], n: int, samplings: list[SamplingParams]):

@@ -104,6 +104,24 @@ def test_a_batch_of_every_kind_gets_the_eager_tokens(engines, temperature):
     assert [r.token_ids for r in got] == want
 
 
+def test_after_a_warm_up_of_one_and_two_requests_larger_batches_compile_nothing(engines):
+    """The warm-up of compiled forwards without graphs runs batches of 1 and 2 requests only
+    (warm_up._compiled_sizes): dynamo keeps one graph for every size above 1, so a batch of 3
+    or 5 then compiles nothing, and still gets the eager tokens."""
+    from blockspec.service.warm_up import warm_up
+
+    eager, compiled = engines
+    shape, sampling = ("block", 1, 3), SamplingParams(1.0)
+    report = warm_up(compiled, [shape], [sampling], max_context=64, compiles=True)
+    assert report.runs == 2 * 2  # `none` and the shape, at 1 and 2 requests
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (3, 5):
+        batch = requests(eager, 40 + n, sampling, [shape, ("none", 1, 1)] * n)[:n]
+        want = [r.token_ids for r in eager.generate(batch)]
+        assert [r.token_ids for r in compiled.generate(batch)] == want
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_the_step_calls_the_compiled_forward_and_another_cache_runs_eagerly(engines, monkeypatch):
     _, compiled = engines
     forward = compiled.target.forward
@@ -119,6 +137,35 @@ def test_the_step_calls_the_compiled_forward_and_another_cache_runs_eagerly(engi
     assert not calls and logits.shape == (2, 1, 1, 48)
     forward(tokens, tokens, forward.cache, mask)
     assert len(calls) == 1
+
+
+def test_the_actors_compile_their_forwards_when_asked(monkeypatch):
+    """ReplicaConfig.compiled reaches the actors as DecodeForwards (through ActorSpec): the
+    draft actor's and an unsplit target shard's decode forwards go through torch.compile, over
+    dense weights; a split shard's stay eager (its forward all-reduces); off by default."""
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.workers import actors
+    from blockspec.workers.compiled import CompiledCalls, DecodeForwards
+    from blockspec.workers.llama import Linear
+    from blockspec.workers.models import TINY_DRAFT, TINY_TARGET
+    from blockspec.workers.tensor_parallel import TargetShard
+
+    assert not ReplicaConfig().compiled and ReplicaConfig(compiled=True).compiled
+    monkeypatch.setattr(actors, "use_numpy_wire", lambda: None)  # Ray's serializer: not here
+    forwards = DecodeForwards(compiled=True)
+    draft = actors.DraftActor.__ray_metadata__.modified_class(
+        str(TINY_DRAFT), 2, 64, "float32", "cpu", 1, forwards=forwards
+    )
+    target = actors.TargetShardActor.__ray_metadata__.modified_class(
+        str(TINY_TARGET), 0, 1, 2, 64, "float32", "cpu", 1, forwards
+    )
+    assert isinstance(draft.worker.forward, CompiledForward)
+    assert isinstance(draft.worker.proposals, CompiledCalls)
+    assert isinstance(target.shard.worker.forward, CompiledForward)
+    layers = [m for m in target.shard.worker.model.modules() if isinstance(m, Linear)]
+    assert layers and not any(m.packed for m in layers)
+    split = TargetShard(TINY_TARGET, 0, 2, 2, 64, forwards=forwards).worker
+    assert not isinstance(split.forward, CompiledForward)
 
 
 def test_compiled_forwards_refuse_packed_weights():

@@ -87,6 +87,7 @@ def test_serve_flags_override_env_and_are_validated(monkeypatch):
     main(["serve", "--port", "0", "--tp", "2", "--replicas", "1-3"])
     s = serve_settings(captured["args"])
     assert (s.port, s.replica.tensor_parallel, s.replica.max_k) == (0, 2, 3)
+    assert not s.replica.compiled
     assert (s.autoscaling.min_replicas, s.autoscaling.max_replicas) == (1, 3)
     main(["serve", "--draft", "/d", "--target", "/t", "--dtype", "bfloat16"])
     s = serve_settings(captured["args"])
@@ -94,3 +95,19 @@ def test_serve_flags_override_env_and_are_validated(monkeypatch):
     main(["serve", "--tp", "0"])
     with pytest.raises(pydantic.ValidationError, match="tensor_parallel"):
         serve_settings(captured["args"])
+    main(["serve"])
+    monkeypatch.setenv("BLOCKSPEC_REPLICA__COMPILED", "true")
+    assert serve_settings(captured["args"]).replica.compiled  # the flag unset: the environment's
+    monkeypatch.delenv("BLOCKSPEC_REPLICA__COMPILED")
+    main(["serve", "--compiled"])
+    assert serve_settings(captured["args"]).replica.compiled
+
+
+def test_a_compiled_replica_waits_for_a_compile_before_calling_a_step_stuck():
+    """A compiled replica's steps may compile for minutes: unless the config sets its own, its
+    step timeout is COMPILED_STEP_TIMEOUT_S, not the eager replica's 120 s."""
+    from blockspec.service.config import COMPILED_STEP_TIMEOUT_S, ReplicaConfig
+
+    assert ReplicaConfig().step_timeout_s == 120.0
+    assert ReplicaConfig(compiled=True).step_timeout_s == COMPILED_STEP_TIMEOUT_S > 600
+    assert ReplicaConfig(compiled=True, step_timeout_s=300).step_timeout_s == 300

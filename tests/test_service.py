@@ -682,6 +682,41 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
         stop_remote_engine(engine)
 
 
+def test_a_compiled_replica_compiles_in_its_warm_up_then_samples_as_eager(service):
+    """`compiled: true`: the actors' forwards go through torch.compile. The warm-up meets each
+    kind of call the declared shapes make, so serving compiles nothing (a compile of the tiny
+    pair takes seconds; the served steps' forwards take milliseconds), and seeded tokens are
+    the eager in-process engine's (float32: the compiled sums move the logits' last bits)."""
+    from blockspec.service.config import ReplicaConfig
+    from blockspec.service.replica import build_remote_engine
+    from blockspec.service.warm_up import warm_up
+
+    common = dict(max_batch=1, max_len=64, max_sessions=0)
+    cfg = ReplicaConfig(
+        **TINY_PAIR, **common, compiled=True, prefix_caching=False, default_gamma=3,
+        auto_arms=["block/1/3"],
+    )  # fmt: skip
+    engine, _ = build_remote_engine(cfg)
+    local, _ = build_engine(cfg.draft_dir, cfg.target_dir, prefix_caching=False, **common)
+    sampling = SamplingParams(1.0)
+
+    def requests(method: str, gamma: int, seed: int) -> list:
+        prompt = [(seed * 7 + j) % 90 + 3 for j in range(5 + seed % 4)]
+        return [make_request(engine.limits, prompt, 10, method, 1, gamma, sampling, seed=seed)]
+
+    try:
+        report = warm_up(engine, cfg.warm_shapes(), [sampling], compiles=True)
+        assert report.runs >= 2 and report.seconds > 2.0  # compiles: seconds, not milliseconds
+        engine.reset_stats()
+        for seed, method in enumerate(["block", "none", "block", "none"]):
+            served = engine.generate(requests(method, 3, seed))
+            assert served[0].token_ids == local.generate(requests(method, 3, seed))[0].token_ids
+        times = engine.times
+        assert times.draft + times.target < 1.5, vars(times)  # nothing compiled while serving
+    finally:
+        stop_remote_engine(engine)
+
+
 @pytest.mark.parametrize(
     ("draft_kind", "world", "dtype"),
     [("reduced_head", 1, "float32"), ("features", 2, "float32"), ("features", 2, "int8")],
