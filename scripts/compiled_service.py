@@ -9,8 +9,8 @@ Both replicas declare one shape, `block` K = 1 at `--gamma` (their default metho
 only auto arm beside `none`). The compiled one's warm-up (service/warm_up.py, as a replica runs
 it when it starts: T = 1, greedy and T = 0.7, contexts up to `--max-len`) is timed. Then the
 two decode the same seeded HumanEval prompts at batch 1 (T = 1), after one discarded request
-each, alternated round by round;
-tokens/s are decode rates (tokens / (wall − prefill)), medians, and each round's ratio.
+each, alternated round by round; tokens/s are decode rates (tokens / (wall − prefill)),
+medians, and each round's ratio.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def build_engine(
     max_len = min(max_len, d.spec.max_positions, t.spec.max_positions)
     slots = max_batch + max_sessions
     forwards = DecodeForwards(cuda_graphs, compiled)
-    if compiled:
+    if compiled:  # dense: inductor packs the weights itself
         packed = forwards.packed
     draft = build_proposer(d.build(packed=packed), slots, max_len, DTYPES[dtype], device)
     cache = speculation_cache(draft, speculation, speculation_downweight, speculation_max_batch)
