@@ -71,9 +71,10 @@ class ReplicaConfig(BaseModel):
     # on CUDA, the actors replay the decode step's forwards from CUDA graphs (workers/graphs.py)
     cuda_graphs: bool = True
     # The actors run the decode step's forwards through torch.compile (workers/compiled.py;
-    # on CUDA inside the graphs; a split target's ranks stay eager): on a CPU 1.1–1.2× faster
-    # at batch 1 (docs/benchmarks.md, "The service, compiled"), for minutes of compiling when
-    # the replica starts (its warm-up) and again in an actor that restarts.
+    # on CUDA inside the graphs; a split target's ranks stay eager): on a CPU in bfloat16
+    # 1.1–1.2× faster at batch 1, in float32 slower (docs/benchmarks.md, "The service,
+    # compiled"), for minutes of compiling when the replica starts (its warm-up) and again in
+    # an actor that restarts.
     compiled: bool = False
     tensor_parallel: int = Field(1, ge=1)  # target shards (one actor each, one placement group)
     torch_threads: int = Field(1, ge=1)  # intra-op threads per actor (oversubscription is costly)
