@@ -22,11 +22,10 @@ import time
 import ray
 from transformers import AutoTokenizer
 
-from blockspec.loadtest.bench.llamacpp import bench_prompts
+from blockspec.loadtest.prompts import prompt_ids
 from blockspec.service.config import ReplicaConfig
-from blockspec.service.replica import build_remote_engine
+from blockspec.service.replica import build_remote_engine, warm_replica
 from blockspec.service.requests import make_request
-from blockspec.service.warm_up import warm_up
 from blockspec.workers.sampling import SamplingParams
 
 
@@ -60,13 +59,13 @@ def main() -> None:
         start = time.perf_counter()
         engine, _ = build_remote_engine(cfg)
         built = time.perf_counter() - start
-        report = warm_up(engine, cfg.warm_shapes(), compiles=cfg.compiled)
+        report = warm_replica(engine, cfg)
         name = "compiled" if compiled else "eager"
         print(f"{name}: actors up in {built:.1f} s; warm-up {report.runs} runs, "
               f"{report.seconds:.0f} s", flush=True)  # fmt: skip
         engines[name] = engine
     tokenizer = AutoTokenizer.from_pretrained(cfg.target_dir, local_files_only=True)
-    prompts = bench_prompts(tokenizer, "humaneval", args.prompts, args.max_len - args.new_tokens)
+    prompts = prompt_ids(tokenizer, "humaneval", args.prompts, args.max_len - args.new_tokens)
     for engine in engines.values():  # both warm: the eager one's first steps load kernels too
         decode_rate(engine, prompts[:1], args.gamma, 8)
     rates = {name: [] for name in engines}

@@ -39,7 +39,7 @@ from blockspec.service.requests import (
     TokensEvent,
 )
 from blockspec.service.results import StepTimes
-from blockspec.service.warm_up import warm_up
+from blockspec.service.warm_up import WarmUp, warm_up
 from blockspec.verification import VERIFIERS
 
 SESSION_ROUTING_CAPACITY = 4096  # session ids Serve remembers per replica (routing hints only)
@@ -122,6 +122,12 @@ def build_remote_engine(cfg: ReplicaConfig) -> tuple[SpeculativeEngine, dict[str
     return engine, info
 
 
+def warm_replica(engine, cfg: ReplicaConfig, samplings=None) -> WarmUp:
+    """What a replica runs before it serves (service/warm_up.py): the graphs of its declared
+    shapes captured where graphs are on (CUDA), its forwards compiled with `compiled`."""
+    return warm_up(engine, cfg.warm_shapes(), samplings, compiles=cfg.compiled)
+
+
 def _pid(_actor) -> int:
     return os.getpid()
 
@@ -136,8 +142,7 @@ class Replica:
         self.cfg = ReplicaConfig.model_validate(config)
         self.id = _replica_id()
         engine, self.model_info = build_remote_engine(self.cfg)
-        # where graphs are on (CUDA), or forwards compile
-        warm_up(engine, self.cfg.warm_shapes(), compiles=self.cfg.compiled)
+        warm_replica(engine, self.cfg)
         self.coordinator = Coordinator(engine, self.cfg.max_queued, _step_metrics())
         self._ids = itertools.count()
 

@@ -683,13 +683,13 @@ def test_target_sharded_over_two_ray_actors_gives_the_same_greedy_output(service
 
 
 def test_a_compiled_replica_compiles_in_its_warm_up_then_samples_as_eager(service):
-    """`compiled: true`: the actors' forwards go through torch.compile. The warm-up meets each
-    kind of call the declared shapes make, so serving compiles nothing (a compile of the tiny
-    pair takes seconds; the served steps' forwards take milliseconds), and seeded tokens are
-    the eager in-process engine's (float32: the compiled sums move the logits' last bits)."""
+    """`compiled: true`: the actors' forwards go through torch.compile. The replica's warm-up
+    meets each kind of call the declared shapes make, so serving compiles nothing (a compile
+    of the tiny pair takes seconds; the served steps' forwards take milliseconds), and seeded
+    tokens are the eager in-process engine's (float32: the compiled sums move the logits' last
+    bits)."""
     from blockspec.service.config import ReplicaConfig
-    from blockspec.service.replica import build_remote_engine
-    from blockspec.service.warm_up import warm_up
+    from blockspec.service.replica import build_remote_engine, warm_replica
 
     common = dict(max_batch=1, max_len=64, max_sessions=0)
     cfg = ReplicaConfig(
@@ -705,7 +705,7 @@ def test_a_compiled_replica_compiles_in_its_warm_up_then_samples_as_eager(servic
         return [make_request(engine.limits, prompt, 10, method, 1, gamma, sampling, seed=seed)]
 
     try:
-        report = warm_up(engine, cfg.warm_shapes(), [sampling], compiles=True)
+        report = warm_replica(engine, cfg, [sampling])  # as the replica starts, one law
         assert report.runs >= 2 and report.seconds > 2.0  # compiles: seconds, not milliseconds
         engine.reset_stats()
         for seed, method in enumerate(["block", "none", "block", "none"]):
