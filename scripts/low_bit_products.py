@@ -7,9 +7,10 @@ forward (one weight called in a loop stays in the cache, and favours compute ove
 Random weights of SmolLM2-135M's shapes (30 layers: q, k, v, o, gate, up, down; 212 MB in
 bfloat16; the head left out), bfloat16 activations of 1, 5 and 9 rows. Layouts: packed
 bfloat16 (`workers.llama.Linear` as the engine builds it), int8 with a scale per output feature
-(`workers.llama.Int8Linear`, `--dtype int8`), and int4 in groups of 64 with a scale and a zero
-each (`aten._weight_int4pack_mm_for_cpu`, not offered). Prints each layout's median ms per pass
-and bfloat16's over it.
+(`workers.llama.Int8Linear`, `--dtype int8`), int4 in groups of 64 with a scale and a zero
+each (`aten._weight_int4pack_mm_for_cpu`, not offered), and float32 both ways the engine can
+multiply it (packed for oneDNN, as it builds it; dense, F.linear's MKL GEMM), with float32
+activations. Prints each layout's median ms per pass and bfloat16's over it.
 """
 
 from __future__ import annotations
@@ -59,17 +60,23 @@ def main() -> None:
         "bf16 packed": [Linear(w, packed=packs_weights(w)) for w in weights],
         "int8": [Int8Linear(w) for w in weights],
         "int4": [Int4Linear(w) for w in weights],
+        "f32 packed": [Linear(w.float(), packed=True) for w in weights],
+        "f32 dense": [Linear(w.float()) for w in weights],
     }
     print(f"{len(weights)} weights, threads {args.threads}, ms per pass (bf16 packed / layout)")
     with torch.inference_mode():
         for rows in (1, 5, 9):
-            inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in (576, 1536)}
+            inputs = {
+                dtype: {n: torch.randn(rows, n, dtype=dtype) for n in (576, 1536)}
+                for dtype in (torch.bfloat16, torch.float32)
+            }
             ms: dict[str, list[float]] = {name: [] for name in layouts}
             for _ in range(args.rounds + 1):  # the first round warms, and is dropped
                 for name, mods in layouts.items():
                     start = time.perf_counter()
+                    by_width = inputs[torch.float32 if name.startswith("f32") else torch.bfloat16]
                     for m, (_, width) in zip(mods, SHAPES * 30, strict=True):
-                        m(inputs[width])
+                        m(by_width[width])
                     ms[name].append(1e3 * (time.perf_counter() - start))
             base = statistics.median(ms["bf16 packed"][1:])
             cells = [
