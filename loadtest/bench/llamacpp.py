@@ -19,8 +19,9 @@ the first `--prompts` HumanEval chat prompts (`--source everyday`: held-out ever
 conversations, one of each kind first) × `--new-tokens` tokens (T = 1, seeded, stop tokens
 off), its decode rate being tokens / (wall − prefill). A `+compiled` configuration runs the
 engine's decode forwards through torch.compile (workers/compiled.py); its compiles happen in
-the warm-up (minutes). Medians over rounds; each row also against llama.cpp at the same
-precision and thread count (`int8`, blockspec's weight-only int8: against llama.cpp's Q8_0).
+the warm-up, one discarded call of every configuration (minutes). Medians over rounds; each
+row also against llama.cpp at the same precision and thread count (`int8`, blockspec's
+weight-only int8: against llama.cpp's Q8_0).
 """
 
 from __future__ import annotations
@@ -216,10 +217,6 @@ def main(argv: list[str] | None = None) -> None:
             args.draft, args.target, 1, dtype=precision(variant), compiled=compiled
         )
     prompts = bench_prompts(tokenizer, args.source, args.prompts, 1024 - args.new_tokens - 8)
-    for threads in args.threads:  # warm-up, discarded (compiled: its compiles, per thread count)
-        torch.set_num_threads(threads)
-        for method, k, gamma, variant in configs:
-            run_engine(engines[variant], prompts[:1], method, k, gamma, 1.0, 8)
     arms = {}
     for threads in args.threads:
         for dtype in anchors:
@@ -238,7 +235,10 @@ def main(argv: list[str] | None = None) -> None:
             f"round {round_} t{arm[2]} {arm[0]} {arm[1]}: {res['rate']:.1f} tok/s{be}", flush=True
         )
 
-    runs = alternate(arms, args.rounds, warm=False, on_run=show)
+    # one discarded call of each arm first: a compiled configuration compiles there for every
+    # shape the prompts make (a warm-up on one short prompt left windows and runs of other
+    # lengths to compile inside a timed round)
+    runs = alternate(arms, args.rounds, warm=True, on_run=show)
     print(f"\n{command('llamacpp', argv)}; {machine()}")
     print_rates(runs, args.threads)
     print_bounds(runs, args.threads)
