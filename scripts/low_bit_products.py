@@ -5,10 +5,10 @@ forward (one weight called in a loop stays in the cache, and favours compute ove
     .venv/bin/python scripts/low_bit_products.py [--threads 2] [--rounds 5]
 
 Random weights of SmolLM2-135M's shapes (30 layers: q, k, v, o, gate, up, down; 212 MB in
-bfloat16; the head left out), bfloat16 activations of 1, 5 and 9 rows. Layouts: packed
+bfloat16; the head left out), bfloat16 activations of 1, 4, 5 and 9 rows. Layouts: packed
 bfloat16 (`workers.llama.Linear` as the engine builds it), int8 with a scale per output feature
-(`workers.llama.Int8Linear`, `--dtype int8`), int4 in groups of 64 with a scale and a zero
-each (`aten._weight_int4pack_mm_for_cpu`, not offered), and float32 both ways the engine can
+(`workers.llama.Int8Linear`, `--dtype int8`), int4 in groups of 32 with a step and a zero
+each (`workers.llama.Int4Linear`, `--dtype int4`), and float32 both ways the engine can
 multiply it (packed for oneDNN, as it builds it; dense, F.linear's MKL GEMM), with float32
 activations. Prints each layout's median ms per pass and bfloat16's over it.
 """
@@ -21,31 +21,9 @@ import time
 
 import torch
 
-from blockspec.workers.llama import Int8Linear, Linear, packs_weights
+from blockspec.workers.llama import Int4Linear, Int8Linear, Linear, packs_weights
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-GROUP = 64  # int4: input features per scale and zero
-
-
-class Int4Linear(torch.nn.Module):
-    """Asymmetric int4 in groups of GROUP input features, torch's CPU packing."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        out, width = weight.shape
-        groups = weight.float().reshape(out, width // GROUP, GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp_min(1e-6)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        q = q.to(torch.int32).reshape(out, width)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        zero = low + 8 * scale  # torch's form: w = (q - 8) · scale + zero
-        both = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-        self.scale_and_zero = both.to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = torch.ops.aten._weight_int4pack_mm_for_cpu
-        return op(x, self.packed, GROUP, self.scale_and_zero)
 
 
 def main() -> None:
@@ -65,7 +43,7 @@ def main() -> None:
     }
     print(f"{len(weights)} weights, threads {args.threads}, ms per pass (bf16 packed / layout)")
     with torch.inference_mode():
-        for rows in (1, 5, 9):
+        for rows in (1, 4, 5, 9):
             inputs = {
                 dtype: {n: torch.randn(rows, n, dtype=dtype) for n in (576, 1536)}
                 for dtype in (torch.bfloat16, torch.float32)

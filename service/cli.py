@@ -71,8 +71,11 @@ def demo(trials: int, seed: int) -> None:
 
 
 # workers.models.DTYPES' names (not imported: the client's commands load no torch)
-DTYPES = ["float32", "bfloat16", "float16", "int8"]
-DTYPE_HELP = "weights (int8: weight-only int8 with bfloat16 activations, CPU)"
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int4"]
+DTYPE_HELP = (
+    "weights (int8 / int4: weight-only int8 / int4 with bfloat16 activations, CPU; int4 keeps "
+    "a checkpoint dequantized from Q4_1, as the default target is, as it is)"
+)
 
 
 def generate_local(args) -> None:

@@ -65,8 +65,9 @@ class ReplicaConfig(BaseModel):
     # BLOCKSPEC_MODEL_CACHE (~/.cache/blockspec); any compatible Llama-family pair works.
     draft_dir: str = str(DEFAULT_DRAFT)
     target_dir: str = str(DEFAULT_TARGET)
-    # int8: bfloat16 with weight-only int8 projections and head, CPU only (workers/llama.py)
-    dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32"
+    # int8 / int4: bfloat16 with weight-only int8 projections and head / int4 layer
+    # projections, CPU only (workers/llama.py)
+    dtype: Literal["float32", "float16", "bfloat16", "int8", "int4"] = "float32"
     device: str = "cpu"  # "cuda" on GPU nodes: each actor gets its own GPU from Ray
     # on CUDA, the actors replay the decode step's forwards from CUDA graphs (workers/graphs.py)
     cuda_graphs: bool = True
@@ -154,8 +155,8 @@ class ReplicaConfig(BaseModel):
         """The draft actor and each target shard load the models on `device`: on CUDA each
         needs a GPU from Ray (without one, Ray hides every GPU from it and it fails to load)."""
         if self.device.split(":")[0] == "cuda":
-            if self.dtype == "int8":
-                raise ValueError("replica.dtype: int8 runs on a CPU only (device: cpu)")
+            if self.dtype in ("int8", "int4"):
+                raise ValueError(f"replica.dtype: {self.dtype} runs on a CPU only (device: cpu)")
             for name in ("draft", "target_shard"):
                 if getattr(self, name).num_gpus <= 0:
                     raise ValueError(

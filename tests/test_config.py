@@ -74,6 +74,9 @@ def test_cuda_without_gpus_is_refused_naming_the_field():
     with pytest.raises(pydantic.ValidationError, match=r"replica\.dtype: int8 runs on a CPU"):
         Settings(replica={"device": "cuda", "dtype": "int8", "draft": gpus, "target_shard": gpus})
     assert Settings(replica={"dtype": "int8"}).replica.dtype == "int8"
+    with pytest.raises(pydantic.ValidationError, match=r"replica\.dtype: int4 runs on a CPU"):
+        Settings(replica={"device": "cuda", "dtype": "int4", "draft": gpus, "target_shard": gpus})
+    assert Settings(replica={"dtype": "int4"}).replica.dtype == "int4"
 
 
 def test_serve_flags_override_env_and_are_validated(monkeypatch):

@@ -230,6 +230,38 @@ def test_int8_weights_are_rounded_once_per_output_feature(family):
     assert one and all(torch.equal(a, b) for a, b in zip(one, shard, strict=True)), name
 
 
+def test_int4_rounds_the_layers_in_groups_and_keeps_a_weight_on_a_4_bit_grid(family):
+    """dtype int4 rounds each decoder layer's projection once, at load, to 4 bits in groups of
+    32 input features (workers.llama.Int4Linear, Q4_1's layout), and leaves the head dense. A
+    weight already on such a grid, as a checkpoint dequantized from Q4_1 is (the default
+    target), comes back exactly: through identity rows each product returns the weight. A
+    tensor-parallel int4 target's row-parallel shards keep whole groups, or it is refused."""
+    name, _, path = family
+    Int4, Shard = workers.llama.Int4Linear, workers.llama.CheckpointShard
+    model = load_model(path, "int4").build()
+    layers = [m for m in model.layers.modules() if isinstance(m, (workers.llama.Linear, Int4))]
+    assert layers and all(isinstance(m, Int4) for m in layers), name
+    assert type(model.lm_head) is workers.llama.Linear and model.embed.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    for width in (64, 40):  # 40: a last group padded with zero weights
+        q = torch.randint(0, 16, (24, width), generator=gen).float()
+        q[:, ::32], q[:, 1::32] = 0, 15  # every group spans its whole grid: lo and lo + 15 s
+        step = 2.0 ** -torch.randint(3, 8, (24, 1), generator=gen).float()
+        weight = (q - 8) * step  # [24, width]: bfloat16-exact, as are its steps and zeros
+        rounded = Int4(weight)
+        assert rounded.shape == (24, width)
+        got = rounded(torch.eye(width, dtype=torch.bfloat16))  # [width, 24]
+        assert torch.equal(got, weight.T.to(torch.bfloat16)), width
+    whole = torch.randn(8, 128, generator=gen)
+    shards = [
+        Shard({"w.weight": whole}, rank, 2, rounded="int4").row_parallel("w", 64) for rank in (0, 1)
+    ]
+    joined = torch.cat([s.linear.scale_and_zero for s in shards])
+    assert torch.equal(joined, Int4(whole).scale_and_zero)  # the same model at any world
+    with pytest.raises(ValueError, match="int4 groups 32 input features"):
+        Shard({"w.weight": whole[:, :80]}, 0, 2, rounded="int4").row_parallel("w", 40)
+
+
 def test_a_compiled_forward_gives_the_eager_logits(tmp_path):
     """compile_forward (the engine's compiled decode forwards: inductor with freezing, which
     packs the dense weights itself) gives the eager logits, biases included, up to the
@@ -241,6 +273,20 @@ def test_a_compiled_forward_gives_the_eager_logits(tmp_path):
     pairs = zip(tree_logits(model, score=score), tree_logits(model), strict=True)
     for (got, _), (want, _) in pairs:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_an_int4_forward_compiles_to_its_eager_logits(tmp_path):
+    """torch's int4 kernel inside a compiled forward (`--dtype int4` with `compiled`) computes
+    the int4 model: its logits lie within the bfloat16 rounding of the fused work of the eager
+    int4 ones (on this random model, whose rounding to int4 moves them several units, a few
+    tenths), far nearer than the bfloat16 model's."""
+    save_family("llama_biases", tmp_path)
+    model = load_model(tmp_path, "int4").build(packed=False)  # as the engine compiles it
+    score = functools.partial(compile_forward(model), window=16)
+    dense = load_model(tmp_path, "bfloat16").build()
+    compiled, eager = tree_logits(model, score=score), tree_logits(model)
+    for (got, _), (want, _), (other, _) in zip(compiled, eager, tree_logits(dense), strict=True):
+        assert (got - want).abs().max() < 0.25 * (want - other).abs().max()
 
 
 @pytest.mark.parametrize("native", [True, False])

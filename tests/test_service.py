@@ -719,7 +719,12 @@ def test_a_compiled_replica_compiles_in_its_warm_up_then_samples_as_eager(servic
 
 @pytest.mark.parametrize(
     ("draft_kind", "world", "dtype"),
-    [("reduced_head", 1, "float32"), ("features", 2, "float32"), ("features", 2, "int8")],
+    [
+        ("reduced_head", 1, "float32"),
+        ("features", 2, "float32"),
+        ("features", 2, "int8"),
+        ("features", 1, "int4"),
+    ],
 )
 def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     service, tmp_path, draft_kind, world, dtype
@@ -731,8 +736,9 @@ def test_ray_actor_path_samples_exactly_like_the_in_process_engine(
     sends the features of what it prefills, padding group by group, to the draft actor, and
     those of what it commits back for the draft's next step). Prompts of several lengths join
     at once (several prefill groups), then each continues as a session (warm caches). In int8
-    too: the actors round the weights as the engine does (row-parallel shards with their
-    whole rows' scales)."""
+    and int4 too: the actors round the weights as the engine does (int8's row-parallel shards
+    with their whole rows' scales; this target's int4 down projection has 344 input features a
+    rank at world 2, not whole groups of 32, so it runs on one)."""
     import json
     import shutil
     from pathlib import Path

@@ -34,7 +34,8 @@ returns those hidden states for every new token).
 Every projection is a ``Linear``: on a CPU in float32 a weight of 1 MiB or more is packed once
 at load for oneDNN, which runs the few-row products of decoding and of a tree pass much closer
 to the memory bandwidth they are bound by than F.linear's MKL GEMM (see ``Linear``). With
-``int8`` (``--dtype int8``) every projection and the head is an ``Int8Linear`` instead.
+``int8`` (``--dtype int8``) every projection and the head is an ``Int8Linear`` instead; with
+``int4`` (``--dtype int4``) every decoder layer's projection is an ``Int4Linear``.
 """
 
 from __future__ import annotations
@@ -459,6 +460,57 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+INT4_GROUP = 32  # input features per int4 scale and zero: Q4_0/Q4_1's blocks
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w.T + bias with w in 4 bits, asymmetric, in groups of INT4_GROUP input features
+    (`--dtype int4`; Q4_1's layout): per group lo = min w, s = (max w - lo) / 15, q = round((w -
+    lo) / s) in [0, 15], multiplied by torch's weight-only int4 kernel
+    (`aten._weight_int4pack_mm_for_cpu`) in bfloat16, which reads w = (q - 8) · s + (lo + 8 s)
+    with s and its zero in bfloat16. It reads a quarter of the bytes of a bfloat16 weight.
+
+    A checkpoint dequantized from Q4_0/Q4_1 (the default target's, from its GGUF) already lies
+    on that grid: rounding it changes nothing but the bfloat16 rounding of s and the zero.
+    Elsewhere the rounded weights are another model, as with int8: the verifiers are lossless
+    with respect to it, and the model card reports what the rounding costs."""
+
+    packed = True  # (DraftProposer.use_compiled: nothing to pack again)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # [out, in], [out]
+        super().__init__()
+        out, width = weight.shape
+        self.out, self.width = out, width
+        self.pad = -width % INT4_GROUP  # zero weights, read against zero inputs
+        # the packing takes output features 16 at a time: zero rows, whose outputs are dropped
+        padded = F.pad(weight.float(), (0, self.pad, 0, -out % 16))
+        groups = padded.reshape(padded.shape[0], -1, INT4_GROUP)
+        lo, hi = groups.amin(-1), groups.amax(-1)  # [out, groups]
+        step = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - lo[..., None]) / step[..., None]).clamp(0, 15)
+        q = q.to(torch.int32).reshape(padded.shape[0], -1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        zero = lo + 8 * step
+        scale_and_zero = torch.stack([step, zero], -1).transpose(0, 1)  # [groups, out, 2]
+        self.register_buffer("weight", packed, persistent=False)
+        self.register_buffer(
+            "scale_and_zero", scale_and_zero.contiguous().to(torch.bfloat16), persistent=False
+        )
+        self.register_buffer("bias", bias, persistent=False)
+
+    @property
+    def shape(self) -> torch.Size:  # [out, in]
+        return torch.Size((self.out, self.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])
+        rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = op(rows, self.weight, INT4_GROUP, self.scale_and_zero)[:, : self.out]
+        y = y.reshape(*x.shape[:-1], self.out)
+        return y if self.bias is None else y + self.bias
+
+
 def int8_scale(weight: torch.Tensor) -> torch.Tensor:
     """[out]: each output feature's int8 step, max |w| / 127 over its whole row (computed in
     float32, kept in the weight's dtype)."""
@@ -522,14 +574,21 @@ class CheckpointShard:
     world: int = 1
     group: object = None  # torch.distributed group of the ranks (None: the default group)
     packed: bool | None = None  # oneDNN-packed projections (Linear); None: packs_weights
-    int8: bool = False  # every projection and the head weight-only int8 (Int8Linear)
+    # "int8": every projection and the head weight-only int8 (Int8Linear); "int4": the decoder
+    # layers' projections weight-only int4 (Int4Linear); None: as they come
+    rounded: str | None = None
 
     def linear(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale=None
-    ) -> Linear | Int8Linear:
-        """scale: [out], an int8 weight's, where `weight` is a slice of its input features."""
-        if self.int8:
+        self,
+        weight: torch.Tensor,  # [out, in]
+        bias: torch.Tensor | None = None,  # [out]
+        scale=None,  # [out]: an int8 weight's, where `weight` is a slice of its input features
+        in_layer: bool = True,  # False: the head or a feature draft's fc, which int4 leaves be
+    ) -> Linear | Int8Linear | Int4Linear:
+        if self.rounded == "int8":
             return Int8Linear(weight, bias, scale)
+        if self.rounded == "int4" and in_layer:
+            return Int4Linear(weight, bias)
         return Linear(weight, bias, packs_weights(weight) if self.packed is None else self.packed)
 
     def _rows(self, w: torch.Tensor, per_rank: int) -> torch.Tensor:  # [out, ...] -> this rank's
@@ -549,7 +608,12 @@ class CheckpointShard:
     def row_parallel(self, name: str, cols: int) -> RowParallel:
         """This rank's `cols` input features of weight `name`; its bias stays whole."""
         w = self.state[f"{name}.weight"]
-        scale = int8_scale(w) if self.int8 else None  # the whole row's: the same at any world
+        scale = int8_scale(w) if self.rounded == "int8" else None  # the whole row's: any world
+        if self.rounded == "int4" and self.world > 1 and cols % INT4_GROUP:
+            raise ValueError(
+                f"{name}: int4 groups {INT4_GROUP} input features, and {self.world} ranks would "
+                f"give each {cols}; pick a world size that divides them into whole groups"
+            )
         linear = self.linear(
             w[:, self.rank * cols : (self.rank + 1) * cols].contiguous(), None, scale
         )
@@ -785,11 +849,11 @@ class Llama(nn.Module):
         head_vocab: torch.Tensor | None = None,  # [Vh] int64 sorted unique ids: a reduced head
         feature_fc: torch.Tensor | None = None,  # [E, 2E]: a feature draft's input projection
         packed: bool | None = None,  # oneDNN-packed projections (Linear); None: packs_weights
-        int8: bool = False,  # weight-only int8 projections and head (Int8Linear)
+        rounded: str | None = None,  # "int8" / "int4": weight-only rounding (CheckpointShard)
     ):
         super().__init__()
         spec.check_divisible(world)
-        shard = CheckpointShard(state, rank, world, group, packed, int8)
+        shard = CheckpointShard(state, rank, world, group, packed, rounded)
         self.spec, self.kv_heads = spec, spec.num_kv_heads // world
         embed = state["model.embed_tokens.weight"]
         self.register_buffer("embed", embed, persistent=False)  # [V, E]
@@ -803,10 +867,10 @@ class Llama(nn.Module):
             lm_head = lm_head[self.head_vocab].contiguous()
         # [V or Vh, E]. Tied and packed, the head is a second copy of the embeddings (F.embedding
         # reads the dense one): V·E more floats, 113 MB for SmolLM2 in float32.
-        self.lm_head = shard.linear(lm_head)
+        self.lm_head = shard.linear(lm_head, in_layer=False)
         # A feature draft (EAGLE) reads, at each position, its token's embedding and the
         # target's feature one position back: h = fc([feature; embedding]).
-        self.feature_fc = None if feature_fc is None else shard.linear(feature_fc)
+        self.feature_fc = None if feature_fc is None else shard.linear(feature_fc, in_layer=False)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, shard, f"model.layers.{i}.") for i in range(spec.num_layers)
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,13 +32,19 @@ SMOLLM2_TOKEN_ONLY_WEIGHTS = BUNDLED / "smollm2-draft-token-only"
 # draft. Verification reads q as the draft sampled it, so any s stays lossless.
 HEAD_SCALE = "head_scale.json"
 # A model's dtype by name: its activations, caches and unquantised weights. "int8": bfloat16
-# with weight-only int8 projections and head (llama.Int8Linear; CPU only).
+# with weight-only int8 projections and head (llama.Int8Linear); "int4": bfloat16 with the
+# layers' projections weight-only int4 (llama.Int4Linear). Both CPU only.
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int8": torch.bfloat16,
+    "int4": torch.bfloat16,
 }
+ROUNDED = ("int8", "int4")  # weight-only rounded dtypes: torch's CPU kernels'
+# int4 is rounded from the checkpoint's own values, not from their bfloat16 rounding: a
+# checkpoint on Q4_1's grid then keeps its weights (llama.Int4Linear)
+_LAYER_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 
 
 @dataclass
@@ -47,7 +54,7 @@ class LoadedModel:
     path: str
     head_vocab: torch.Tensor | None = None  # [Vh] int64: a draft's reduced output head, if any
     feature_fc: torch.Tensor | None = None  # [E, 2E]: a feature draft's input projection
-    int8: bool = False  # its projections and head are rounded to int8 as it is built
+    rounded: str | None = None  # "int8" / "int4": weights rounded as it is built (ROUNDED)
 
     def to(self, device: str | torch.device) -> LoadedModel:
         """The same weights on `device`."""
@@ -60,7 +67,7 @@ class LoadedModel:
         return Llama(
             self.spec, self.state, rank, world, group,
             head_vocab=self.head_vocab, feature_fc=self.feature_fc, packed=packed,
-            int8=self.int8,
+            rounded=self.rounded,
         )  # fmt: skip
 
 
@@ -113,8 +120,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     path = _model_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if dtype == "int8" and torch.device(device).type != "cpu":
-        raise ValueError("dtype int8 runs on a CPU only (torch's weight-only int8 kernel)")
+    if dtype in ROUNDED and torch.device(device).type != "cpu":
+        raise ValueError(f"dtype {dtype} runs on a CPU only (torch's weight-only {dtype} kernel)")
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     try:
         spec = LlamaSpec.from_hf_config(cfg)
@@ -122,10 +129,12 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
         raise ValueError(f"{path}: {e}") from None
     if not any((path / name).exists() for name in WEIGHT_FILES):
         raise ValueError(f"model directory {path} has no weights ({WEIGHT_FILES[0]})")
-    hf = AutoModelForCausalLM.from_pretrained(
-        path, config=cfg, local_files_only=True, dtype=DTYPES[dtype]
-    )
-    state = {k: v.detach().to(device) for k, v in hf.state_dict().items()}
+    wide = torch.float32 if dtype == "int4" else DTYPES[dtype]
+    hf = AutoModelForCausalLM.from_pretrained(path, config=cfg, local_files_only=True, dtype=wide)
+    state = {
+        k: v.detach().to(device, wide if _LAYER_PROJECTION.fullmatch(k) else DTYPES[dtype])
+        for k, v in hf.state_dict().items()
+    }
     head_vocab = None
     if (path / DRAFT_VOCAB).exists():
         head_vocab = _read_draft_vocab(path / DRAFT_VOCAB, spec.vocab_size).to(device)
@@ -140,7 +149,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
                 f"{path / FEATURE_FC}: expected a tensor 'weight' of shape [{E}, {2 * E}]"
             )
         feature_fc = feature_fc.to(device=device, dtype=DTYPES[dtype])
-    return LoadedModel(spec, state, str(path), head_vocab, feature_fc, int8=dtype == "int8")
+    rounded = dtype if dtype in ROUNDED else None
+    return LoadedModel(spec, state, str(path), head_vocab, feature_fc, rounded=rounded)
 
 
 def render_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:

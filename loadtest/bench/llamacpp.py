@@ -21,7 +21,7 @@ off), its decode rate being tokens / (wall − prefill). A `+compiled` configura
 engine's decode forwards through torch.compile (workers/compiled.py); its compiles happen in
 the warm-up, one discarded call of every configuration (minutes). Medians over rounds; each
 row also against llama.cpp at the same precision and thread count (`int8`, blockspec's
-weight-only int8: against llama.cpp's Q8_0).
+weight-only int8: against llama.cpp's Q8_0; `int4`: against its Q4_1).
 """
 
 from __future__ import annotations
@@ -180,9 +180,15 @@ def tree_size(k: int, gamma: int) -> int:
     return 1 + k * gamma
 
 
-def precision(variant: str) -> str:
-    """'bfloat16+compiled' -> 'bfloat16': the dtype llama.cpp runs beside it."""
+def engine_dtype(variant: str) -> str:
+    """'bfloat16+compiled' -> 'bfloat16': the engine's dtype."""
     return variant.removesuffix(COMPILED)
+
+
+def precision(variant: str) -> str:
+    """The llama.cpp type run beside a configuration: its own dtype, Q4_1 beside int4."""
+    dtype = engine_dtype(variant)
+    return QUANTIZED if dtype == "int4" else dtype
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,14 +213,14 @@ def main(argv: list[str] | None = None) -> None:
     configs = [parse_config(c) for c in args.configs]
     variants = sorted({c[3] for c in configs}, reverse=True)  # float32 first
     binary = llama_bench(args.cache)
-    anchors = [*sorted({precision(v) for v in variants}, reverse=True), QUANTIZED]
+    anchors = [*sorted({precision(v) for v in variants} - {QUANTIZED}, reverse=True), QUANTIZED]
     passes = sorted({tree_size(k, gamma) for method, k, gamma, _ in configs if method != "none"})
     ggufs = {dtype: gguf(args.cache, args.target, dtype) for dtype in anchors}
     engines, tokenizer = {}, None
     for variant in variants:
         compiled = variant.endswith(COMPILED)
         engines[variant], tokenizer = build_engine(
-            args.draft, args.target, 1, dtype=precision(variant), compiled=compiled
+            args.draft, args.target, 1, dtype=engine_dtype(variant), compiled=compiled
         )
     prompts = bench_prompts(tokenizer, args.source, args.prompts, 1024 - args.new_tokens - 8)
     arms = {}

@@ -1,7 +1,7 @@
 """What a dtype's rounding does to a model: its perplexity on held-out text, and how far its
 next-token law lies from float32's.
 
-    blockspec-bench quality [--model DIR] [--dtypes float32 bfloat16 int8] [--code 32] \
+    blockspec-bench quality [--model DIR] [--dtypes float32 bfloat16 int8 int4] [--code 32] \
         [--json OUT]
 
 Texts: every held-out everyday conversation (loadtest/everyday.py, in the chat template) and
@@ -71,7 +71,7 @@ def measure(models: dict[str, torch.nn.Module], ids: list[int]) -> dict[str, dic
 def main(argv: list[str] | None = None) -> None:
     ap = parser("quality", __doc__)
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
     ap.add_argument("--code", type=int, default=32, help="HumanEval problems scored")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
