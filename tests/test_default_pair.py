@@ -79,6 +79,31 @@ def test_every_projection_of_the_default_pair_is_packed():
         assert all(w.packed for w in linears(load_model(path).build())), path
 
 
+def test_int4_keeps_the_default_targets_layers():
+    """The default target's layers come from Q4_1 (its GGUF): each group of 32 input features
+    lies on a 16-level grid, so `--dtype int4` (workers.llama.Int4Linear) returns every weight
+    up to the bfloat16 rounding of its group's step and zero, as docs/benchmarks.md says.
+    Identity rows read back the weights it multiplies by."""
+    from blockspec.workers.llama import INT4_GROUP, Int4Linear
+
+    loaded = load_model(DEFAULT_TARGET, "int4")
+    layers = [
+        k for k in loaded.state if k.startswith("model.layers.") and k.endswith("_proj.weight")
+    ]
+    assert len(layers) == 7 * 30
+    for name in layers[::23]:  # every kind of projection, in layers across the model
+        weight = loaded.state[name]  # float32, as int4 reads it
+        assert weight.dtype == torch.float32, name
+        groups = weight.reshape(weight.shape[0], -1, INT4_GROUP)
+        lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        steps = (groups - lo) / ((hi - lo) / 15).clamp_min(1e-30)
+        assert torch.equal(steps, steps.round()), name  # on the grid, exactly
+        eye = torch.eye(weight.shape[1], dtype=torch.bfloat16)
+        got = Int4Linear(weight)(eye).T.float()  # [out, in]: the weights it multiplies by
+        step = (hi - lo).amax() / 15
+        assert (got - weight).abs().max() <= step * 2**-6 + hi.abs().amax() * 2**-7, name
+
+
 def test_greedy_chat_answer_equals_hugging_face(tokenizer):
     """Our engine on the default pair, plain and speculative, writes exactly what HF's greedy
     `generate` writes for the same chat prompt (T = 0: every method reproduces the target)."""
