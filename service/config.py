@@ -27,7 +27,7 @@ from pydantic_settings import (
 
 from blockspec.service.policy import DEFAULT_ARMS, PLAIN, Arm
 from blockspec.verification import VERIFIERS
-from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, ROUNDED
 
 CONFIG_ENV = "BLOCKSPEC_CONFIG"
 # A compiled replica's step timeout unless set: a step that compiles a new kind of call takes
@@ -155,7 +155,7 @@ class ReplicaConfig(BaseModel):
         """The draft actor and each target shard load the models on `device`: on CUDA each
         needs a GPU from Ray (without one, Ray hides every GPU from it and it fails to load)."""
         if self.device.split(":")[0] == "cuda":
-            if self.dtype in ("int8", "int4"):
+            if self.dtype in ROUNDED:
                 raise ValueError(f"replica.dtype: {self.dtype} runs on a CPU only (device: cpu)")
             for name in ("draft", "target_shard"):
                 if getattr(self, name).num_gpus <= 0:
