@@ -371,8 +371,8 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
         "--compiled",
         action="store_true",
         default=None,  # unset: the config file's or the environment's
-        help="decode forwards through torch.compile: faster on a CPU in bfloat16 (not float32), "
-        "minutes of compiling at start and after an actor restarts",
+        help="decode forwards through torch.compile: faster on a CPU in bfloat16 and int4 (not "
+        "float32), minutes of compiling at start and after an actor restarts",
     )
 
 
