@@ -137,9 +137,11 @@ def test_the_llamacpp_benchmarks_bound_counts_the_two_models_phases_only(capsys)
     assert res["target_ms"] * engine.steps == pytest.approx(times.target * 1e3)
     assert res["bound"] == pytest.approx(12 / (times.draft + times.target))
     assert res["tokens_per_step"] == pytest.approx(12 / engine.steps)
+    assert res["tree_size"] == 5  # root + γ: the llama.cpp pass its bounds read
     assert res["bound"] > res["rate"] > 0 and res["be"] >= 1
     arm = ("blockspec block K=1 γ=4", "float32", 2)
     row = dict(rate=50.0, be=2.0, draft_ms=4.0, target_ms=6.0, bound=150.0, tokens_per_step=2.0)
+    row["tree_size"] = 5
     quantized = [dict(rate=100.0, pass_ms={5: 9.0}), dict(rate=120.0, pass_ms={5: 11.0})]
     runs = {
         ("llama.cpp", "float32", 2): [dict(rate=90.0, pass_ms={5: 8.0, 9: 1.0})] * 2,
@@ -153,7 +155,7 @@ def test_the_llamacpp_benchmarks_bound_counts_the_two_models_phases_only(capsys)
         "| blockspec block K=1 γ=4 | float32 | 2 | 50.0 | 2.00 | 4.0 | 6.0 | 150.0 | 1.36 | 3.03 "
         "| 8.0 / 10.0 | 1.52 / 1.30 |"
     ) in capsys.readouterr().out
-    assert llamacpp.tree_size(*llamacpp._shape("blockspec gbv K=2 γ=4")) == 9
+    assert llamacpp.tree_size("gbv", 2, 4) == 9 and llamacpp.tree_size("none", 1, 1) == 1
 
 
 def test_the_gpu_benchmarks_graphed_rows_run_on_the_fake_device(tmp_path, monkeypatch):

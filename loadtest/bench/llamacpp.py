@@ -153,6 +153,7 @@ def engine_rate(engine, prompts, config, new_tokens: int, threads: int) -> dict[
         target_ms=times.target * per_step,
         bound=res["tokens"] / (times.draft + times.target),
         tokens_per_step=res["tokens"] / max(engine.steps, 1),
+        tree_size=tree_size(method, k, gamma),  # llama.cpp's pass beside it (print_bounds)
     )
 
 
@@ -175,9 +176,9 @@ def parse_config(text: str) -> tuple[str, int, int, str]:
     return method, int(k), int(gamma), dtype
 
 
-def tree_size(k: int, gamma: int) -> int:
-    """Tokens a step's target pass scores at most: the root and K paths of γ."""
-    return 1 + k * gamma
+def tree_size(method: str, k: int, gamma: int) -> int:
+    """Tokens a step's target pass scores at most: the root and K paths of γ (plain: 1)."""
+    return 1 if method == "none" else 1 + k * gamma
 
 
 def engine_dtype(variant: str) -> str:
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = sorted({c[3] for c in configs}, reverse=True)  # float32 first
     binary = llama_bench(args.cache)
     anchors = [*sorted({precision(v) for v in variants} - {QUANTIZED}, reverse=True), QUANTIZED]
-    passes = sorted({tree_size(k, gamma) for method, k, gamma, _ in configs if method != "none"})
+    passes = sorted({tree_size(*config[:3]) for config in configs} - {1})
     ggufs = {dtype: gguf(args.cache, args.target, dtype) for dtype in anchors}
     engines, tokenizer = {}, None
     for variant in variants:
@@ -226,8 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     arms = {}
     for threads in args.threads:
         for dtype in anchors:
-            arms["llama.cpp", dtype, threads] = lambda d=dtype, t=threads: dict(
-                **llamacpp_rate(binary, ggufs[d], t, args.new_tokens, passes)
+            arms["llama.cpp", dtype, threads] = lambda d=dtype, t=threads: llamacpp_rate(
+                binary, ggufs[d], t, args.new_tokens, passes
             )
         for method, k, gamma, dtype in configs:
             name = f"blockspec {method}" + (f" K={k} γ={gamma}" if method != "none" else "")
@@ -304,7 +305,7 @@ def print_bounds(runs: dict, threads: list[int]) -> None:
         arm, quantized = (name, dtype, t), _median(runs, ("llama.cpp", QUANTIZED, t))
         bound, draft_ms = _median(runs, arm, "bound"), _median(runs, arm, "draft_ms")
         per_step, target_ms = _median(runs, arm, "tokens_per_step"), _median(runs, arm, "target_ms")
-        size = tree_size(*_shape(name))
+        size = runs[arm][0]["tree_size"]
         passes = [_pass_ms(runs, ("llama.cpp", d, t), size) for d in (precision(dtype), QUANTIZED)]
         print(
             f"| {name} | {dtype} | {t} | {_median(runs, arm):.1f} | {_median(runs, arm, 'be'):.2f} "
@@ -317,12 +318,6 @@ def print_bounds(runs: dict, threads: list[int]) -> None:
             )
             + " |"
         )
-
-
-def _shape(name: str) -> tuple[int, int]:
-    """(K, γ) of a blockspec row's name ('blockspec block K=1 γ=3'; plain: (1, 0))."""
-    found = re.search(r"K=(\d+) γ=(\d+)", name)
-    return (int(found[1]), int(found[2])) if found else (1, 0)
 
 
 def _pass_ms(runs: dict, arm, size: int) -> float | None:
