@@ -417,7 +417,26 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Int8Linear(nn.Module):
+class _WeightOnly(nn.Module):
+    """What the weight-only rounded layers share: their kernels take rows [m, in + pad] whose
+    padding meets zero weights, and return [m, out]; the bias is added after."""
+
+    packed = True  # (DraftProposer.use_compiled: nothing to pack again)
+    pad: int  # zero input features the kernel reads past `in`
+    bias: torch.Tensor | None  # [out]
+
+    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:  # [m, in + pad] -> [m, out]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])
+        rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()  # read densely
+        y = self._multiply(rows)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(_WeightOnly):
     """y = x @ (weight · scale).T + bias with int8 weights and one scale per output feature
     (weight-only quantisation, `--dtype int8`): each weight is rounded once at load to
     q = round(w / s), s = max|w_row| / 127, and multiplied by torch's weight-only int8 kernel
@@ -429,8 +448,6 @@ class Int8Linear(nn.Module):
     The rounded weights are the model: an int8 target's laws are its own, not the float one's
     (the verifiers are lossless with respect to it; the model card reports what the rounding
     costs)."""
-
-    packed = True  # (DraftProposer.use_compiled: nothing to pack again)
 
     def __init__(
         self,
@@ -452,18 +469,14 @@ class Int8Linear(nn.Module):
     def shape(self) -> torch.Size:  # [out, in]
         return torch.Size((self.weight.shape[0], self.weight.shape[1] - self.pad))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1])
-        rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()  # read densely
-        y = torch._weight_int8pack_mm(rows, self.weight, self.scale)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
+    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.weight, self.scale)
 
 
 INT4_GROUP = 32  # input features per int4 scale and zero: Q4_0/Q4_1's blocks
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_WeightOnly):
     """y = x @ w.T + bias with w in 4 bits, asymmetric, in groups of INT4_GROUP input features
     (`--dtype int4`; Q4_1's layout): per group lo = min w, s = (max w - lo) / 15, q = round((w -
     lo) / s) in [0, 15], multiplied by torch's weight-only int4 kernel
@@ -474,8 +487,6 @@ class Int4Linear(nn.Module):
     on that grid: rounding it changes nothing but the bfloat16 rounding of s and the zero.
     Elsewhere the rounded weights are another model, as with int8: the verifiers are lossless
     with respect to it, and the model card reports what the rounding costs."""
-
-    packed = True  # (DraftProposer.use_compiled: nothing to pack again)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # [out, in], [out]
         super().__init__()
@@ -502,13 +513,9 @@ class Int4Linear(nn.Module):
     def shape(self) -> torch.Size:  # [out, in]
         return torch.Size((self.out, self.width))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1])
-        rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()
+    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
         op = torch.ops.aten._weight_int4pack_mm_for_cpu
-        y = op(rows, self.weight, INT4_GROUP, self.scale_and_zero)[:, : self.out]
-        y = y.reshape(*x.shape[:-1], self.out)
-        return y if self.bias is None else y + self.bias
+        return op(rows, self.weight, INT4_GROUP, self.scale_and_zero)[:, : self.out]
 
 
 def int8_scale(weight: torch.Tensor) -> torch.Tensor:
