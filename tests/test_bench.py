@@ -215,3 +215,22 @@ def test_cpu_a_step_sums_each_names_processes_alive_at_both_snapshots():
     assert list(ms) == ["ray::DraftActor", "ray::IDLE"]  # the busiest first
     assert ms == pytest.approx({"ray::DraftActor": 6.0, "ray::IDLE": 2.0})
     assert os.getpid() in cpu_by_process()
+
+
+def test_the_wake_bound_times_each_models_forward_after_each_kind_of_wait():
+    """`blockspec-bench bounds --wake`: each model's forward timed after each wait (the waits
+    on a socket return: its waking thread answers every call)."""
+    from blockspec.loadtest.bench import bounds
+    from blockspec.workers.models import load_model
+
+    models = {
+        "draft": (load_model(TINY_DRAFT).build(), 1),
+        "target": (load_model(TINY_TARGET).build(), 5),
+    }
+    ms = bounds.wake_costs(models, rounds=1, calls=3, gap_s=0.001)
+    assert list(ms) == ["draft", "target"]
+    for name in ms:
+        assert list(ms[name]) == list(bounds.WAITS)
+        assert all(0 < v < 1e3 for v in ms[name].values()), ms
+    # a 5-token pass of the target costs more than the draft's one token, after any wait
+    assert all(ms["target"][how] > ms["draft"][how] for how in bounds.WAITS)

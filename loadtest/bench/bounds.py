@@ -1,7 +1,7 @@
 """Ceilings this machine sets on the speed goals, measured: forward costs, two processes
 computing at once, and the Ray floor of one distributed step.
 
-    blockspec-bench bounds [--rounds 3] [--skip-ray]
+    blockspec-bench bounds [--rounds 3] [--skip-ray] [--floor | --wake]
 
 1. **Forward costs** of the default pair (float32, 1 thread, 200-token cache), medians over
    rounds: r(n), the target's pass over n new tokens ÷ its one-token pass, and c, the draft's
@@ -25,6 +25,12 @@ computing at once, and the Ray floor of one distributed step.
    (`build_remote_engine`, no gRPC): wall and machine-wide busy CPU per step, and each
    process's CPU per step by thread name (Ray's I/O and polling threads apart from the main
    thread that computes).
+5. **A forward after a wait** (`--wake`: this part alone): the tiny pair's forwards as a step
+   runs them (the target's 5-token pass, the draft's one-token forward; 200-token cache, one
+   process, 1 thread), back to back, and each after 3 ms spent spinning, sleeping, or blocked
+   on a socket until another thread writes to it (as an actor waits on its link), the four
+   alternating in rounds; the median of each. The in-process engine runs its phases back to
+   back; through the actors each phase starts after its process waited for a message.
 """
 
 from __future__ import annotations
@@ -321,6 +327,91 @@ def cpu_split() -> None:
             print(f"    {name} (CPU ms a step by thread): {top}")
 
 
+WAITS = ("back to back", "spinning", "sleeping", "on a socket")
+
+
+def wake_costs(
+    models: dict[str, tuple[torch.nn.Module, int]],  # name: (model, new tokens a forward)
+    rounds: int,
+    calls: int = 100,
+    gap_s: float = 0.003,
+) -> dict[str, dict[str, float]]:
+    """Per model and per WAITS: the median forward ms after that wait (module doc, part 5)."""
+    import socket
+    import threading
+
+    mine, peer = socket.socketpair()
+
+    def wake_after_gap() -> None:  # the other end of "on a socket"
+        while peer.recv(1):
+            time.sleep(gap_s)
+            peer.send(b"x")
+
+    threading.Thread(target=wake_after_gap, daemon=True).start()
+
+    def wait(how: str) -> None:
+        if how == "spinning":
+            end = time.perf_counter() + gap_s
+            while time.perf_counter() < end:
+                pass
+        elif how == "sleeping":
+            time.sleep(gap_s)
+        elif how == "on a socket":
+            mine.send(b"x")
+            mine.recv(1)
+
+    out = {}
+    for name, (model, new) in models.items():
+        forward = _forward_call(model, new)
+        timed: dict[str, list[float]] = {how: [] for how in WAITS}
+        for _ in range(rounds):
+            for how in WAITS:
+                for _ in range(calls):
+                    wait(how)
+                    start = time.perf_counter()
+                    forward()
+                    timed[how].append(time.perf_counter() - start)
+        out[name] = {how: statistics.median(ts) * 1e3 for how, ts in timed.items()}
+    mine.close()
+    return out
+
+
+def _forward_call(model, new: int, context: int = 200):
+    """One request's forward of `new` tokens after a `context`-token cache, as a callable
+    (forward_ms's; a feature draft reads zero features, which cost the same)."""
+    from blockspec.workers.draft import prefill
+    from blockspec.workers.llama import KVCache
+
+    E, reads = model.spec.hidden_size, model.feature_fc is not None
+    cache = KVCache(model.spec, model.kv_heads, 1, context + new + 2, model.embed.dtype, "cpu")
+    context_ids = [torch.randint(0, model.spec.vocab_size, (context,))]
+    prefill(model, cache, 0, context_ids, features=[torch.zeros(context, E)] if reads else None)
+    tokens = torch.zeros(1, 1, new, dtype=torch.int64)
+    positions = (context + torch.arange(new)).view(1, 1, new)
+    mask = torch.ones(new, new, dtype=torch.bool).tril().expand(1, 1, new, new)
+    features = torch.zeros(1, 1, new, E) if reads else None
+    return lambda: model(tokens, positions, cache, mask, features=features)
+
+
+def print_wake(rounds: int) -> None:
+    models = {}
+    for pair, target, draft in (
+        ("tiny", TINY_TARGET, TINY_DRAFT),
+        ("default", DEFAULT_TARGET, DEFAULT_DRAFT),
+    ):
+        models[f"{pair} target, 5 tokens"] = (load_model(target, "float32").build(), 5)
+        models[f"{pair} draft, 1 token"] = (load_model(draft, "float32").build(), 1)
+    print("\n## 5. A forward after a wait of 3 ms (one process, 1 thread)\n")
+    head = [f"{how} ms" for how in WAITS] + ["on a socket − back to back ms", "÷"]
+    print("| forward | " + " | ".join(head) + " |")
+    print("|---|" + "---|" * len(head))
+    for name, ms in wake_costs(models, rounds).items():
+        cells = [f"{ms[how]:.3f}" for how in WAITS]
+        cost = ms["on a socket"] - ms[WAITS[0]]
+        cells += [f"{cost:.3f}", f"{ms['on a socket'] / ms[WAITS[0]]:.2f}"]
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
 def print_floor() -> None:
     print("\n## 3. One distributed step's floor: driver → A → B → driver, nothing computed\n")
     print("| transport | median ms | idle busy cores, wired |")
@@ -334,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-ray", action="store_true")
     ap.add_argument("--floor", action="store_true", help="part 3 alone")
+    ap.add_argument("--wake", action="store_true", help="part 5 alone")
     ap.add_argument("--draft-loop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -343,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.floor:
         return print_floor()
+    if args.wake:
+        return print_wake(args.rounds)
     r, c, one = forward_costs(args.rounds)
     print(f"\n## 1. Forward costs (float32, 1 thread): target one token {one:.1f} ms, c = {c:.3f}")
     print()
@@ -363,3 +457,4 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_ray:
         print_floor()
         cpu_split()
+    print_wake(args.rounds)
