@@ -25,12 +25,13 @@ computing at once, and the Ray floor of one distributed step.
    (`build_remote_engine`, no gRPC): wall and machine-wide busy CPU per step, and each
    process's CPU per step by thread name (Ray's I/O and polling threads apart from the main
    thread that computes).
-5. **A forward after a wait** (`--wake`: this part alone): the tiny pair's forwards as a step
-   runs them (the target's 5-token pass, the draft's one-token forward; 200-token cache, one
-   process, 1 thread), back to back, and each after 3 ms spent spinning, sleeping, or blocked
-   on a socket until another thread writes to it (as an actor waits on its link), the four
-   alternating in rounds; the median of each. The in-process engine runs its phases back to
-   back; through the actors each phase starts after its process waited for a message.
+5. **A forward after a wait** (`--wake`: this part alone): the tiny and default pairs'
+   forwards as a step runs them (the target's 5-token pass, the draft's one-token forward;
+   200-token cache, one process, 1 thread), back to back, and each after 3 ms spent
+   spinning, sleeping, or blocked on a socket until another thread writes to it (as an actor
+   waits on its link), the four alternating in rounds; the median of each. The in-process
+   engine runs its phases back to back; through the actors each phase starts after its
+   process waited for a message.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.loadtest.bench.engine import forward_ms
+from blockspec.loadtest.bench.engine import forward_call, forward_ms
 from blockspec.loadtest.bench.harness import command, machine, median_ms, parser
 from blockspec.service.build import build_engine
 from blockspec.service.requests import make_request
@@ -362,7 +363,7 @@ def wake_costs(
 
     out = {}
     for name, (model, new) in models.items():
-        forward = _forward_call(model, new)
+        forward = forward_call(model, new)
         timed: dict[str, list[float]] = {how: [] for how in WAITS}
         for _ in range(rounds):
             for how in WAITS:
@@ -374,23 +375,6 @@ def wake_costs(
         out[name] = {how: statistics.median(ts) * 1e3 for how, ts in timed.items()}
     mine.close()
     return out
-
-
-def _forward_call(model, new: int, context: int = 200):
-    """One request's forward of `new` tokens after a `context`-token cache, as a callable
-    (forward_ms's; a feature draft reads zero features, which cost the same)."""
-    from blockspec.workers.draft import prefill
-    from blockspec.workers.llama import KVCache
-
-    E, reads = model.spec.hidden_size, model.feature_fc is not None
-    cache = KVCache(model.spec, model.kv_heads, 1, context + new + 2, model.embed.dtype, "cpu")
-    context_ids = [torch.randint(0, model.spec.vocab_size, (context,))]
-    prefill(model, cache, 0, context_ids, features=[torch.zeros(context, E)] if reads else None)
-    tokens = torch.zeros(1, 1, new, dtype=torch.int64)
-    positions = (context + torch.arange(new)).view(1, 1, new)
-    mask = torch.ones(new, new, dtype=torch.bool).tril().expand(1, 1, new, new)
-    features = torch.zeros(1, 1, new, E) if reads else None
-    return lambda: model(tokens, positions, cache, mask, features=features)
 
 
 def print_wake(rounds: int) -> None:

@@ -36,11 +36,9 @@ from blockspec.workers.models import DEFAULT_DRAFT, DEFAULT_TARGET, FEATURE_FC, 
 from blockspec.workers.sampling import SamplingParams
 
 
-def forward_ms(
-    model: Llama, new: int = 1, context: int = 200, repeats: int = 30, batch: int = 1
-) -> float:
-    """Median forward of `new` tokens per request (a causal chain, as in a γ-token tree pass)
-    for `batch` requests, each after a KV cache of `context` tokens."""
+def forward_call(model: Llama, new: int = 1, context: int = 200, batch: int = 1):
+    """A forward of `new` tokens per request (a causal chain, as in a γ-token tree pass) for
+    `batch` requests, each after a KV cache of `context` tokens, as a callable."""
     dtype, E = model.embed.dtype, model.spec.hidden_size
     cache = KVCache(model.spec, model.kv_heads, batch, context + new + 2, dtype, "cpu")
     reads = model.feature_fc is not None  # a feature draft: zero features cost the same
@@ -51,7 +49,14 @@ def forward_ms(
     pos = (context + torch.arange(new)).view(1, 1, new).expand(batch, 1, new)
     mask = torch.ones(new, new, dtype=torch.bool).tril().expand(batch, 1, new, new)
     features = torch.zeros(batch, 1, new, E) if reads else None
-    return median_ms(lambda: model(tok, pos, cache, mask, features=features), repeats, warm=0)
+    return lambda: model(tok, pos, cache, mask, features=features)
+
+
+def forward_ms(
+    model: Llama, new: int = 1, context: int = 200, repeats: int = 30, batch: int = 1
+) -> float:
+    """Median ms of `forward_call`'s forward."""
+    return median_ms(forward_call(model, new, context, batch), repeats, warm=0)
 
 
 def run_engine(engine, prompts, method, k, gamma, temperature, new_tokens, seed=0):
