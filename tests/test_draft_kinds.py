@@ -276,38 +276,24 @@ def test_output_law_through_the_actors(service, tmp_path, method, kind):
         stop_remote_engine(engine)
 
 
-@pytest.mark.parametrize("method", ["gbv", "greedy_block"])
-def test_an_int8_target_and_draft_keep_the_int8_targets_law(tmp_path, method):
-    """`--dtype int8` rounds every projection and the head to int8 (workers/llama.Int8Linear):
-    another model, whose own law the verifiers keep, with a feature draft rounded alike (a
+@pytest.mark.parametrize(
+    ("dtype", "method"), [("int8", "gbv"), ("int8", "greedy_block"), ("int4", "greedy_block")]
+)
+def test_a_rounded_target_and_draft_keep_the_rounded_targets_law(tmp_path, dtype, method):
+    """`--dtype int8` rounds every projection and the head to int8 (workers/llama.Int8Linear),
+    `--dtype int4` every decoder layer's projection to 4 bits in groups of 32
+    (workers/llama.Int4Linear). On this random pair, whose weights lie on no such grid, either
+    is another model, whose own law the verifiers keep, with a feature draft rounded alike (a
     carried method: its records too). The same seeded outputs reject the float target's law
-    (gbv: p = 5e-8 on this pair), so the test tells the two models apart."""
+    (int8 gbv: p = 5e-8 on this pair), so the test tells the two models apart."""
     from blockspec.service.build import build_engine
 
     draft_dir, target_dir = save_pair(tmp_path, "feature")
-    rounded = load_model(target_dir, "int8").build()
+    rounded = load_model(target_dir, dtype).build()
     law = exact_target_law(rounded, PROMPT, LENGTH, VOCAB, torch.bfloat16)
-    engine = build_engine(str(draft_dir), str(target_dir), 256, max_len=32, dtype="int8")[0]
+    engine = build_engine(str(draft_dir), str(target_dir), 256, max_len=32, dtype=dtype)[0]
     pvalue, results = law_pvalue(engine, law, method, paths(method))
-    assert pvalue > ALPHA, f"{method}, int8: p = {pvalue:.2e}"
-    exact = exact_target_law(load_model(target_dir).build(), PROMPT, LENGTH, VOCAB)
-    outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
-    assert chi_square(outcomes, exact, TRIALS)[2] < ALPHA  # the float target's law: rejected
-
-
-def test_an_int4_target_and_draft_keep_the_int4_targets_law(tmp_path):
-    """`--dtype int4` rounds every decoder layer's projection to 4 bits in groups of 32
-    (workers/llama.Int4Linear). On this random pair, whose weights lie on no 4-bit grid, that
-    is another model: the verifiers keep its own law (a carried method, with a feature draft
-    rounded alike), and the same outputs reject the float target's."""
-    from blockspec.service.build import build_engine
-
-    draft_dir, target_dir = save_pair(tmp_path, "feature")
-    rounded = load_model(target_dir, "int4").build()
-    law = exact_target_law(rounded, PROMPT, LENGTH, VOCAB, torch.bfloat16)
-    engine = build_engine(str(draft_dir), str(target_dir), 256, max_len=32, dtype="int4")[0]
-    pvalue, results = law_pvalue(engine, law, "greedy_block", paths("greedy_block"))
-    assert pvalue > ALPHA, f"greedy_block, int4: p = {pvalue:.2e}"
+    assert pvalue > ALPHA, f"{method}, {dtype}: p = {pvalue:.2e}"
     exact = exact_target_law(load_model(target_dir).build(), PROMPT, LENGTH, VOCAB)
     outcomes = Counter(",".join(map(str, r.token_ids)) for r in results)
     assert chi_square(outcomes, exact, TRIALS)[2] < ALPHA  # the float target's law: rejected
