@@ -218,8 +218,11 @@ def test_cpu_a_step_sums_each_names_processes_alive_at_both_snapshots():
 
 
 def test_the_wake_bound_times_each_models_forward_after_each_kind_of_wait():
-    """`blockspec-bench bounds --wake`: each model's forward timed after each wait (the waits
-    on a socket return: its waking thread answers every call)."""
+    """`blockspec-bench bounds --wake`: each model's forward timed after each wait, and each
+    wait but "back to back" lasts its gap (the waits on a socket return: its waking thread
+    answers every call)."""
+    import time
+
     from blockspec.loadtest.bench import bounds
     from blockspec.workers.models import load_model
 
@@ -227,7 +230,10 @@ def test_the_wake_bound_times_each_models_forward_after_each_kind_of_wait():
         "draft": (load_model(TINY_DRAFT).build(), 1),
         "target": (load_model(TINY_TARGET).build(), 5),
     }
-    ms = bounds.wake_costs(models, rounds=1, calls=3, gap_s=0.001)
+    start = time.perf_counter()
+    ms = bounds.wake_costs(models, rounds=1, calls=2, gap_s=0.05)
+    # 2 models × 3 kinds of wait × 2 calls × 50 ms; the forwards alone take a few ms
+    assert time.perf_counter() - start >= 0.6
     assert list(ms) == ["draft", "target"]
     for name in ms:
         assert list(ms[name]) == list(bounds.WAITS)

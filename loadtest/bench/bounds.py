@@ -343,14 +343,15 @@ def wake_costs(
 
     mine, peer = socket.socketpair()
 
-    def wake_after_gap() -> None:  # the other end of "on a socket"
+    def wake_after_gap() -> None:  # the other end of "on a socket"; ends when `mine` closes
         while peer.recv(1):
             time.sleep(gap_s)
             peer.send(b"x")
+        peer.close()
 
     threading.Thread(target=wake_after_gap, daemon=True).start()
 
-    def wait(how: str) -> None:
+    def wait(how: str) -> None:  # "back to back": none
         if how == "spinning":
             end = time.perf_counter() + gap_s
             while time.perf_counter() < end:
